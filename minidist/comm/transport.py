@@ -1,0 +1,121 @@
+"""The point-to-point layer every collective is written over.
+
+A transport moves the bytes of one contiguous array to one peer. It knows nothing about collectives:
+the algorithms in ``ring.py``, ``doubling.py`` and ``rooted.py`` are written once over this interface
+and run unchanged on MPI (``mpi_transport.py``) and on threads inside one process
+(``local_transport.py``).
+
+Semantics follow MPI's: messages between a pair of ranks with the same tag arrive in the order they
+were sent; a send buffer must not be touched until its request completes; a receive buffer holds the
+data once its request completes. Every wait has a deadline and ends in :class:`PeerTimeout` naming
+the peer, never in a silent hang.
+"""
+from __future__ import annotations
+
+import time
+
+
+class PeerTimeout(Exception):
+    """A request to or from ``peer`` did not complete within the transport's deadline.
+
+    The group catches it and re-raises :class:`CommTimeoutError`, which adds the collective's name
+    and sequence number.
+    """
+
+    def __init__(self, rank: int, peer: int, kind: str, waited: float):
+        self.rank, self.peer, self.kind, self.waited = rank, peer, kind, waited
+        super().__init__(f"rank {rank}: {kind} with peer {peer} did not complete in {waited:.1f}s")
+
+
+class CommTimeoutError(TimeoutError):
+    """A collective or point-to-point call timed out waiting for a peer."""
+
+    def __init__(self, op: str, seq: int, rank: int, peer: int, waited: float, group: str = "world"):
+        self.op, self.seq, self.rank, self.peer, self.waited, self.group = op, seq, rank, peer, waited, group
+        super().__init__(
+            f"{op} #{seq} on group '{group}': rank {rank} waited {waited:.1f}s for rank {peer}, "
+            f"which never answered (did it skip this call, crash, or hang?)")
+
+
+class CollectiveMismatchError(RuntimeError):
+    """In debug mode: the ranks of a group did not all call the same collective the same way."""
+
+
+class Request:
+    """A pending send or receive. ``wait`` blocks until done (or the deadline); ``test`` polls."""
+
+    def test(self) -> bool:
+        raise NotImplementedError
+
+    def wait(self) -> None:
+        raise NotImplementedError
+
+
+def wait_all(requests) -> None:
+    """Wait for every request in order (each has its own deadline)."""
+    for r in requests:
+        r.wait()
+
+
+class Transport:
+    """Point-to-point messages between ``size`` ranks, numbered 0..size-1 within this communicator.
+
+    Subclasses implement ``isend``, ``irecv`` and ``split``; the blocking calls are built on them.
+    ``timeout`` (seconds) is the deadline of every wait.
+    """
+
+    rank: int
+    size: int
+    timeout: float
+    name: str = "world"
+
+    def isend(self, buf, peer: int, tag: int = 0) -> Request:
+        """Start sending the contiguous array ``buf`` to ``peer``. Do not modify ``buf`` until done."""
+        raise NotImplementedError
+
+    def irecv(self, buf, peer: int, tag: int = 0) -> Request:
+        """Start receiving into the contiguous array ``buf`` (same size and dtype as the message)."""
+        raise NotImplementedError
+
+    def split(self, color: int, key: int) -> "Transport | None":
+        """Collective over this transport: ranks with equal ``color`` form a new transport, ordered
+        by (key, old rank). A negative color takes no part and gets ``None``."""
+        raise NotImplementedError
+
+    def abort(self, code: int = 1) -> None:
+        """End the whole job (MPI) or nothing (in-process, where exceptions propagate anyway)."""
+
+    # Blocking forms, shared by every transport.
+    def send(self, buf, peer: int, tag: int = 0) -> None:
+        """Send ``buf`` to ``peer`` and wait until the buffer may be reused."""
+        self.isend(buf, peer, tag).wait()
+
+    def recv(self, buf, peer: int, tag: int = 0) -> None:
+        """Receive from ``peer`` into ``buf``."""
+        self.irecv(buf, peer, tag).wait()
+
+    def sendrecv(self, sendbuf, dst: int, recvbuf, src: int, tag: int = 0) -> None:
+        """Send ``sendbuf`` to ``dst`` while receiving ``recvbuf`` from ``src``. The receive is posted
+        first, so two ranks exchanging with each other never deadlock."""
+        r = self.irecv(recvbuf, src, tag)
+        s = self.isend(sendbuf, dst, tag)
+        r.wait()
+        s.wait()
+
+
+class Deadline:
+    """A point in time after which a wait gives up; ``expired()`` says whether it has come."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.start = time.monotonic()
+        self.end = self.start + seconds
+
+    def expired(self) -> bool:
+        return time.monotonic() >= self.end
+
+    def remaining(self) -> float:
+        return max(0.0, self.end - time.monotonic())
+
+    def waited(self) -> float:
+        return time.monotonic() - self.start
