@@ -1,0 +1,201 @@
+"""Benchmark the hand-written collectives against MPI's own, nccl-tests style.
+
+    mpiexec -n 4 python benchmarks/collectives.py --json out/collectives.json --plot out/busbw.png
+    mpiexec -n 2 python benchmarks/collectives.py --quick
+
+For each collective (all_reduce, reduce_scatter, all_gather) and each size (bytes of the full,
+unsharded float32 buffer), the two backends are timed ALTERNATELY within one run, so a noisy
+neighbour hurts both equally: backend "ring" (minidist's algorithms over point-to-point; for
+all_reduce, ``algorithm="auto"`` picks recursive doubling for small buffers) and backend "mpi" (MPI's
+own MPI_Allreduce & co). A repeat times ``iters`` back-to-back calls after a barrier; its time is the
+slowest rank's; the table shows the median over repeats.
+
+Bandwidths, as nccl-tests defines them: algbw = size / time; busbw = algbw * factor, with factor
+2(n-1)/n for all-reduce and (n-1)/n for reduce-scatter and all-gather: the bytes each rank must put on
+the wire, so busbw is comparable across world sizes and with the link's speed.
+
+#wrong: before timing, each collective runs once on integer-valued inputs (exact in float32) in both
+backends; #wrong counts elements, summed over ranks, where "ring" differs from "mpi".
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import minidist
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
+BACKENDS = ("ring", "mpi")
+
+
+def busbw_factor(collective: str, n: int) -> float:
+    """nccl-tests' bus-bandwidth factor: how much of the buffer each rank sends, per byte of buffer."""
+    return 2 * (n - 1) / n if collective == "all_reduce" else (n - 1) / n
+
+
+def parse_size(text: str) -> int:
+    """'1K' -> 1024, '64M' -> 67108864, '4096' -> 4096."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
+
+
+def make_call(group, collective: str, count: int, seed: int | None):
+    """A zero-argument function running ``collective`` on ``group`` over a float32 buffer of ``count``
+    elements, and a function returning its result. ``seed``: integer-valued data, else zeros."""
+    n, r = group.size, group.rank
+    full = (np.random.default_rng([seed, r]).integers(-8, 8, count) if seed is not None
+            else np.zeros(count)).astype(np.float32)  # (count,)
+    if collective == "all_reduce":
+        buf = full.copy()
+        return (lambda: group.all_reduce(buf)), (lambda: buf)
+    if collective == "reduce_scatter":
+        scratch = full.copy()
+        out = np.empty(np.array_split(full, n)[r].size, np.float32)  # (count/n,)
+        return (lambda: group.reduce_scatter(scratch, out=out)), (lambda: out)
+    shard = np.ascontiguousarray(np.array_split(full, n)[r])  # (count/n,)
+    out = np.empty(count, np.float32)  # (count,)
+    return (lambda: group.all_gather(shard, count=count, out=out)), (lambda: out)
+
+
+def count_wrong(groups, collective: str, count: int) -> int:
+    """Elements (summed over ranks) where backend "ring" and backend "mpi" disagree."""
+    results = {}
+    for name, group in groups.items():
+        call, result = make_call(group, collective, count, seed=count)
+        call()
+        results[name] = result()
+    return MPI.COMM_WORLD.allreduce(int(np.count_nonzero(results["ring"] != results["mpi"])))
+
+
+def time_calls(call, iters: int) -> float:
+    """Seconds per call of the slowest rank, over ``iters`` calls started together."""
+    MPI.COMM_WORLD.Barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        call()
+    return MPI.COMM_WORLD.allreduce((time.perf_counter() - start) / iters, op=MPI.MAX)
+
+
+def measure(groups, collective: str, nbytes: int, repeats: int, budget_bytes: int) -> list[dict]:
+    """One table row per backend for ``collective`` on ``nbytes``, timed alternately."""
+    n = MPI.COMM_WORLD.size
+    count = nbytes // 4
+    wrong = count_wrong(groups, collective, count)
+    calls = {name: make_call(g, collective, count, seed=None)[0] for name, g in groups.items()}
+    iters = max(1, min(200, budget_bytes // nbytes))
+    for call in calls.values():
+        call()  # warm up: workspaces, MPI connections
+    times = {name: [] for name in groups}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            times[name].append(time_calls(call, iters))
+    rows = []
+    for name in groups:
+        seconds = statistics.median(times[name])
+        algbw = nbytes / seconds / 1e9
+        rows.append(dict(collective=collective, backend=name, size=nbytes, count=count, type="float",
+                         redop="sum" if collective != "all_gather" else "none", time_us=seconds * 1e6,
+                         algbw=algbw, busbw=algbw * busbw_factor(collective, n), wrong=wrong,
+                         iters=iters, repeats=repeats))
+    return rows
+
+
+def format_row(row: dict) -> str:
+    return (f"{row['collective']:>14} {row['backend']:>5} {row['size']:>10} {row['count']:>9} {row['type']:>6} "
+            f"{row['redop']:>5} {row['time_us']:>11.1f} {row['algbw']:>7.3f} {row['busbw']:>7.3f} {row['wrong']:>6}")
+
+
+HEADER = (f"{'collective':>14} {'back':>5} {'size(B)':>10} {'count':>9} {'type':>6} {'redop':>5} "
+          f"{'time(us)':>11} {'algbw':>7} {'busbw':>7} {'#wrong':>6}\n"
+          f"{'':>14} {'end':>5} {'':>10} {'':>9} {'':>6} {'':>5} {'':>11} {'(GB/s)':>7} {'(GB/s)':>7}")
+
+
+def plot(runs: list[tuple[int, list[dict]]], path: str) -> None:
+    """busbw against size: one row of panels per run (world size), one panel per collective, one
+    line per backend."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(len(runs), len(COLLECTIVES), figsize=(5 * len(COLLECTIVES), 3.6 * len(runs)),
+                             squeeze=False)
+    for (n, rows), row_axes in zip(runs, axes):
+        for ax, collective in zip(row_axes, COLLECTIVES):
+            for backend, style, label in zip(BACKENDS, ("o-", "s--"), ("ring (minidist)", "mpi (MPI's own)")):
+                pts = [(r["size"], r["busbw"]) for r in rows if r["collective"] == collective and r["backend"] == backend]
+                if pts:
+                    ax.plot(*zip(*pts), style, label=label)
+            ax.set(xscale="log", title=f"{collective}, {n} ranks", xlabel="size (bytes, float32)",
+                   ylabel="busbw (GB/s)")
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--min-bytes", default="1K", help="smallest buffer (default 1K)")
+    p.add_argument("--max-bytes", default="64M", help="largest buffer (default 64M)")
+    p.add_argument("--factor", type=int, default=4, help="size step multiplier (default 4)")
+    p.add_argument("--repeats", type=int, default=7, help="timed repeats per size; the median is kept")
+    p.add_argument("--budget", default="64M", help="bytes moved per repeat: iters = budget / size, 1..200")
+    p.add_argument("--collectives", default=",".join(COLLECTIVES))
+    p.add_argument("--segment-bytes", help="the ring's segment size (default: the library's)")
+    p.add_argument("--quick", action="store_true", help="smoke test: 1K..64K, 2 repeats, small budget")
+    p.add_argument("--json", help="write the rows and the machine description to this JSON file")
+    p.add_argument("--plot", help="write a PNG of busbw against size to this path")
+    p.add_argument("--from", dest="sources", nargs="+", metavar="JSON",
+                   help="measure nothing: plot these --json results (e.g. 2 and 4 ranks) into --plot")
+    args = p.parse_args()
+    if args.sources:
+        runs = []
+        for source in args.sources:
+            with open(source) as f:
+                result = json.load(f)
+            runs.append((result["machine"]["ranks"], result["rows"]))
+        plot(runs, args.plot)
+        return
+    if args.quick:
+        args.max_bytes, args.repeats, args.budget = "64K", 2, "1M"
+
+    groups = {name: minidist.init(backend=name, timeout=120.0, trace=False) for name in BACKENDS}
+    if args.segment_bytes:
+        groups["ring"].segment_bytes = parse_size(args.segment_bytes)
+    n, rank = MPI.COMM_WORLD.size, MPI.COMM_WORLD.rank
+    sizes, size = [], parse_size(args.min_bytes)
+    while size <= parse_size(args.max_bytes):
+        sizes.append(size)
+        size *= args.factor
+    machine = dict(ranks=n, host=platform.node(), cpu=platform.processor() or platform.machine(),
+                   python=platform.python_version(), numpy=np.__version__,
+                   mpi=MPI.Get_library_version().splitlines()[0].strip())
+    machine["ring_segment_bytes"] = groups["ring"].segment_bytes
+    if rank == 0:
+        print(f"# {n} ranks, {machine['mpi']}, numpy {machine['numpy']}, python {machine['python']}, "
+              f"ring segment {machine['ring_segment_bytes']} B")
+        print(HEADER, flush=True)
+    rows = []
+    for collective in args.collectives.split(","):
+        for size in sizes:
+            for row in measure(groups, collective, size, args.repeats, parse_size(args.budget)):
+                rows.append(row)
+                if rank == 0:
+                    print(format_row(row), flush=True)
+    if rank == 0:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(machine=machine, args=vars(args), rows=rows), f, indent=1)
+        if args.plot:
+            plot([(n, rows)], args.plot)
+    if any(r["wrong"] for r in rows):
+        raise SystemExit("some results differ between backends (#wrong > 0)")
+
+
+if __name__ == "__main__":
+    main()

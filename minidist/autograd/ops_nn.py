@@ -1,0 +1,178 @@
+"""Fused neural-network ops, each one Function with an analytic backward (fewer nodes, fewer
+temporaries than composing them from arithmetic): linear, GELU, LayerNorm, embedding, cross-entropy.
+"""
+import math
+
+from minidist.autograd.backend import get_array_module
+from minidist.autograd.function import Function
+
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)  # Python floats keep float32 arrays float32 (NEP 50)
+GELU_COEF = 0.044715
+
+
+class Linear(Function):
+    """``y = x @ weight.T + bias`` with PyTorch's layout: weight (out_features, in_features)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        x_2d = x.reshape(-1, x.shape[-1])  # (N, in): one large matmul beats a batch of small ones
+        ctx.x_2d, ctx.weight = x_2d, weight
+        y = x_2d @ weight.T  # (N, out)
+        if bias is not None:
+            y += bias
+        return y.reshape(*x.shape[:-1], weight.shape[0])  # (..., out)
+
+    @staticmethod
+    def backward(ctx, grad):  # grad (..., out)
+        x_2d, weight = ctx.x_2d, ctx.weight
+        needs = ctx.needs_input_grad
+        grad_2d = grad.reshape(-1, grad.shape[-1])  # (N, out)
+        grad_x = (grad_2d @ weight).reshape(*grad.shape[:-1], weight.shape[1]) if needs[0] else None  # (..., in)
+        grad_w = grad_2d.T @ x_2d if needs[1] else None  # (out, in)
+        grad_b = grad_2d.sum(axis=0) if needs[2] else None  # (out,)
+        return grad_x, grad_w, grad_b
+
+
+def linear(x, weight, bias=None):
+    """Affine map of the last axis: (..., in) -> (..., out) with weight (out, in), bias (out,)."""
+    return Linear.apply(x, weight, bias)
+
+
+class GELU(Function):
+    """GELU, tanh approximation (GPT-2): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+
+    # In-place steps on one or two temporaries: this runs on the largest activations, (B, T, 4C).
+    @staticmethod
+    def forward(ctx, x):
+        t = x * x
+        t *= GELU_COEF
+        t += 1.0
+        t *= x
+        t *= SQRT_2_OVER_PI  # u = sqrt(2/pi) (x + 0.044715 x^3)
+        get_array_module(x).tanh(t, out=t)  # t = tanh(u)
+        ctx.x, ctx.t = x, t
+        y = t + 1.0
+        y *= x
+        y *= 0.5
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        # dy/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) du/dx,  du/dx = sqrt(2/pi) (1 + 3 * 0.044715 x^2)
+        x, t = ctx.x, ctx.t
+        du_dx = x * x
+        du_dx *= 3.0 * GELU_COEF
+        du_dx += 1.0
+        du_dx *= SQRT_2_OVER_PI
+        second = t * t
+        second -= 1.0
+        second *= x
+        second *= du_dx  # -x (1 - t^2) du/dx
+        dy_dx = t + 1.0
+        dy_dx -= second
+        dy_dx *= 0.5
+        dy_dx *= grad
+        return dy_dx
+
+
+def gelu(x):
+    return GELU.apply(x)
+
+
+class LayerNorm(Function):
+    """Normalise the last axis to zero mean, unit variance (biased), then scale and shift."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        xc = x - x.mean(axis=-1, keepdims=True)  # (..., C)
+        rstd = 1.0 / get_array_module(x).sqrt((xc * xc).mean(axis=-1, keepdims=True) + eps)  # (..., 1)
+        xhat = xc * rstd  # (..., C)
+        ctx.xhat, ctx.rstd, ctx.weight = xhat, rstd, weight
+        y = xhat * weight
+        if bias is not None:
+            y += bias
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):  # grad (..., C)
+        xhat, rstd, weight = ctx.xhat, ctx.rstd, ctx.weight
+        needs = ctx.needs_input_grad
+        C = grad.shape[-1]
+        grad_w = (grad * xhat).reshape(-1, C).sum(axis=0) if needs[1] else None
+        grad_b = grad.reshape(-1, C).sum(axis=0) if needs[2] else None
+        grad_x = None
+        if needs[0]:
+            g = grad * weight  # d loss / d xhat
+            grad_x = g - g.mean(axis=-1, keepdims=True)
+            grad_x -= xhat * (g * xhat).mean(axis=-1, keepdims=True)
+            grad_x *= rstd
+        return grad_x, grad_w, grad_b, None
+
+
+def layer_norm(x, weight, bias=None, eps: float = 1e-5):
+    """LayerNorm over the last axis with learned ``weight`` (C,) and optional ``bias`` (C,)."""
+    return LayerNorm.apply(x, weight, bias, eps)
+
+
+class Embedding(Function):
+    """Row lookup ``weight[idx]``; backward scatter-adds each output row's gradient into its row."""
+
+    @staticmethod
+    def forward(ctx, idx, weight):
+        ctx.idx, ctx.weight_shape = idx, weight.shape
+        return weight[idx]  # (*idx.shape, C)
+
+    @staticmethod
+    def backward(ctx, grad):
+        xp = get_array_module(grad)
+        grad_w = xp.zeros(ctx.weight_shape, dtype=grad.dtype)
+        xp.add.at(grad_w, ctx.idx.reshape(-1), grad.reshape(-1, ctx.weight_shape[1]))  # repeats add up
+        return None, grad_w
+
+
+def embedding(idx, weight):
+    """Look up rows of ``weight`` (num_embeddings, C) at integer array ``idx`` -> (*idx.shape, C)."""
+    return Embedding.apply(idx, weight)
+
+
+class CrossEntropy(Function):
+    """Softmax + negative log-likelihood in one numerically stable step (logits shifted by their max).
+
+    Targets equal to ``ignore_index`` contribute nothing; "mean" divides by the number of the others
+    (NaN when there are none, as in PyTorch), "sum" does not divide.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, ignore_index, reduction):
+        xp = get_array_module(logits)
+        V = logits.shape[-1]
+        z = logits.reshape(-1, V)  # (N, V)
+        t = targets.reshape(-1)  # (N,)
+        valid = t != ignore_index  # (N,)
+        t = xp.where(valid, t, 0)
+        rows = xp.arange(len(t))
+        probs = z - z.max(axis=-1, keepdims=True)  # shifted logits, soon probabilities
+        target_logit = probs[rows, t]  # (N,)
+        xp.exp(probs, out=probs)
+        total = probs.sum(axis=-1)  # (N,)
+        probs /= total[:, None]
+        nll = (xp.log(total) - target_logit) * valid  # (N,)
+        n_valid = int(valid.sum())
+        scale = 1.0 if reduction == "sum" else 1.0 / n_valid if n_valid else math.nan
+        ctx.probs, ctx.t, ctx.valid, ctx.scale, ctx.shape = probs, t, valid, scale, logits.shape
+        return nll.sum() * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        probs, t, valid = ctx.probs, ctx.t, ctx.valid
+        weight = (grad * ctx.scale) * valid.astype(probs.dtype)  # (N,) d loss / d nll_i
+        grad_z = probs * weight[:, None]  # (N, V)
+        grad_z[get_array_module(probs).arange(len(t)), t] -= weight
+        return grad_z.reshape(ctx.shape), None, None, None
+
+
+def cross_entropy(logits, targets, ignore_index: int = -1, reduction: str = "mean"):
+    """Cross-entropy of ``logits`` (..., V) against integer ``targets`` (...) -> a scalar Tensor."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    return CrossEntropy.apply(logits, targets, ignore_index, reduction)

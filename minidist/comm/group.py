@@ -1,0 +1,345 @@
+"""ProcessGroup: the collectives a training script calls, on any transport.
+
+A group checks its arguments on the spot (a clear ``ValueError`` before anything is sent), numbers
+each collective (``seq``, the same on every rank), records it in the trace, picks the algorithm and
+runs it. A peer that never answers surfaces as :class:`CommTimeoutError` naming the operation, its
+number, this rank and the peer. With ``debug=True`` the ranks first compare what each was asked to do
+and raise :class:`CollectiveMismatchError` on every rank when they disagree, instead of hanging or
+mixing up data.
+
+``backend="ring"`` runs the hand-written algorithms (``ring``, ``doubling``, ``rooted``) over the
+transport; ``backend="mpi"`` hands the collectives to MPI's own (``native``), which needs an
+``MPITransport``. ``algorithm="ring"`` or ``"doubling"`` forces a hand-written all-reduce on either.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+import numpy as np
+
+from minidist.comm import doubling, ring, rooted
+from minidist.comm.ops import (COLLECTIVE_TAG_BASE, DTYPES, GROUP_OPS, Workspace, divide_by_size,
+                               split_counts)
+from minidist.comm.trace import Trace
+from minidist.comm.transport import CollectiveMismatchError, CommTimeoutError, PeerTimeout, Request
+
+DEFAULT_THRESHOLD_BYTES = 64 * 1024
+"""All-reduces smaller than this use recursive doubling, larger ones the ring. In the usual cost
+model (a message costs a latency a plus its bytes times b), doubling costs log2(n) (a + N b) and the
+ring 2(n-1) a + 2(n-1)/n N b: doubling sends fewer messages, the ring fewer bytes. With MPI's few
+microseconds of latency and several GB/s, the two meet at some hundreds of KiB for n = 4..8; 64 KiB
+stays safely on the latency-bound side. Every rank sees the same size, so all pick the same algorithm."""
+
+_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "barrier", "split")
+_FINGERPRINT = ("op", "reduce op", "dtype", "count", "root", "seq")
+
+
+class ProcessGroup:
+    """The ranks of one transport, and the collectives among them.
+
+    ``rank``/``size`` are this rank's number and the group's size; ``trace`` records every call
+    (pass one to share it, e.g. between a group and its sub-groups); ``threshold_bytes`` is where
+    ``all_reduce(algorithm="auto")`` switches from recursive doubling to the ring; ``segment_bytes``
+    is the ring's segment size.
+    """
+
+    def __init__(self, transport, *, backend: str = "ring", trace: Trace | None = None, debug: bool = False,
+                 threshold_bytes: int = DEFAULT_THRESHOLD_BYTES, name: str = "world",
+                 segment_bytes: int = ring.SEGMENT_BYTES):
+        if backend not in ("ring", "mpi"):
+            raise ValueError(f"backend must be 'ring' or 'mpi', got {backend!r}")
+        self.transport = transport
+        self.rank, self.size = transport.rank, transport.size
+        self.backend, self.debug, self.name = backend, debug, name
+        self.trace = trace if trace is not None else Trace(transport.rank)
+        self.threshold_bytes, self.segment_bytes = threshold_bytes, segment_bytes
+        self.seq = 0  # collectives called so far: the same on every rank
+        self.p2p_seq = 0  # point-to-point calls so far: differs between ranks
+        self._splits = 0
+        self._workspace = Workspace()
+        self._native = None
+        if backend == "mpi":
+            from minidist.comm import native  # only here: `import minidist` never imports mpi4py
+            self._native = native
+
+    def __repr__(self) -> str:
+        return f"ProcessGroup(name={self.name!r}, rank={self.rank}, size={self.size}, backend={self.backend!r})"
+
+    # ---- collectives -------------------------------------------------------------------------------
+
+    def all_reduce(self, x, op: str = "sum", algorithm: str = "auto"):
+        """Every rank's ``x`` becomes the elementwise ``op`` over all ranks, in place; returns ``x``.
+
+        ``algorithm``: "auto" (doubling below ``threshold_bytes``, else the ring; MPI's own on backend
+        "mpi"), "ring" or "doubling"."""
+        self._check_array(x, "x")
+        self._check_op(op)
+        if algorithm not in ("auto", "ring", "doubling"):
+            raise ValueError(f"rank {self.rank}: algorithm must be 'auto', 'ring' or 'doubling', got {algorithm!r}")
+        if algorithm == "auto":
+            algorithm = "mpi" if self._native else "doubling" if x.nbytes < self.threshold_bytes else "ring"
+        flat = x.reshape(-1)  # (N,) view
+        with self._collective("all_reduce", algorithm, x.nbytes, op=op, dtype=x.dtype, count=x.size):
+            if algorithm == "mpi":
+                self._native.all_reduce(self.transport, flat, _summed(op))
+            elif algorithm == "ring":
+                ring.all_reduce(self.transport, flat, _summed(op), segment_bytes=self.segment_bytes,
+                                workspace=self._workspace)
+            else:
+                doubling.all_reduce(self.transport, flat, _summed(op), workspace=self._workspace)
+            if op == "avg":
+                divide_by_size(flat, self.size)
+        return x
+
+    def reduce_scatter(self, x, op: str = "sum", out=None):
+        """Reduce ``x`` over all ranks and return this rank's part along axis 0, cut by
+        ``numpy.array_split``: shape ``(counts[rank],) + x.shape[1:]``. ``x`` is not modified."""
+        self._check_array(x, "x", writeable=False, min_ndim=1)
+        self._check_op(op)
+        rows = split_counts(x.shape[0], self.size)  # rows of x per rank
+        row = math.prod(x.shape[1:])  # elements per row
+        out = self._out(out, (rows[self.rank],) + x.shape[1:], x.dtype)
+        with self._collective("reduce_scatter", self._algorithm("ring"), x.nbytes, op=op, dtype=x.dtype,
+                              count=x.size):
+            scratch = self._workspace.get("reduce_scatter_input", x.dtype, x.size)  # the algorithm clobbers it
+            scratch[...] = x.reshape(-1)
+            counts = [c * row for c in rows]
+            if self._native:
+                self._native.reduce_scatter(self.transport, scratch, counts, _summed(op), out.reshape(-1))
+            else:
+                ring.reduce_scatter(self.transport, scratch, counts, _summed(op), out.reshape(-1),
+                                    segment_bytes=self.segment_bytes, workspace=self._workspace)
+            if op == "avg":
+                divide_by_size(out, self.size)
+        return out
+
+    def all_gather(self, shard, count: int | None = None, out=None):
+        """Every rank's ``shard`` concatenated along axis 0, in rank order, on every rank.
+
+        With ``count`` (the total length along axis 0), rank r's shard must have the r-th length of
+        ``numpy.array_split`` of ``count``; without it, all shards have this rank's length. ``shard``
+        may be a view of ``out`` at its own place (in-place all-gather)."""
+        self._check_array(shard, "shard", writeable=False, min_ndim=1)
+        if count is None:
+            rows = [shard.shape[0]] * self.size
+        else:
+            if not isinstance(count, (int, np.integer)) or count < 0:
+                raise ValueError(f"rank {self.rank}: count must be a non-negative int, got {count!r}")
+            rows = split_counts(int(count), self.size)
+            if shard.shape[0] != rows[self.rank]:
+                raise ValueError(f"rank {self.rank}: with count={count} over {self.size} ranks the shard must "
+                                 f"have {rows[self.rank]} rows (numpy.array_split), got {shard.shape[0]}")
+        row = math.prod(shard.shape[1:])
+        out = self._out(out, (sum(rows),) + shard.shape[1:], shard.dtype)
+        with self._collective("all_gather", self._algorithm("ring"), out.nbytes, dtype=shard.dtype,
+                              count=out.size):
+            algorithms = self._native or ring
+            algorithms.all_gather(self.transport, shard.reshape(-1), [c * row for c in rows], out.reshape(-1))
+        return out
+
+    def broadcast(self, x, src: int = 0):
+        """Every rank's ``x`` becomes ``src``'s ``x``, in place; returns ``x``."""
+        self._check_array(x, "x")
+        self._check_rank(src, "src")
+        with self._collective("broadcast", self._algorithm("binomial"), x.nbytes, dtype=x.dtype, count=x.size,
+                              root=src):
+            (self._native or rooted).broadcast(self.transport, x.reshape(-1), src)
+        return x
+
+    def reduce(self, x, dst: int = 0, op: str = "sum"):
+        """``dst``'s ``x`` becomes the elementwise ``op`` over all ranks; other ranks' ``x`` is
+        unchanged. Returns ``x``."""
+        self._check_array(x, "x")
+        self._check_op(op)
+        self._check_rank(dst, "dst")
+        flat = x.reshape(-1)
+        with self._collective("reduce", self._algorithm("binomial"), x.nbytes, op=op, dtype=x.dtype,
+                              count=x.size, root=dst):
+            if self._native:
+                self._native.reduce(self.transport, flat, dst, _summed(op))
+            else:
+                rooted.reduce(self.transport, flat, dst, _summed(op), workspace=self._workspace)
+            if op == "avg" and self.rank == dst:
+                divide_by_size(flat, self.size)
+        return x
+
+    def barrier(self) -> None:
+        """Return only once every rank of the group has called ``barrier``."""
+        with self._collective("barrier", self._algorithm("binomial"), 0):
+            (self._native or rooted).barrier(self.transport)
+
+    def split(self, color: int, key: int | None = None, name: str | None = None) -> "ProcessGroup | None":
+        """Collective: ranks passing the same ``color`` form a new group, ranked by (``key``, rank);
+        ``key`` defaults to the rank. A negative color joins none and gets ``None``. The new group
+        shares this group's backend, settings and trace."""
+        key = self.rank if key is None else key
+        for what, v in (("color", color), ("key", key)):
+            if not isinstance(v, (int, np.integer)):
+                raise ValueError(f"rank {self.rank}: {what} must be an int, got {v!r}")
+        self._splits += 1
+        with self._collective("split", self._algorithm("allgather"), 0):
+            sub = self.transport.split(int(color), int(key))
+        if sub is None:
+            return None
+        return ProcessGroup(sub, backend=self.backend, trace=self.trace, debug=self.debug,
+                            threshold_bytes=self.threshold_bytes, segment_bytes=self.segment_bytes,
+                            name=name if name is not None else f"{self.name}/split{self._splits}.{color}")
+
+    # ---- point to point -----------------------------------------------------------------------------
+
+    def send(self, x, dst: int, tag: int = 0) -> None:
+        """Send ``x`` to rank ``dst``; returns once ``x`` may be reused."""
+        self._check_p2p(x, dst, tag, writeable=False)
+        with self._p2p("send", dst, x.nbytes):
+            self.transport.send(x, dst, tag)
+
+    def recv(self, x, src: int, tag: int = 0):
+        """Receive ``src``'s message (same dtype and size as ``x``) into ``x``; returns ``x``."""
+        self._check_p2p(x, src, tag)
+        with self._p2p("recv", src, x.nbytes):
+            self.transport.recv(x, src, tag)
+        return x
+
+    def isend(self, x, dst: int, tag: int = 0) -> Request:
+        """Start sending ``x`` to ``dst``; don't touch ``x`` until the request's ``wait()`` returns.
+        (The trace times the posting; the transfer overlaps whatever runs until ``wait``.)"""
+        self._check_p2p(x, dst, tag, writeable=False)
+        with self._p2p("isend", dst, x.nbytes) as seq:
+            return _GroupRequest(self.transport.isend(x, dst, tag), self, "isend", seq)
+
+    def irecv(self, x, src: int, tag: int = 0) -> Request:
+        """Start receiving ``src``'s message into ``x``; it is there once ``wait()`` returns."""
+        self._check_p2p(x, src, tag)
+        with self._p2p("irecv", src, x.nbytes) as seq:
+            return _GroupRequest(self.transport.irecv(x, src, tag), self, "irecv", seq)
+
+    def sendrecv(self, sendbuf, dst: int, recvbuf, src: int, tag: int = 0):
+        """Send ``sendbuf`` to ``dst`` while receiving ``recvbuf`` from ``src`` (deadlock-free even
+        when two ranks exchange with each other). Returns ``recvbuf``."""
+        self._check_p2p(sendbuf, dst, tag, writeable=False)
+        self._check_p2p(recvbuf, src, tag)
+        with self._p2p("sendrecv", dst, sendbuf.nbytes + recvbuf.nbytes):
+            self.transport.sendrecv(sendbuf, dst, recvbuf, src, tag)
+        return recvbuf
+
+    # ---- bookkeeping ------------------------------------------------------------------------------
+
+    def _algorithm(self, hand_written: str) -> str:
+        return "mpi" if self._native else hand_written
+
+    @contextmanager
+    def _collective(self, name, algorithm, nbytes, *, op=None, dtype=None, count=0, root=-1):
+        """Number a collective, check in debug mode that every rank called the same one, record it in
+        the trace, and report a peer that never answers as CommTimeoutError."""
+        self.seq += 1
+        with self._timeouts(name, self.seq):
+            if self.debug:
+                self._check_same_call(name, op, dtype, count, root)
+            with self.trace.record(name, group=self.name, algorithm=algorithm, nbytes=nbytes, seq=self.seq):
+                yield
+
+    @contextmanager
+    def _p2p(self, name, peer, nbytes):
+        """Number and record a point-to-point call; yields its number."""
+        self.p2p_seq += 1
+        with self._timeouts(name, self.p2p_seq), self.trace.record(
+                name, group=self.name, nbytes=nbytes, seq=self.p2p_seq, peer=peer, kind="p2p"):
+            yield self.p2p_seq
+
+    @contextmanager
+    def _timeouts(self, name, seq):
+        try:
+            yield
+        except PeerTimeout as e:
+            raise CommTimeoutError(name, seq, self.rank, e.peer, e.waited, self.name) from e
+
+    def _check_same_call(self, name, op, dtype, count, root) -> None:
+        """Debug mode: all-gather every rank's fingerprint of this call (6 int64: collective, reduce op,
+        dtype, count, root, seq) and raise CollectiveMismatchError on every rank if any differ."""
+        mine = np.array([_COLLECTIVES.index(name), GROUP_OPS.index(op) if op else -1,
+                         DTYPES.index(np.dtype(dtype)) if dtype is not None else -1, count, root, self.seq],
+                        dtype=np.int64)
+        everyone = np.empty(mine.size * self.size, dtype=np.int64)
+        ring.all_gather(self.transport, mine, [mine.size] * self.size, everyone)
+        calls = [_describe(c) for c in everyone.reshape(self.size, mine.size)]  # (size, 6) -> dicts
+        differ = [r for r in range(self.size) if calls[r] != calls[0]]
+        if differ:
+            first = calls[0]
+            lines = []
+            for r in differ:
+                fields = [f for f in _FINGERPRINT[1:] if calls[r][f] != first[f]]
+                lines.append(f"rank {r} called {_call_text(calls[r], fields)} "
+                             f"while rank 0 called {_call_text(first, fields)}")
+            raise CollectiveMismatchError(f"{first['op']} #{first['seq']} on group '{self.name}': " + "; ".join(lines))
+
+    def _check_array(self, x, what, *, writeable=True, min_ndim=0, any_dtype=False) -> None:
+        if not isinstance(x, np.ndarray):
+            raise ValueError(f"rank {self.rank}: {what} must be a numpy array, got {type(x).__name__}")
+        if not any_dtype and x.dtype not in DTYPES:
+            raise ValueError(f"rank {self.rank}: {what} has dtype {x.dtype}; collectives take "
+                             f"{', '.join(map(str, DTYPES))}")
+        if not x.flags.c_contiguous:
+            raise ValueError(f"rank {self.rank}: {what} must be C-contiguous (see numpy.ascontiguousarray)")
+        if writeable and not x.flags.writeable:
+            raise ValueError(f"rank {self.rank}: {what} must be writeable")
+        if x.ndim < min_ndim:
+            raise ValueError(f"rank {self.rank}: {what} needs an axis 0 to split along, got shape {x.shape}")
+
+    def _check_op(self, op) -> None:
+        if op not in GROUP_OPS:
+            raise ValueError(f"rank {self.rank}: op must be one of {', '.join(GROUP_OPS)}, got {op!r}")
+
+    def _check_rank(self, r, what) -> None:
+        if not isinstance(r, (int, np.integer)) or not 0 <= r < self.size:
+            raise ValueError(f"rank {self.rank}: {what} must be a rank of group '{self.name}' "
+                             f"(0..{self.size - 1}), got {r!r}")
+
+    def _check_p2p(self, x, peer, tag, *, writeable=True) -> None:
+        self._check_array(x, "buffer", writeable=writeable, any_dtype=True)
+        self._check_rank(peer, "peer")
+        if not isinstance(tag, (int, np.integer)) or not 0 <= tag < COLLECTIVE_TAG_BASE:
+            raise ValueError(f"rank {self.rank}: tag must be an int in 0..{COLLECTIVE_TAG_BASE - 1} "
+                             f"(higher tags belong to collectives), got {tag!r}")
+
+    def _out(self, out, shape, dtype):
+        """``out`` checked to hold ``shape`` of ``dtype``, or a new array if it is None."""
+        if out is None:
+            return np.empty(shape, dtype)
+        self._check_array(out, "out")
+        if out.dtype != dtype or out.size != math.prod(shape):
+            raise ValueError(f"rank {self.rank}: out must hold {math.prod(shape)} x {np.dtype(dtype)} "
+                             f"(shape {shape}), got {out.size} x {out.dtype}")
+        return out
+
+
+class _GroupRequest(Request):
+    """A transport request whose ``wait`` reports a lost peer as CommTimeoutError, like the group."""
+
+    def __init__(self, request: Request, group: ProcessGroup, op: str, seq: int):
+        self.request, self.group, self.op, self.seq = request, group, op, seq
+
+    def test(self) -> bool:
+        return self.request.test()
+
+    def wait(self) -> None:
+        with self.group._timeouts(self.op, self.seq):
+            self.request.wait()
+
+
+def _summed(op: str) -> str:
+    """The reduction the algorithms run: "avg" is a "sum" the group divides afterwards."""
+    return "sum" if op == "avg" else op
+
+
+def _describe(call) -> dict:
+    """A debug fingerprint (6 ints) as readable fields."""
+    name, op, dtype, count, root, seq = (int(v) for v in call)
+    return {"op": _COLLECTIVES[name], "reduce op": GROUP_OPS[op] if op >= 0 else None,
+            "dtype": str(DTYPES[dtype]) if dtype >= 0 else None, "count": count,
+            "root": root if root >= 0 else None, "seq": seq}
+
+
+def _call_text(call: dict, fields: list[str]) -> str:
+    """'reduce_scatter with count 10' for the fields that differ."""
+    return call["op"] + (" with " + ", ".join(f"{f} {call[f]}" for f in fields) if fields else "")

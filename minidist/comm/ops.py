@@ -1,0 +1,72 @@
+"""What every collective algorithm shares: reduction operators, accepted dtypes, uneven counts, tags
+and a scratch workspace.
+
+The algorithms in ``ring.py``, ``doubling.py`` and ``rooted.py`` reduce with NumPy ufuncs written
+``ufunc(a, b, out=a)``: in place, no temporary array. Whatever scratch memory they need (a segment
+being received, an accumulator) comes from a :class:`Workspace` that the group keeps across calls, so
+the hot loops allocate nothing.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+REDUCE_OPS = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+"""The reductions the algorithms perform. ``"avg"`` is the group's: a sum, then a division."""
+
+GROUP_OPS = (*REDUCE_OPS, "avg")
+
+DTYPES = tuple(np.dtype(d) for d in ("float16", "float32", "float64", "int32", "int64"))
+
+COLLECTIVE_TAG_BASE = 32000
+"""Tags at or above this belong to collectives; user point-to-point tags stay below it, so a
+user's message can never match a collective's (MPI guarantees tags up to at least 32767)."""
+
+
+def split_counts(total: int, n: int) -> list[int]:
+    """How ``numpy.array_split`` cuts ``total`` items into ``n`` parts: the first ``total % n`` parts
+    hold one item more. ``split_counts(10, 4) == [3, 3, 2, 2]``, ``split_counts(2, 4) == [1, 1, 0, 0]``."""
+    base, extra = divmod(total, n)
+    return [base + (i < extra) for i in range(n)]
+
+
+def offsets(counts: list[int]) -> list[int]:
+    """Where each part starts when the parts are laid end to end: ``offsets([3, 3, 2]) == [0, 3, 6]``."""
+    starts = [0]
+    for c in counts[:-1]:
+        starts.append(starts[-1] + c)
+    return starts
+
+
+def same_memory(a, b) -> bool:
+    """True when ``a`` and ``b`` are the same contiguous block (then copying one into the other is a
+    no-op worth skipping)."""
+    return a.size == b.size and (a.size == 0 or a.__array_interface__["data"][0] == b.__array_interface__["data"][0])
+
+
+def divide_by_size(x, n: int) -> None:
+    """Turn a sum into an average, in place. Floats divide; integers truncate toward zero, as NCCL's
+    ``ncclAvg`` does (``-7 // 2`` would give -4; truncation gives -3)."""
+    if x.dtype.kind == "f":
+        np.divide(x, n, out=x)
+    else:
+        x -= np.fmod(x, n)  # now an exact multiple of n, so floor division truncates too
+        np.floor_divide(x, n, out=x)
+
+
+class Workspace:
+    """Scratch buffers that grow but are never freed, one per (purpose, dtype).
+
+    ``get`` hands out a view of the first ``count`` elements; two different purposes never share
+    memory, and a purpose must not be used by two calls at once (each rank's group owns one).
+    """
+
+    def __init__(self):
+        self._buffers: dict[tuple[str, np.dtype], np.ndarray] = {}
+
+    def get(self, purpose: str, dtype, count: int) -> np.ndarray:
+        """A 1-D array of ``count`` elements of ``dtype`` for ``purpose``, reused across calls."""
+        key = (purpose, np.dtype(dtype))
+        buf = self._buffers.get(key)
+        if buf is None or buf.size < count:
+            buf = self._buffers[key] = np.empty(count, dtype)
+        return buf[:count]

@@ -1,0 +1,73 @@
+"""Collectives with a root: broadcast, reduce, and the barrier built from them, on a binomial tree.
+
+Number the ranks relative to the root, v = (rank - root) mod n. Rank v's parent is v with its lowest
+set bit cleared; its children are v + 1, v + 2, v + 4, ... below its lowest set bit (and below n).
+For n = 8 and root 0: 0 -> 4, 2, 1;  4 -> 6, 5;  2 -> 3;  6 -> 7. The tree is log2(n) deep, so a
+broadcast or reduce takes log2(n) rounds, each moving the whole buffer: ideal for small messages.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from minidist.comm.ops import COLLECTIVE_TAG_BASE, REDUCE_OPS, Workspace
+from minidist.comm.transport import wait_all
+
+TAG_BROADCAST = COLLECTIVE_TAG_BASE + 4
+TAG_REDUCE = COLLECTIVE_TAG_BASE + 5
+
+
+def broadcast(t, buf, root) -> None:
+    """Copy ``root``'s ``buf`` into every rank's ``buf``, in place.
+
+    Sends: each rank receives ``buf`` once from its parent, then sends it to each of its children.
+    """
+    n, r = t.size, t.rank
+    v = (r - root) % n
+    mask = 1
+    while mask < n:  # find my lowest set bit: my parent is v - mask
+        if v & mask:
+            t.recv(buf, (r - mask) % n, TAG_BROADCAST)
+            break
+        mask <<= 1
+    sends = []
+    mask >>= 1
+    while mask > 0:  # my children are v + mask for every smaller power of two
+        if v + mask < n:
+            sends.append(t.isend(buf, (r + mask) % n, TAG_BROADCAST))
+        mask >>= 1
+    wait_all(sends)
+
+
+def reduce(t, buf, root, op, *, workspace=None) -> None:
+    """The elementwise ``op`` over all ranks' ``buf`` lands in ``buf`` on ``root``; every other rank's
+    ``buf`` is left unchanged (an inner tree node accumulates in the workspace instead).
+
+    Sends: each rank receives one partial result from each child, reduces it in, and sends its own
+    partial result (its subtree's) once to its parent. Operands combine in relative-rank order.
+    """
+    n, r = t.size, t.rank
+    v = (r - root) % n
+    ufunc = REDUCE_OPS[op]
+    workspace = workspace if workspace is not None else Workspace()
+    acc = buf if v == 0 else None  # a non-root rank copies buf only once it has a child to add
+    mask = 1
+    while mask < n:
+        if v & mask:  # done with my subtree: pass it up to my parent
+            t.send(buf if acc is None else acc, (r - mask) % n, TAG_REDUCE)
+            return
+        if v + mask < n:  # the child v + mask holds the subtree v+mask .. v+2*mask-1
+            if acc is None:
+                acc = workspace.get("reduce_acc", buf.dtype, buf.size)
+                acc[...] = buf
+            incoming = workspace.get("reduce_in", buf.dtype, buf.size)
+            t.recv(incoming, (r + mask) % n, TAG_REDUCE)
+            ufunc(acc, incoming, out=acc)
+        mask <<= 1
+
+
+def barrier(t) -> None:
+    """Return only once every rank has called ``barrier``: an empty reduce up the tree to rank 0 (which
+    so learns everyone has arrived), then an empty broadcast down it (which lets everyone go)."""
+    token = np.empty(0, np.uint8)
+    reduce(t, token, 0, "max")
+    broadcast(t, token, 0)

@@ -1,0 +1,42 @@
+"""Token files on disk, read through np.memmap, and the global batch of every training step.
+
+A token file is raw uint8 tokens (one byte each). ``np.memmap`` maps it into memory without reading
+it, and a batch reads only the windows it needs, so a corpus larger than RAM works unchanged.
+
+Batches are a pure function of (seed, step): rerunning a step, resuming from a checkpoint, or
+running with N data-parallel ranks all see the same tokens. :func:`get_batch` returns the GLOBAL
+batch; a data-parallel rank takes its own rows of it (rows ``rank*B/N : (rank+1)*B/N``).
+"""
+import numpy as np
+
+
+def load_tokens(path):
+    """The tokens of a uint8 token file as a read-only np.memmap, shape (n_tokens,).
+    (With the byte-level tokenizer any UTF-8 text file is a valid token file.)"""
+    return np.memmap(path, dtype=np.uint8, mode="r")
+
+
+def train_val_split(tokens, val_fraction=0.1):
+    """(train, val): the first ``1 - val_fraction`` of the tokens and the rest, as views (no copy)."""
+    n_val = int(len(tokens) * val_fraction)
+    return tokens[:len(tokens) - n_val], tokens[len(tokens) - n_val:]
+
+
+def get_batch(tokens, step, batch_size, block_size, seed=0):
+    """The global batch of ``step``: (B, T+1) int64 windows of ``tokens``, B = batch_size, T = block_size.
+
+    Window starts are drawn uniformly by a generator seeded with (seed, step), so the batch depends
+    on nothing else. Inputs are ``batch[:, :-1]`` and next-token targets ``batch[:, 1:]``
+    (see :func:`inputs_and_targets`).
+    """
+    n_starts = len(tokens) - block_size
+    if n_starts < 1:
+        raise ValueError(f"{len(tokens)} tokens cannot fill one window of block_size + 1 = {block_size + 1}")
+    starts = np.random.default_rng([seed, step]).integers(0, n_starts, size=batch_size)  # (B,)
+    index = starts[:, None] + np.arange(block_size + 1)                                    # (B, T+1)
+    return tokens[index].astype(np.int64)                                                  # (B, T+1)
+
+
+def inputs_and_targets(batch):
+    """Split a (B, T+1) batch into inputs idx (B, T) and targets (B, T): each target is the next token."""
+    return batch[:, :-1], batch[:, 1:]

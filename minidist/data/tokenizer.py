@@ -1,0 +1,19 @@
+"""Byte-level tokenizer: a token is one byte of the UTF-8 text, so the vocabulary has 256 entries.
+
+No training, no merges, nothing to download: ``encode`` is ``str.encode("utf-8")`` seen as integers.
+It also means a UTF-8 text file already *is* a token file (one uint8 token per byte).
+"""
+import numpy as np
+
+
+class ByteTokenizer:
+    """Text <-> token ids, one token per UTF-8 byte (ids 0..255)."""
+    vocab_size = 256
+
+    def encode(self, text):
+        """Token ids of ``text`` as a uint8 array (the dtype of token files), shape (len(bytes),)."""
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).copy()
+
+    def decode(self, ids):
+        """Text of token ids (any integer array or list); bytes that are not valid UTF-8 become '\\ufffd'."""
+        return bytes(np.asarray(ids, dtype=np.uint8).tolist()).decode("utf-8", errors="replace")

@@ -1,0 +1,158 @@
+"""A GPT-2-style language model, nanoGPT's architecture on minidist's autograd.
+
+Parameter names and layouts are GPT-2's (``transformer.h.0.attn.c_attn.weight`` with Linear weights
+(out, in)), so a state_dict loads into PyTorch / Hugging Face code. The model is cut where parallelism
+cuts it: ``embed`` -> the blocks -> ``head`` (pipeline stages), c_attn / c_fc / c_proj as separate
+Linears and attention sized by its weights (tensor parallelism).
+"""
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from minidist import nn
+from minidist.autograd import cross_entropy, gelu, get_array_module, no_grad, scaled_dot_product_attention, to_numpy
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256  # bytes
+    block_size: int = 64  # longest context
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+    bias: bool = True  # biases in Linears and LayerNorms
+    tie_embeddings: bool = True  # lm_head.weight is transformer.wte.weight
+
+
+def gpt2_init(name: str, shape, seed: int, n_layer: int) -> np.ndarray:
+    """GPT-2's initial value (float64) for parameter ``name``: biases 0, LayerNorm weights 1, c_proj
+    weights N(0, (0.02/sqrt(2 n_layer))^2) (scaled for the residual sum), other weights N(0, 0.02^2);
+    random draws depend only on (seed, name, shape)."""
+    module, kind = name.split(".")[-2:]
+    if kind == "bias":
+        return np.zeros(shape)
+    if module.startswith("ln_"):
+        return np.ones(shape)
+    std = 0.02 / math.sqrt(2 * n_layer) if module == "c_proj" else 0.02
+    return nn.init.normal(seed, name, shape, std)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention. The number of heads is read from c_attn's width, so a
+    tensor-parallel shard holding some of the heads runs this same code."""
+
+    def __init__(self, config: GPTConfig, dtype="float32"):
+        super().__init__()
+        C = config.n_embd
+        self.head_dim = C // config.n_head
+        self.c_attn = nn.Linear(C, 3 * C, bias=config.bias, dtype=dtype)  # q, k, v for all heads
+        self.c_proj = nn.Linear(C, C, bias=config.bias, dtype=dtype)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        width = self.c_attn.out_features // 3  # n_head * head_dim (local heads only under TP)
+        n_head, hs = width // self.head_dim, self.head_dim
+        q, k, v = self.c_attn(x).split(width, axis=2)  # 3 x (B, T, nh * hs)
+        q = q.reshape(B, T, n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.reshape(B, T, n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.reshape(B, T, n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        y = scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).reshape(B, T, width)  # (B, T, nh * hs): heads side by side
+        return self.c_proj(y)  # (B, T, C)
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward: C -> 4C, GELU, 4C -> C."""
+
+    def __init__(self, config: GPTConfig, dtype="float32"):
+        super().__init__()
+        C = config.n_embd
+        self.c_fc = nn.Linear(C, 4 * C, bias=config.bias, dtype=dtype)
+        self.c_proj = nn.Linear(4 * C, C, bias=config.bias, dtype=dtype)
+
+    def forward(self, x):  # (B, T, C)
+        return self.c_proj(gelu(self.c_fc(x)))  # (B, T, 4C) inside
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+
+    def __init__(self, config: GPTConfig, dtype="float32"):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias, dtype=dtype)
+        self.attn = CausalSelfAttention(config, dtype)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias, dtype=dtype)
+        self.mlp = MLP(config, dtype)
+
+    def forward(self, x):  # (B, T, C)
+        x = x + self.attn(self.ln_1(x))
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+class GPT(nn.Module):
+    """GPT-2: token + position embeddings, ``n_layer`` Blocks, final LayerNorm, LM head.
+
+    ``GPT(config, seed, dtype)`` initialises every parameter with :func:`gpt2_init`.
+    """
+
+    def __init__(self, config: GPTConfig, seed: int = 0, dtype="float32"):
+        super().__init__()
+        self.config = config
+        C, V = config.n_embd, config.vocab_size
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(V, C, dtype=dtype),
+            wpe=nn.Embedding(config.block_size, C, dtype=dtype),
+            h=nn.ModuleList([Block(config, dtype) for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(C, bias=config.bias, dtype=dtype),
+        ))
+        self.lm_head = nn.Linear(C, V, bias=False, dtype=dtype)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight  # one Parameter, two names
+        for name, p in self.named_parameters():
+            p.data[...] = gpt2_init(name, p.shape, seed, config.n_layer)
+
+    def embed(self, idx):
+        """Token ids (B, T) -> token + position embeddings (B, T, C). The first pipeline stage."""
+        T = idx.shape[1]
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        pos = get_array_module(self.transformer.wpe.weight.data).arange(T)
+        tok_emb = self.transformer.wte(idx)  # (B, T, C)
+        pos_emb = self.transformer.wpe(pos)  # (T, C)
+        return tok_emb + pos_emb  # (B, T, C)
+
+    def head(self, x, targets=None):
+        """Hidden states (B, T, C) -> (logits (B, T, V), mean cross-entropy or None). The last stage."""
+        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, V)
+        loss = cross_entropy(logits, targets) if targets is not None else None
+        return logits, loss
+
+    def forward(self, idx, targets=None):
+        """(logits (B, T, V), loss) for token ids ``idx`` (B, T); loss is None without ``targets``."""
+        x = self.embed(idx)  # (B, T, C)
+        for block in self.transformer.h:
+            x = block(x)  # (B, T, C)
+        return self.head(x, targets)
+
+    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k=None, rng=None):
+        """Append ``max_new_tokens`` sampled tokens to ``idx`` (B, T); returns a NumPy array
+        (B, T + max_new_tokens). Each step feeds the last block_size tokens, divides the last logits
+        by ``temperature``, keeps the ``top_k`` largest, and samples with ``rng`` (a NumPy Generator;
+        a fresh unseeded one if None)."""
+        rng = np.random.default_rng() if rng is None else rng
+        idx = np.asarray(idx)
+        with no_grad():
+            for _ in range(max_new_tokens):
+                logits, _ = self(idx[:, -self.config.block_size:])
+                logits = to_numpy(logits.data[:, -1, :]).astype(np.float64) / temperature  # (B, V)
+                if top_k is not None:
+                    kth = np.sort(logits, axis=-1)[:, [-min(top_k, logits.shape[-1])]]  # (B, 1)
+                    logits[logits < kth] = -np.inf
+                probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+                probs /= probs.sum(axis=-1, keepdims=True)  # (B, V)
+                u = rng.random((len(idx), 1))  # inverse-CDF sampling: first token whose cumsum > u
+                nxt = np.minimum((probs.cumsum(axis=-1) <= u).sum(axis=-1), probs.shape[-1] - 1)  # (B,)
+                idx = np.concatenate([idx, nxt[:, None].astype(idx.dtype)], axis=1)
+        return idx

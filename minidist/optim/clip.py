@@ -1,0 +1,30 @@
+"""Gradient clipping by global norm: if the norm of ALL gradients together exceeds ``max_norm``,
+scale every gradient by the same factor so that it equals ``max_norm``.
+
+Split in two so that parallel code can insert one all-reduce: each rank sums the squares of the
+gradient elements it owns (:func:`grad_norm_sq`), the sums are added across ranks, and every rank
+scales its own gradients by :func:`clip_coef` of the square root.
+"""
+
+
+def grad_norm_sq(grads):
+    """Sum of squares of all elements of all ``grads`` (arrays; None entries are skipped), as a float."""
+    return sum(float((g * g).sum()) for g in grads if g is not None)
+
+
+def clip_coef(total_norm, max_norm, eps=1e-6):
+    """The factor every gradient is multiplied by: ``max_norm / (total_norm + eps)``, capped at 1
+    (PyTorch's clip_grad_norm_ formula)."""
+    return min(1.0, max_norm / (total_norm + eps))
+
+
+def clip_grad_norm(params, max_norm):
+    """Scale the gradients of ``params`` in place so their global L2 norm is at most ``max_norm``.
+    Returns the norm BEFORE clipping (log it: spikes show instability)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total_norm = grad_norm_sq(grads) ** 0.5
+    coef = clip_coef(total_norm, max_norm)
+    if coef < 1.0:
+        for g in grads:
+            g *= coef
+    return total_norm

@@ -1,0 +1,67 @@
+"""Launch a script under ``mpiexec`` from a test, so that a hang fails instead of blocking CI.
+
+``run_mpi(n, script, *args)`` runs ``mpiexec -n n python script args...`` in its own process group,
+with ``OMP_NUM_THREADS=1``. Past ``timeout`` seconds the whole group (mpiexec and every rank) is
+killed and the test fails with everything the ranks printed.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+
+
+def find_mpiexec() -> str | None:
+    """``mpiexec`` next to this Python (a virtual environment with the ``mpich`` wheel), else on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else shutil.which("mpiexec")
+
+
+@dataclass
+class MPIRun:
+    """What one ``mpiexec`` launch returned: exit code, output, and seconds it took."""
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+    @property
+    def output(self) -> str:
+        return f"--- stdout ---\n{self.stdout}\n--- stderr ---\n{self.stderr}"
+
+
+def run_mpi(n: int, script, *args, timeout: float = 60.0, check: bool = True) -> MPIRun:
+    """Run ``script`` (a path, or a name in ``tests/mpi/``) on ``n`` ranks.
+
+    With ``check`` a non-zero exit raises ``AssertionError`` carrying the output; without it the
+    caller inspects :class:`MPIRun` (used by tests that expect the job to fail). A launch still
+    running after ``timeout`` seconds is killed, group and all, and raises ``AssertionError``.
+    """
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        raise FileNotFoundError("mpiexec not found next to sys.executable nor on PATH")
+    path = Path(script) if Path(script).is_absolute() or Path(script).exists() else HERE / script
+    cmd = [mpiexec, "-n", str(n), sys.executable, str(path), *map(str, args)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=REPO, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        run = MPIRun(-signal.SIGKILL, stdout, stderr, time.monotonic() - start)
+        raise AssertionError(f"{' '.join(cmd)} hung for {timeout}s and was killed\n{run.output}")
+    run = MPIRun(proc.returncode, stdout, stderr, time.monotonic() - start)
+    if check and run.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited with {run.returncode}\n{run.output}")
+    return run

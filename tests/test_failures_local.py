@@ -1,0 +1,136 @@
+"""Failing fast and clearly: bad arguments are refused before anything is sent, a missing peer ends
+in an error that names the call and the peer, and debug mode catches ranks that disagree."""
+import time
+
+import numpy as np
+import pytest
+
+from minidist import run_local
+from minidist.comm import CollectiveMismatchError, CommTimeoutError, PeerExited
+
+
+def read_only(x):
+    x.flags.writeable = False
+    return x
+
+
+BAD_CALLS = {  # every rank makes the same bad call
+    "unknown op": lambda g: g.all_reduce(np.zeros(4), op="mean"),
+    "unsupported dtype": lambda g: g.all_reduce(np.zeros(4, dtype=np.complex64)),
+    "not an array": lambda g: g.all_reduce([1.0, 2.0]),
+    "non-contiguous": lambda g: g.all_reduce(np.zeros((4, 4))[:, 0]),
+    "read-only": lambda g: g.broadcast(read_only(np.zeros(4))),
+    "unknown algorithm": lambda g: g.all_reduce(np.zeros(4), algorithm="tree"),
+    "src out of range": lambda g: g.broadcast(np.zeros(4), src=g.size),
+    "negative dst": lambda g: g.reduce(np.zeros(4), dst=-1),
+    "out of the wrong size": lambda g: g.reduce_scatter(np.zeros(4 * g.size), out=np.zeros(3)),
+    "out of the wrong dtype": lambda g: g.all_gather(np.zeros(2), out=np.zeros(2 * g.size, np.float32)),
+    "shard length vs count": lambda g: g.all_gather(np.zeros(3), count=2 * g.size),
+    "0-d reduce_scatter": lambda g: g.reduce_scatter(np.zeros(())),
+    "p2p tag reserved for collectives": lambda g: g.send(np.zeros(1), dst=0, tag=40000),
+    "p2p peer out of range": lambda g: g.recv(np.zeros(1), src=g.size),
+}
+
+
+@pytest.mark.parametrize("call", BAD_CALLS.values(), ids=BAD_CALLS.keys())
+def test_bad_arguments_raise_value_error_on_every_rank_before_sending(call):
+    def fn(g):
+        with pytest.raises(ValueError, match=f"^rank {g.rank}: "):
+            call(g)
+        nothing_happened = (g.seq, g.p2p_seq, g.trace.events) == (0, 0, [])
+        return nothing_happened, g.all_reduce(np.ones(3))  # no half-sent message confuses what follows
+
+    for nothing_happened, total in run_local(fn, 3, timeout=5.0):
+        assert nothing_happened
+        np.testing.assert_array_equal(total, [3.0, 3.0, 3.0])
+
+
+def test_a_rank_that_skips_a_collective_ends_in_a_timeout_naming_call_rank_and_peer():
+    def fn(g):
+        g.all_reduce(np.ones(4))  # collective #1: everyone
+        if g.rank == 1:
+            time.sleep(1.0)  # rank 1 skips #2, alive but silent
+            return None
+        with pytest.raises(CommTimeoutError) as info:
+            g.all_reduce(np.ones(4))
+        return info.value
+
+    for rank, error in enumerate(run_local(fn, 3, timeout=0.3)):
+        if rank != 1:  # recursive doubling on 3 ranks: both others wait on rank 1 directly
+            assert (error.op, error.seq, error.rank, error.peer, error.group) == ("all_reduce", 2, rank, 1, "world")
+            assert error.waited >= 0.3
+            assert str(error).startswith(f"all_reduce #2 on group 'world': rank {rank} waited")
+
+
+def test_a_rank_that_has_returned_is_noticed_at_once():
+    def fn(g):
+        if g.rank == 0:
+            start = time.monotonic()
+            with pytest.raises(CommTimeoutError) as info:
+                g.broadcast(np.zeros(4), src=1)
+            return info.value, time.monotonic() - start
+
+    error, seconds = run_local(fn, 2, timeout=30.0)[0]
+    assert (error.op, error.seq, error.peer) == ("broadcast", 1, 1) and seconds < 1.0
+    assert isinstance(error.__cause__, PeerExited)
+
+
+def test_a_point_to_point_wait_times_out_as_comm_timeout_error():
+    def fn(g):
+        if g.rank == 1:
+            time.sleep(0.6)
+            return None
+        request = g.irecv(np.zeros(1), src=1)
+        with pytest.raises(CommTimeoutError) as info:
+            request.wait()
+        return info.value
+
+    error = run_local(fn, 2, timeout=0.2)[0]
+    assert (error.op, error.seq, error.rank, error.peer) == ("irecv", 1, 0, 1)
+
+
+def test_debug_mode_names_the_ranks_that_called_something_else_on_every_rank():
+    def fn(g):
+        g.all_reduce(np.ones(2))
+        g.barrier()  # collectives #1 and #2 agree
+        with pytest.raises(CollectiveMismatchError) as info:
+            if g.rank == 1:
+                g.reduce_scatter(np.ones(10))
+            else:
+                g.all_reduce(np.ones(12))
+        return str(info.value)
+
+    assert run_local(fn, 3, debug=True, timeout=5.0) == [
+        "all_reduce #3 on group 'world': rank 1 called reduce_scatter with count 10 "
+        "while rank 0 called all_reduce with count 12"] * 3
+
+
+def test_debug_mode_catches_a_different_root_and_dtype():
+    def fn(g):
+        x = np.zeros(4, np.float32 if g.rank == 2 else np.float64)
+        with pytest.raises(CollectiveMismatchError) as info:
+            g.broadcast(x, src=min(g.rank, 1))
+        return str(info.value)
+
+    assert run_local(fn, 3, debug=True, timeout=5.0) == [
+        "broadcast #1 on group 'world': rank 1 called broadcast with root 1 while rank 0 called broadcast "
+        "with root 0; rank 2 called broadcast with dtype float32, root 1 while rank 0 called broadcast "
+        "with dtype float64, root 0"] * 3
+
+
+def test_run_local_reraises_the_first_error_and_the_others_do_not_hang():
+    def fn(g):
+        if g.rank == 2:
+            raise RuntimeError("boom")
+        g.all_reduce(np.ones(4))
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="boom") as info:
+        run_local(fn, 4, timeout=30.0)
+    assert time.monotonic() - start < 5.0
+    assert [note.split(":")[0] for note in info.value.__notes__] == [f"rank {r} also failed" for r in (0, 1, 3)]
+
+
+def test_run_local_refuses_the_mpi_backend():
+    with pytest.raises(ValueError, match="mpiexec"):
+        run_local(lambda g: None, 2, backend="mpi")

@@ -1,0 +1,67 @@
+"""What a ProcessGroup adds to the algorithms: the all-reduce algorithm choice, "avg", numbering and
+tracing of every call, and point-to-point messages."""
+import numpy as np
+import pytest
+
+from minidist import run_local
+from minidist.comm.group import DEFAULT_THRESHOLD_BYTES
+
+
+def test_auto_uses_recursive_doubling_below_the_threshold_and_the_ring_from_it():
+    small, large = DEFAULT_THRESHOLD_BYTES // 8 - 1, DEFAULT_THRESHOLD_BYTES // 8  # float64 elements
+
+    def fn(g):
+        for n in (small, large):
+            g.all_reduce(np.ones(n))
+        g.all_reduce(np.ones(4), algorithm="ring")
+        return [e.algorithm for e in g.trace.events]
+
+    assert run_local(fn, 3)[0] == ["doubling", "ring", "ring"]
+    assert run_local(fn, 3, threshold_bytes=0)[0] == ["ring", "ring", "ring"]
+
+
+@pytest.mark.parametrize("dtype, want", [("float32", [-3.5, 3.5, 0.5]), ("int64", [-3, 3, 0])])
+def test_avg_divides_the_sum_and_truncates_integers_toward_zero(dtype, want):
+    contributions = {0: [-3, 3, 1], 1: [-4, 4, 0]}  # sums -7, 7, 1 over 2 ranks
+    results = run_local(lambda g: g.all_reduce(np.array(contributions[g.rank], dtype), op="avg"), 2)
+    for got in results:
+        np.testing.assert_array_equal(got, np.array(want, dtype))
+
+
+def test_every_call_is_numbered_and_traced():
+    def fn(g):
+        x = np.zeros(10, np.float32)
+        g.all_reduce(x)
+        g.reduce_scatter(x)
+        g.all_gather(np.zeros(5, np.float32))
+        if g.rank == 0:
+            g.send(x, dst=1, tag=3)
+        else:
+            g.recv(x, src=0, tag=3)
+        g.barrier()
+        return [(e.op, e.group, e.algorithm, e.nbytes, e.seq, e.peer, e.kind) for e in g.trace.events], g.seq
+
+    (events0, seq0), (events1, seq1) = run_local(fn, 2)
+    assert events0 == [("all_reduce", "world", "doubling", 40, 1, None, "collective"),
+                       ("reduce_scatter", "world", "ring", 40, 2, None, "collective"),
+                       ("all_gather", "world", "ring", 40, 3, None, "collective"),
+                       ("send", "world", "", 40, 1, 1, "p2p"),
+                       ("barrier", "world", "binomial", 0, 4, None, "collective")]
+    assert events1[3] == ("recv", "world", "", 40, 1, 0, "p2p")
+    assert seq0 == seq1 == 4  # point-to-point calls are counted apart, so collectives stay in step
+
+
+def test_non_blocking_point_to_point_exchange():
+    def fn(g):
+        peer = 1 - g.rank
+        got = np.empty(3)
+        receive = g.irecv(got, src=peer)
+        send = g.isend(np.full(3, float(g.rank)), dst=peer)
+        send.wait()
+        receive.wait()
+        return got, g.sendrecv(np.array([g.rank]), peer, np.empty(1, np.int64), peer)
+
+    (got0, swapped0), (got1, swapped1) = run_local(fn, 2)
+    np.testing.assert_array_equal(got0, [1.0, 1.0, 1.0])
+    np.testing.assert_array_equal(got1, [0.0, 0.0, 0.0])
+    assert (swapped0[0], swapped1[0]) == (1, 0)

@@ -1,0 +1,123 @@
+"""The fused neural-network ops: each forward against a plain NumPy reference written the obvious
+way, each backward against finite differences (float64)."""
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from minidist.autograd import (Tensor, cross_entropy, embedding, gelu, layer_norm, linear,
+                               scaled_dot_product_attention)
+from tests.gradcheck import check_gradients
+
+rng = np.random.default_rng(0)
+FAST = settings(max_examples=15, deadline=None)
+
+
+@pytest.mark.parametrize("x_shape", [(5,), (2, 5), (2, 3, 5)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_uses_pytorch_layout(x_shape, bias):
+    x, w, b = rng.standard_normal(x_shape), rng.standard_normal((4, 5)), rng.standard_normal(4)
+    y = linear(Tensor(x), Tensor(w), Tensor(b) if bias else None)
+    np.testing.assert_allclose(y.data, x @ w.T + (b if bias else 0))
+    if bias:
+        check_gradients(linear, x, w, b)
+    else:
+        check_gradients(lambda x, w: linear(x, w), x, w)
+
+
+def test_gelu_tanh_form():
+    x = np.linspace(-6, 6, 41)
+    ref = [0.5 * v * (1 + math.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v ** 3))) for v in x]
+    np.testing.assert_allclose(gelu(Tensor(x)).data, ref, rtol=1e-14, atol=1e-15)
+    check_gradients(gelu, rng.standard_normal((3, 4)) * 2)
+
+
+@FAST
+@given(shape=st.lists(st.integers(1, 4), min_size=1, max_size=3).map(tuple), bias=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_layer_norm(shape, bias, seed):
+    r = np.random.default_rng(seed)
+    x, w, b = r.standard_normal(shape) * 3 + 1, r.standard_normal(shape[-1]), r.standard_normal(shape[-1])
+    ref = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5) * w + (b if bias else 0)
+    np.testing.assert_allclose(layer_norm(Tensor(x), Tensor(w), Tensor(b) if bias else None).data, ref,
+                               rtol=1e-12, atol=1e-12)
+    if bias:
+        check_gradients(layer_norm, x, w, b)
+    else:
+        check_gradients(lambda x, w: layer_norm(x, w), x, w)
+
+
+def attention_reference(q, k, v, is_causal):
+    """Loops over batch, head and query: softmax of scaled scores over the allowed keys, then mix v."""
+    B, H, T, hs = q.shape
+    out = np.zeros_like(q)
+    for b in range(B):
+        for h in range(H):
+            for t in range(T):
+                keys = range(t + 1) if is_causal else range(k.shape[2])
+                scores = np.array([q[b, h, t] @ k[b, h, s] / math.sqrt(hs) for s in keys])
+                p = np.exp(scores - scores.max())
+                p /= p.sum()
+                out[b, h, t] = sum(p[j] * v[b, h, s] for j, s in enumerate(keys))
+    return out
+
+
+@pytest.mark.parametrize("is_causal,S", [(True, 4), (False, 4), (False, 2)])
+def test_attention_matches_reference_and_finite_differences(is_causal, S):
+    q = rng.standard_normal((2, 3, 4, 5))
+    k, v = rng.standard_normal((2, 3, S, 5)), rng.standard_normal((2, 3, S, 5))
+    y = scaled_dot_product_attention(Tensor(q), Tensor(k), Tensor(v), is_causal=is_causal)
+    np.testing.assert_allclose(y.data, attention_reference(q, k, v, is_causal), rtol=1e-12, atol=1e-12)
+    check_gradients(lambda q, k, v: scaled_dot_product_attention(q, k, v, is_causal), q, k, v)
+
+
+def test_causal_attention_never_looks_ahead():
+    q, k, v = (Tensor(rng.standard_normal((1, 2, 6, 4)), requires_grad=True) for _ in range(3))
+    y = scaled_dot_product_attention(q, k, v, is_causal=True)
+    y[:, :, 2].sum().backward()  # the output at position 2 ...
+    for t in (k, v):              # ... depends on keys and values 0..2 only
+        assert np.all(t.grad[:, :, 3:] == 0) and np.any(t.grad[:, :, :3] != 0)
+
+
+def test_embedding_gathers_rows_and_adds_gradients_of_repeats():
+    w = rng.standard_normal((5, 3))
+    idx = np.array([[0, 4, 4], [2, 4, 0]])
+    np.testing.assert_array_equal(embedding(idx, Tensor(w)).data, w[idx])
+    weight = Tensor(w, requires_grad=True)
+    embedding(idx, weight).backward(np.ones((2, 3, 3)))
+    np.testing.assert_array_equal(weight.grad[:, 0], [2, 0, 1, 0, 3])  # how often each row was used
+    check_gradients(lambda w: embedding(idx, w), w)
+
+
+def cross_entropy_reference(logits, targets, ignore_index=-1):
+    z = logits.reshape(-1, logits.shape[-1])
+    log_probs = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    losses = [-log_probs[i, t] for i, t in enumerate(targets.reshape(-1)) if t != ignore_index]
+    return np.mean(losses), np.sum(losses)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_cross_entropy_ignores_targets_equal_to_ignore_index(reduction):
+    logits = rng.standard_normal((2, 3, 7))
+    targets = np.array([[1, -1, 6], [0, 3, -1]])
+    mean, total = cross_entropy_reference(logits, targets)
+    loss = cross_entropy(Tensor(logits), targets, reduction=reduction)
+    np.testing.assert_allclose(loss.item(), mean if reduction == "mean" else total, rtol=1e-13)
+    check_gradients(lambda z: cross_entropy(z, targets, reduction=reduction), logits)
+
+
+def test_cross_entropy_is_stable_for_huge_logits():
+    logits = np.array([[1e4, 0.0, -1e4], [5e3, 5e3, 0.0]])
+    z = Tensor(logits, requires_grad=True)
+    loss = cross_entropy(z, np.array([0, 1]))
+    np.testing.assert_allclose(loss.item(), (0.0 + math.log(2)) / 2, atol=1e-12)
+    loss.backward()
+    np.testing.assert_allclose(z.grad, [[0, 0, 0], [0.25, -0.25, 0]], atol=1e-12)
+
+
+def test_cross_entropy_custom_ignore_index_and_all_ignored_is_nan():
+    logits = rng.standard_normal((3, 4))
+    mean, _ = cross_entropy_reference(logits, np.array([2, 0, 3]), ignore_index=0)
+    np.testing.assert_allclose(cross_entropy(Tensor(logits), np.array([2, 0, 3]), ignore_index=0).item(), mean)
+    assert math.isnan(cross_entropy(Tensor(logits), np.array([-1, -1, -1])).item())
