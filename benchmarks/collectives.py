@@ -127,7 +127,8 @@ def plot(runs: list[tuple[int, list[dict]]], path: str) -> None:
     for (n, rows), row_axes in zip(runs, axes):
         for ax, collective in zip(row_axes, COLLECTIVES):
             for backend, style, label in zip(BACKENDS, ("o-", "s--"), ("ring (minidist)", "mpi (MPI's own)")):
-                pts = [(r["size"], r["busbw"]) for r in rows if r["collective"] == collective and r["backend"] == backend]
+                pts = [(r["size"], r["busbw"]) for r in rows
+                       if r["collective"] == collective and r["backend"] == backend]
                 if pts:
                     ax.plot(*zip(*pts), style, label=label)
             ax.set(xscale="log", title=f"{collective}, {n} ranks", xlabel="size (bytes, float32)",

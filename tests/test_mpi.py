@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,17 @@ def test_uncaught_exception_on_one_rank_aborts_the_whole_job_quickly():
     assert run.returncode != 0, run.output
     assert run.seconds < 20, f"abort took {run.seconds:.1f}s: the others waited for their timeout"
     assert "[rank 1]" in run.stderr and "rank 1 fails on purpose" in run.stderr, run.output
+
+
+@needs_mpi
+def test_harness_kills_a_hung_job_and_fails():
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match="hung for 2s and was killed"):
+        run_mpi(2, "hang.py", timeout=2)
+    assert time.monotonic() - start < 10
+    time.sleep(0.5)
+    leftovers = subprocess.run(["pgrep", "-f", "tests/mpi/hang.py"], capture_output=True, text=True).stdout
+    assert leftovers == "", f"ranks still running: {leftovers}"
 
 
 @needs_mpi

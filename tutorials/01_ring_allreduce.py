@@ -81,7 +81,8 @@ def ring_all_reduce(group, x):
         received = np.empty_like(recv)
         group.sendrecv(send, right, received, left)
         recv[...] = received  # a complete chunk: copy, don't add
-        show(group, f"all-gather step {s + 1}/{n - 1}: sent chunk r{f'-{s}' if s else ''}, stored chunk r-{s + 1}", x, n)
+        sent = f"r-{s}" if s else "r"
+        show(group, f"all-gather step {s + 1}/{n - 1}: sent chunk {sent}, stored chunk r-{s + 1}", x, n)
     return x
 
 
@@ -89,7 +90,8 @@ def lesson(group):
     """The whole lesson on one rank; returns this rank's all-reduced buffer."""
     point_to_point(group)
     if group.rank == 0:
-        print(f"\n=== 2. ring all-reduce of {COUNT} elements (chunks of {[len(c) for c in np.array_split(np.zeros(COUNT), group.size)]}) ===")
+        sizes = [len(c) for c in np.array_split(np.zeros(COUNT), group.size)]
+        print(f"\n=== 2. ring all-reduce of {COUNT} elements (chunks of {sizes}) ===")
 
     def start(rank):  # rank r starts with (r + 1) * [1, 2, ..., COUNT]
         return (rank + 1) * np.arange(1, COUNT + 1, dtype=np.int64)  # (COUNT,)
@@ -99,7 +101,7 @@ def lesson(group):
     ring_all_reduce(group, x)
 
     expected = sum(start(r) for r in range(group.size))  # numpy, in one process
-    library = group.all_reduce(start(group.rank))        # minidist's own ring
+    library = group.all_reduce(start(group.rank))        # the library's (this small: recursive doubling)
     wrong = not (np.array_equal(x, expected) and np.array_equal(x, library))
     if wrong:
         print(f"rank {group.rank}: hand-written {x}, numpy {expected}, library {library}", flush=True)

@@ -9,6 +9,9 @@ Every function takes an :class:`~minidist.comm.mpi_transport.MPITransport` ``t``
 and flat, contiguous 1-D arrays. Reductions are typed: float16, float32, float64, int32 and int64.
 float16 uses MPI's ``MPI_FLOAT16_T`` (MPICH: ``MPIX_C_FLOAT16``, with every reduction op); an MPI
 library without it gets a clear error rather than a silent fallback.
+
+MPI's collectives block inside the library, with no deadline: a rank that skips one leaves the
+others waiting until the job is killed. The timeout that names op, rank and peer is backend "ring"'s.
 """
 from __future__ import annotations
 
@@ -25,8 +28,8 @@ def _mpi_type(t, dtype):
     name = _DTYPES.get(np.dtype(dtype))
     mpi_type = getattr(MPI, name, MPI.DATATYPE_NULL) if name else MPI.DATATYPE_NULL
     if mpi_type == MPI.DATATYPE_NULL:
-        raise TypeError(f"backend 'mpi' has no MPI datatype for {np.dtype(dtype)} in this MPI library "
-                        f"(supported here: {[str(d) for d, n in _DTYPES.items() if getattr(MPI, n) != MPI.DATATYPE_NULL]})")
+        raise TypeError(f"backend 'mpi': this MPI library has no datatype for {np.dtype(dtype)}; "
+                        f"backend 'ring' has none to need (it sends bytes)")
     return mpi_type
 
 
@@ -43,8 +46,8 @@ def all_reduce(t, buf, op: str = "sum") -> None:
 
 
 def reduce_scatter(t, buf, counts, op, out) -> None:
-    """Reduce ``buf`` (``sum(counts)`` elements, same on every rank's layout) over all ranks and leave
-    rank r's part, ``counts[r]`` elements, in ``out`` (``MPI_Reduce_scatter``). ``buf`` is not changed."""
+    """Reduce ``buf`` (``sum(counts)`` elements on every rank) over all ranks and leave rank r's part,
+    the ``counts[r]`` elements at ``sum(counts[:r])``, in ``out`` (``MPI_Reduce_scatter``)."""
     mpi_type = _mpi_type(t, buf.dtype)
     t.comm.Reduce_scatter([buf, mpi_type], [out, mpi_type], recvcounts=list(counts), op=_mpi_op(t, op))
 

@@ -75,10 +75,13 @@ def check_reduce_scatter_all_gather(g_ring, g_mpi, tag):
         for op in ops_for(dtype):
             x = data(shape, dtype, op, seed)
             want = g_mpi.reduce_scatter(x.copy(), op=op)
-            same(g_ring.reduce_scatter(x.copy(), op=op), want, f"{tag} reduce_scatter {np.dtype(dtype)} {shape} {op}")
+            what = f"{tag} reduce_scatter {np.dtype(dtype)} {shape} {op}"
+            unchanged = x.copy()
+            same(g_ring.reduce_scatter(unchanged, op=op), want, what)
+            same(unchanged, x, what + ": the input is not modified")
             out = np.empty_like(want)
             assert g_ring.reduce_scatter(x.copy(), op=op, out=out) is out
-            same(out, want, f"{tag} reduce_scatter(out=) {np.dtype(dtype)} {shape} {op}")
+            same(out, want, what + " (out=)")
         # all_gather of numpy.array_split shards: uneven when shape[0] % n != 0.
         full = data(shape, dtype, "sum", seed + 1000)
         shard = np.ascontiguousarray(np.array_split(full, g_ring.size)[g_ring.rank])
@@ -87,6 +90,8 @@ def check_reduce_scatter_all_gather(g_ring, g_mpi, tag):
         out = np.empty_like(want)
         assert g_ring.all_gather(shard, count=shape[0], out=out) is out
         same(out, want, f"{tag} all_gather(out=) {np.dtype(dtype)} {shape}")
+        # without count, every rank's shard has the same length: here, all of `full`.
+        same(g_ring.all_gather(full), g_mpi.all_gather(full), f"{tag} all_gather(count=None) {np.dtype(dtype)} {shape}")
 
 
 def check_rooted(g_ring, g_mpi, tag):
@@ -127,6 +132,15 @@ def check_point_to_point():
             got = np.empty(7, dtype)
             ring.recv(got, 0)
             same(got, np.arange(7, dtype=dtype), f"send/recv {np.dtype(dtype)}")
+    # A message shorter than the receive buffer is an error, not a half-filled buffer.
+    if rank == 0:
+        ring.send(np.zeros(3), 1)
+    elif rank == 1:
+        try:
+            ring.recv(np.zeros(4), 0)
+            raise AssertionError("receiving 3 elements into a buffer of 4 did not raise")
+        except ValueError as e:
+            assert "received 24 bytes from rank 0 into a buffer of 32 bytes" in str(e), e
 
 
 def check_subgroups():
