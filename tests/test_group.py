@@ -1,8 +1,11 @@
 """What a ProcessGroup adds to the algorithms: the all-reduce algorithm choice, "avg", numbering and
 tracing of every call, and point-to-point messages."""
+import json
+
 import numpy as np
 import pytest
 
+import minidist
 from minidist import run_local
 from minidist.comm.group import DEFAULT_THRESHOLD_BYTES
 
@@ -65,3 +68,16 @@ def test_non_blocking_point_to_point_exchange():
     np.testing.assert_array_equal(got0, [1.0, 1.0, 1.0])
     np.testing.assert_array_equal(got1, [0.0, 0.0, 0.0])
     assert (swapped0[0], swapped1[0]) == (1, 0)
+
+
+def test_a_trace_saved_as_json_lines_loads_back_equal(tmp_path):
+    from minidist.comm.trace import Trace, write_chrome_trace
+    traces = minidist.run_local(lambda g: (g.all_reduce(np.ones(5)), g.barrier(), g.trace)[-1], 2)
+    for t in traces:
+        t.save(tmp_path / f"rank{t.rank}.jsonl")
+    loaded = [Trace.load(tmp_path / f"rank{r}.jsonl") for r in range(2)]
+    assert [t.events for t in loaded] == [t.events for t in traces]
+    assert [e.op for e in loaded[1].events] == ["all_reduce", "barrier"] and loaded[1].rank == 1
+    write_chrome_trace(loaded, tmp_path / "trace.json", shared_clock=True)
+    chrome = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    assert sorted(e["tid"] for e in chrome if e["ph"] == "X") == [0, 0, 1, 1]

@@ -74,6 +74,21 @@ class Trace:
                          f"{r['bytes']:>12} {1e3 * r['seconds']:>10.3f}")
         return "\n".join(lines)
 
+    def save(self, path) -> None:
+        """Write the events as JSON lines (one event per line) to ``path``."""
+        with open(path, "w") as f:
+            for e in self.events:
+                f.write(json.dumps(asdict(e)) + "\n")
+
+    @classmethod
+    def load(cls, path, rank: int | None = None) -> "Trace":
+        """Read a trace written by :meth:`save`; ``rank`` defaults to the events' rank."""
+        with open(path) as f:
+            events = [Event(**json.loads(line)) for line in f if line.strip()]
+        trace = cls(rank if rank is not None else (events[0].rank if events else 0))
+        trace.events = events
+        return trace
+
     def to_chrome(self, origin: float | None = None) -> list[dict]:
         """Chrome trace 'complete' events (ph 'X'), one row (tid) per rank, microseconds."""
         if origin is None:
