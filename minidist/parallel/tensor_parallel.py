@@ -1,0 +1,256 @@
+"""Tensor parallelism (Megatron-LM): each layer's weight matrices are split across the ranks of a
+tensor-parallel group, and two conjugate operators join the pieces.
+
+A transformer MLP is ``Y = GELU(X A) B``. Split A by columns and B by rows over n ranks:
+
+    rank r:   Y_r = GELU(X A_r) B_r          (no communication: GELU acts on each column alone)
+    all:      Y   = Y_0 + Y_1 + ... + Y_n-1   (one all-reduce)
+
+Attention splits the same way with whole heads per rank (c_attn by columns, c_proj by rows). The two
+operators, in Megatron's names:
+
+    f = copy_to_tensor_parallel_region      forward: identity      backward: all-reduce
+    g = reduce_from_tensor_parallel_region  forward: all-reduce    backward: identity
+
+f stands before a column-parallel layer (every rank reads the same X, so the gradient of X is the sum
+of the ranks' contributions); g stands after a row-parallel layer (the outputs are partial sums). So
+each transformer layer costs 2 all-reduces forward (g after attention and MLP) and 2 backward (f).
+
+Sequence parallelism (Korthikanti et al. 2022) also shards what lies between those layers
+(LayerNorm, residual adds) along the sequence: each rank keeps T/n of the tokens there. Then
+g becomes a reduce-scatter (sum the partial outputs and keep my tokens) and f an all-gather (collect
+all tokens before the column-parallel layer); their backwards swap: all-gather <-> reduce-scatter.
+An all-reduce *is* a reduce-scatter plus an all-gather, so the bytes sent stay the same while the
+activations between layers shrink n times.
+
+Which rank holds what is in :func:`shard_for` / :func:`unshard`, by GPT-2 parameter name.
+"""
+import numpy as np
+
+from minidist import nn
+from minidist.autograd import Function, linear
+
+# ---- the communication operators (autograd Functions) ---------------------------------------------
+
+
+class CopyToTensorParallelRegion(Function):
+    """f: identity forward; backward all-reduces (sum) the gradient over the tensor-parallel group."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.group.all_reduce(grad.copy()), None  # copy: never write into a received gradient
+
+
+class ReduceFromTensorParallelRegion(Function):
+    """g: forward all-reduces (sum) the partial outputs over the group; identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return group.all_reduce(x.copy())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _sequence_first(x):
+    """(B, T, C) -> contiguous (T, B, C): the collectives split and join along axis 0."""
+    return np.ascontiguousarray(x.swapaxes(0, 1))
+
+
+class GatherFromSequenceParallelRegion(Function):
+    """Sequence parallelism's f: forward all-gathers the ranks' token shards (B, T/n, C) into the
+    whole sequence (B, T, C); backward reduce-scatters the gradient (sum over ranks, keep my tokens)."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # (B, T/n, C)
+        ctx.group = group
+        return group.all_gather(_sequence_first(x)).swapaxes(0, 1)  # (B, T, C)
+
+    @staticmethod
+    def backward(ctx, grad):  # (B, T, C)
+        return ctx.group.reduce_scatter(_sequence_first(grad)).swapaxes(0, 1), None  # (B, T/n, C)
+
+
+class ReduceScatterToSequenceParallelRegion(Function):
+    """Sequence parallelism's g: forward sums the partial outputs (B, T, C) over the ranks and keeps
+    this rank's tokens (B, T/n, C) (a reduce-scatter); backward all-gathers the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # (B, T, C)
+        ctx.group = group
+        return group.reduce_scatter(_sequence_first(x)).swapaxes(0, 1)  # (B, T/n, C)
+
+    @staticmethod
+    def backward(ctx, grad):  # (B, T/n, C)
+        return ctx.group.all_gather(_sequence_first(grad)).swapaxes(0, 1), None  # (B, T, C)
+
+
+def copy_to_tensor_parallel_region(x, group):
+    """f: identity forward, all-reduce of the gradient backward."""
+    return CopyToTensorParallelRegion.apply(x, group)
+
+
+def reduce_from_tensor_parallel_region(x, group):
+    """g: all-reduce forward, identity backward."""
+    return ReduceFromTensorParallelRegion.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x, group):
+    """All-gather along the sequence (axis 1) forward, reduce-scatter backward."""
+    return GatherFromSequenceParallelRegion.apply(x, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(x, group):
+    """Reduce-scatter along the sequence (axis 1) forward, all-gather backward."""
+    return ReduceScatterToSequenceParallelRegion.apply(x, group)
+
+
+def enter_tensor_parallel_region(x, group, sequence_parallel: bool):
+    """What stands before a column-parallel layer: f, or the all-gather under sequence parallelism.
+    Returns the full input (B, T, C), the same on every rank."""
+    if sequence_parallel:
+        return gather_from_sequence_parallel_region(x, group)
+    return copy_to_tensor_parallel_region(x, group)
+
+
+def exit_tensor_parallel_region(x, group, sequence_parallel: bool):
+    """What stands after a row-parallel layer: g, or the reduce-scatter under sequence parallelism."""
+    if sequence_parallel:
+        return reduce_scatter_to_sequence_parallel_region(x, group)
+    return reduce_from_tensor_parallel_region(x, group)
+
+
+# ---- the layers ----------------------------------------------------------------------------------
+
+
+def _divide(n: int, parts: int, what: str) -> int:
+    if n % parts:
+        raise ValueError(f"tensor parallelism splits {what} = {n} over {parts} ranks: it must be divisible")
+    return n // parts
+
+
+def _mark(p, tensor_parallel: bool):
+    p.tensor_parallel = tensor_parallel
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y_r = x @ A_r.T + b_r``: this rank's block of output features (``out_features / n`` of them).
+
+    weight (out/n, in) and bias (out/n,) are shards (``tensor_parallel = True``). No communication
+    here: the input must be the same on every rank, so the model passes it through
+    :func:`enter_tensor_parallel_region` (f, or the sequence all-gather) first; the output stays split.
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp_group, bias: bool = True, dtype="float32"):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = _divide(out_features, tp_group.size, "out_features")  # local width
+        self.weight = _mark(nn.Parameter(np.zeros((self.out_features, in_features), dtype=dtype)), True)
+        self.bias = _mark(nn.Parameter(np.zeros(self.out_features, dtype=dtype)), True) if bias else None
+
+    def forward(self, x):  # (B, T, in) -> (B, T, out/n)
+        return linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = sum_r x_r @ B_r.T + b``: this rank multiplies its block of input features and the ranks
+    sum the partial outputs with g (all-reduce), or under sequence parallelism reduce-scatter them
+    along the sequence. weight (out, in/n) is a shard; the bias is replicated and added once, after
+    the sum."""
+
+    def __init__(self, in_features: int, out_features: int, tp_group, bias: bool = True, dtype="float32",
+                 sequence_parallel: bool = False):
+        super().__init__()
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.in_features = _divide(in_features, tp_group.size, "in_features")  # local width
+        self.out_features = out_features
+        self.weight = _mark(nn.Parameter(np.zeros((out_features, self.in_features), dtype=dtype)), True)
+        self.bias = _mark(nn.Parameter(np.zeros(out_features, dtype=dtype)), False) if bias else None
+
+    def forward(self, x):  # (B, T, in/n) -> (B, T, out), or (B, T/n, out) under sequence parallelism
+        y = exit_tensor_parallel_region(linear(x, self.weight), self.tp_group, self.sequence_parallel)
+        return y + self.bias if self.bias is not None else y
+
+
+def sync_sequence_parallel_grads(model, tp_group) -> None:
+    """Under sequence parallelism a replicated parameter (LayerNorm, row-parallel bias, position
+    embedding: marked ``sequence_parallel = True``) sees only this rank's tokens, so its gradient is a
+    partial sum: add them over the tensor-parallel group, all in ONE all-reduce of a flat buffer.
+    Call after backward, before clipping. A no-op (nothing sent) without sequence parallelism."""
+    grads = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if not grads:
+        return
+    flat = np.concatenate([g.reshape(-1) for g in grads])  # (sum of sizes,)
+    tp_group.all_reduce(flat)
+    offset = 0
+    for g in grads:
+        g[...] = flat[offset:offset + g.size].reshape(g.shape)
+        offset += g.size
+
+
+# ---- which rank holds what ---------------------------------------------------------------------------
+
+
+def tp_layout(name: str) -> str:
+    """How GPT parameter ``name`` is split over a tensor-parallel group:
+
+    "qkv"        c_attn: q, k and v each split by heads along axis 0; the shard is [q_r; k_r; v_r]
+    "column"     c_fc weight/bias: axis 0 (output features)
+    "row"        c_proj weights: axis 1 (input features)
+    "vocab"      wte and lm_head: vocabulary rows, padded with zero rows to a multiple of n
+    "replicated" everything else (LayerNorms, wpe, c_proj biases): the same on every rank
+    """
+    if name in ("transformer.wte.weight", "lm_head.weight"):
+        return "vocab"
+    module, kind = name.split(".")[-2:]
+    if module == "c_attn":
+        return "qkv"
+    if module == "c_fc":
+        return "column"
+    if module == "c_proj" and kind == "weight":
+        return "row"
+    return "replicated"
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
+    """The vocabulary rounded up to a multiple of ``tp_size`` (each rank holds an equal slice)."""
+    return -(-vocab_size // tp_size) * tp_size
+
+
+def shard_for(name: str, full, tp_rank: int, tp_size: int):
+    """The part of parameter ``name``'s full value that rank ``tp_rank`` of ``tp_size`` holds."""
+    layout = tp_layout(name)
+    if layout == "replicated":
+        return full
+    if layout == "vocab":
+        padding = np.zeros((padded_vocab_size(len(full), tp_size) - len(full),) + full.shape[1:], full.dtype)
+        return np.split(np.concatenate([full, padding]), tp_size)[tp_rank]
+    if layout == "qkv":
+        _divide(len(full) // 3, tp_size, f"the width of {name}")
+        return np.concatenate([np.split(part, tp_size)[tp_rank] for part in np.split(full, 3)])
+    axis = 0 if layout == "column" else 1
+    _divide(full.shape[axis], tp_size, f"axis {axis} of {name}")
+    return np.split(full, tp_size, axis=axis)[tp_rank]
+
+
+def unshard(name: str, shards: list, vocab_size: int | None = None):
+    """The full value of parameter ``name`` from the shards of ranks 0..n-1 (inverse of
+    :func:`shard_for`). For "vocab" parameters ``vocab_size`` is required: the padded rows are dropped."""
+    layout = tp_layout(name)
+    if layout == "replicated":
+        return shards[0]
+    if layout == "vocab":
+        if vocab_size is None:
+            raise ValueError(f"unshard({name!r}) needs vocab_size: the vocabulary is padded to a multiple of tp")
+        return np.concatenate(shards)[:vocab_size]
+    if layout == "qkv":
+        pieces = [np.split(s, 3) for s in shards]  # per rank: [q_r, k_r, v_r]
+        return np.concatenate([p[i] for i in range(3) for p in pieces])  # [q_0..q_n-1; k...; v...]
+    return np.concatenate(shards, axis=0 if layout == "column" else 1)

@@ -1,0 +1,146 @@
+"""The GPT with tensor parallelism (and optionally sequence parallelism) over one group of n ranks.
+
+Same modules, names and cut (``embed`` -> ``transformer.h`` -> ``head``) as :class:`minidist.model.GPT`;
+the big matrices are shards (see :func:`~minidist.parallel.tensor_parallel.tp_layout`). Where each
+rank talks to the others, per transformer block:
+
+    x ──ln_1──f──[c_attn: my heads' q,k,v]──attention(my heads)──[c_proj: my rows]──g──+ x
+    x ──ln_2──f──[c_fc: my columns]──GELU──[c_proj: my rows]──g──+ x
+
+f: identity forward, all-reduce backward; g: all-reduce forward, identity backward. With
+``sequence_parallel`` x, the LayerNorms and residual adds hold only this rank's T/n tokens, f is an
+all-gather (backward reduce-scatter) and g a reduce-scatter (backward all-gather). Around the
+blocks: the vocab-parallel embedding ends in g, the LM head starts with f, and the vocab-parallel
+cross-entropy costs 3 small all-reduces.
+"""
+
+from minidist import nn
+from minidist.autograd import get_array_module
+from minidist.model import MLP, Block, CausalSelfAttention, GPTConfig, gpt2_init
+from minidist.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                               enter_tensor_parallel_region, padded_vocab_size, shard_for,
+                                               tp_layout)
+from minidist.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
+
+
+class TensorParallelAttention(CausalSelfAttention):
+    """CausalSelfAttention over this rank's n_head/n heads: c_attn column-parallel, c_proj row-parallel.
+    The forward is the parent's, which reads the number of heads from c_attn's (local) width."""
+
+    def __init__(self, config: GPTConfig, tp_group, sequence_parallel: bool, dtype):
+        nn.Module.__init__(self)
+        C = config.n_embd
+        self.head_dim = C // config.n_head
+        self.c_attn = ColumnParallelLinear(C, 3 * C, tp_group, bias=config.bias, dtype=dtype)
+        self.c_proj = RowParallelLinear(C, C, tp_group, bias=config.bias, dtype=dtype,
+                                        sequence_parallel=sequence_parallel)
+
+
+class TensorParallelMLP(MLP):
+    """MLP with c_fc column-parallel (4C/n hidden units here) and c_proj row-parallel."""
+
+    def __init__(self, config: GPTConfig, tp_group, sequence_parallel: bool, dtype):
+        nn.Module.__init__(self)
+        C = config.n_embd
+        self.c_fc = ColumnParallelLinear(C, 4 * C, tp_group, bias=config.bias, dtype=dtype)
+        self.c_proj = RowParallelLinear(4 * C, C, tp_group, bias=config.bias, dtype=dtype,
+                                        sequence_parallel=sequence_parallel)
+
+
+class TensorParallelBlock(Block):
+    """Block whose attention and MLP are split over the group; f (or the all-gather) enters each."""
+
+    def __init__(self, config: GPTConfig, tp_group, sequence_parallel: bool, dtype):
+        nn.Module.__init__(self)
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias, dtype=dtype)
+        self.attn = TensorParallelAttention(config, tp_group, sequence_parallel, dtype)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias, dtype=dtype)
+        self.mlp = TensorParallelMLP(config, tp_group, sequence_parallel, dtype)
+
+    def forward(self, x):  # (B, T, C), or (B, T/n, C) under sequence parallelism
+        x = x + self.attn(enter_tensor_parallel_region(self.ln_1(x), self.tp_group, self.sequence_parallel))
+        x = x + self.mlp(enter_tensor_parallel_region(self.ln_2(x), self.tp_group, self.sequence_parallel))
+        return x
+
+
+class TensorParallelGPT(nn.Module):
+    """GPT-2 split over ``tp_group`` (built by :func:`build_tp_gpt`). ``forward(idx, targets)`` returns
+    (logits, loss): logits (B, T, V_pad/n) are this rank's slice of the padded vocabulary (rank r holds
+    columns [r V_pad/n, (r+1) V_pad/n); columns >= vocab_size are padding), loss is the full mean
+    cross-entropy, bitwise the same on every rank."""
+
+    def __init__(self, config: GPTConfig, seed: int, dtype, tp_group, sequence_parallel: bool = False):
+        super().__init__()
+        n = tp_group.size
+        if config.n_head % n:
+            raise ValueError(f"tensor parallelism splits heads: n_head = {config.n_head} is not divisible by tp = {n}")
+        self.config, self.tp_group, self.sequence_parallel = config, tp_group, sequence_parallel
+        C, V = config.n_embd, config.vocab_size
+        self.transformer = nn.ModuleDict(dict(
+            wte=VocabParallelEmbedding(V, C, tp_group, dtype=dtype, sequence_parallel=sequence_parallel),
+            wpe=nn.Embedding(config.block_size, C, dtype=dtype),
+            h=nn.ModuleList([TensorParallelBlock(config, tp_group, sequence_parallel, dtype)
+                             for _ in range(config.n_layer)]),
+            ln_f=nn.LayerNorm(C, bias=config.bias, dtype=dtype),
+        ))
+        self.lm_head = ColumnParallelLinear(C, padded_vocab_size(V, n), tp_group, bias=False, dtype=dtype)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight  # one shard, two names
+        for name, p in self.named_parameters():
+            p.tensor_parallel = getattr(p, "tensor_parallel", False)
+            p.sequence_parallel = sequence_parallel and not p.tensor_parallel  # sees only my tokens
+            p.data[...] = shard_for(name, gpt2_init(name, full_shape(name, p.shape, config, n), seed,
+                                                    config.n_layer), tp_group.rank, n)
+
+    def embed(self, idx):
+        """Token ids (B, T) -> embeddings (B, T, C), or this rank's tokens (B, T/n, C) under sequence
+        parallelism. The first pipeline stage."""
+        T, n = idx.shape[1], self.tp_group.size
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        if self.sequence_parallel and T % n:
+            raise ValueError(f"sequence parallelism splits the sequence: T = {T} is not divisible by tp = {n}")
+        xp = get_array_module(self.transformer.wpe.weight.data)
+        tok_emb = self.transformer.wte(idx)  # (B, T, C) or (B, T/n, C): summed over the group inside
+        first, count = (self.tp_group.rank * T // n, T // n) if self.sequence_parallel else (0, T)
+        pos_emb = self.transformer.wpe(xp.arange(first, first + count))  # (T, C) or (T/n, C)
+        return tok_emb + pos_emb
+
+    def head(self, x, targets=None):
+        """Hidden states -> (this rank's logits (B, T, V_pad/n), mean cross-entropy or None)."""
+        x = enter_tensor_parallel_region(self.transformer.ln_f(x), self.tp_group, self.sequence_parallel)
+        logits = self.lm_head(x)  # (B, T, V_pad/n)
+        if targets is None:
+            return logits, None
+        return logits, vocab_parallel_cross_entropy(logits, targets, self.tp_group, self.config.vocab_size)
+
+    def forward(self, idx, targets=None):
+        """(logits (B, T, V_pad/n), loss) for token ids ``idx`` (B, T); loss is None without targets."""
+        x = self.embed(idx)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.head(x, targets)
+
+
+def full_shape(name: str, local_shape, config: GPTConfig, tp_size: int) -> tuple:
+    """The single-process shape of parameter ``name`` whose shard on one of ``tp_size`` ranks has
+    ``local_shape``."""
+    shape = list(local_shape)
+    layout = tp_layout(name)
+    if layout == "vocab":
+        shape[0] = config.vocab_size
+    elif layout in ("qkv", "column"):
+        shape[0] *= tp_size
+    elif layout == "row":
+        shape[1] *= tp_size
+    return tuple(shape)
+
+
+def build_tp_gpt(config: GPTConfig, seed: int, dtype, tp_group, sequence_parallel: bool = False) -> TensorParallelGPT:
+    """This rank's part of the GPT: every parameter is :func:`shard_for` of ``gpt2_init``'s full value
+    (so it starts from exactly the single-process weights); shards carry ``tensor_parallel = True``,
+    replicated parameters ``False`` (and ``sequence_parallel = True`` under sequence parallelism: see
+    :func:`~minidist.parallel.tensor_parallel.sync_sequence_parallel_grads`). Collective over ``tp_group``
+    only in that every rank must build the same configuration."""
+    return TensorParallelGPT(config, seed, dtype, tp_group, sequence_parallel)

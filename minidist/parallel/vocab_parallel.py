@@ -1,0 +1,89 @@
+"""The vocabulary split over a tensor-parallel group: embedding and cross-entropy without ever
+building the full (B, T, V) logits on one rank.
+
+The vocabulary V is padded to a multiple of the group size n (``padded_vocab_size``) and rank r holds
+rows ``[r * V_pad/n, (r+1) * V_pad/n)`` of the token embedding (and of the LM head, tied or not).
+Padded rows start at zero; their logits are masked out of the softmax, so they get no gradient.
+"""
+import numpy as np
+
+from minidist import nn
+from minidist.autograd import Function, embedding, get_array_module
+from minidist.parallel.tensor_parallel import exit_tensor_parallel_region, padded_vocab_size
+
+
+def vocab_range(vocab_size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """[start, end) of the (padded) vocabulary rows that rank ``tp_rank`` holds."""
+    per_rank = padded_vocab_size(vocab_size, tp_size) // tp_size
+    return tp_rank * per_rank, (tp_rank + 1) * per_rank
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the table split by vocabulary rows.
+
+    Each rank looks up the tokens that fall in its rows and writes zeros for the others; summing over
+    the ranks (g: all-reduce, or a reduce-scatter along the sequence under sequence parallelism)
+    completes every row. weight (V_pad/n, C) is a shard (``tensor_parallel = True``)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp_group, dtype="float32",
+                 sequence_parallel: bool = False):
+        super().__init__()
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.vocab_start, self.vocab_end = vocab_range(num_embeddings, tp_group.rank, tp_group.size)
+        self.weight = nn.Parameter(np.zeros((self.vocab_end - self.vocab_start, embedding_dim), dtype=dtype))
+        self.weight.tensor_parallel = True
+
+    def forward(self, idx):  # (B, T) ints -> (B, T, C), or (B, T/n, C) under sequence parallelism
+        mine = (idx >= self.vocab_start) & (idx < self.vocab_end)  # (B, T)
+        local_idx = np.where(mine, idx - self.vocab_start, 0)  # others look up row 0, then get zeroed
+        partial = embedding(local_idx, self.weight) * mine[..., None].astype(self.weight.dtype)  # (B, T, C)
+        return exit_tensor_parallel_region(partial, self.tp_group, self.sequence_parallel)
+
+
+class VocabParallelCrossEntropy(Function):
+    """Mean cross-entropy over tokens from vocab-sharded logits, in exactly 3 all-reduces of one
+    number per token (N values, never N x V):
+
+        1. max      m_i   = max over all ranks of my row maxima        (numerical stability)
+        2. sum      s_i   = sum over ranks of sum_j exp(z_ij - m_i)    (the softmax denominator)
+        3. sum      t_i   = z_i,target - m_i from the rank holding the target, 0 elsewhere
+
+    loss = mean_i (log s_i - t_i). Backward needs no communication: d loss / d z_ij =
+    (softmax_ij - [j == target_i]) / N on this rank's columns."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, group, vocab_size):
+        xp = get_array_module(logits)
+        per_rank = logits.shape[-1]
+        start = group.rank * per_rank
+        z = logits.reshape(-1, per_rank)  # (N, V/n)
+        real = (start + xp.arange(per_rank)) < vocab_size  # (V/n,) False on padded columns
+        z = xp.where(real, z, -xp.inf)  # padded logits masked out (a copy: logits stay untouched)
+        row_max = z.max(axis=-1)  # (N,)
+        group.all_reduce(row_max, op="max")  # 1
+        z -= row_max[:, None]
+        exp = xp.exp(z)  # (N, V/n)
+        sum_exp = exp.sum(axis=-1)  # (N,)
+        group.all_reduce(sum_exp)  # 2
+        t = targets.reshape(-1) - start  # (N,) target column on this rank, if it is here
+        here = (t >= 0) & (t < per_rank)
+        rows = xp.arange(len(t))
+        target_logit = xp.where(here, z[rows, xp.where(here, t, 0)], 0.0)  # (N,)
+        group.all_reduce(target_logit)  # 3
+        ctx.probs, ctx.t, ctx.here, ctx.shape = exp / sum_exp[:, None], t, here, logits.shape
+        return (xp.log(sum_exp) - target_logit).mean()
+
+    @staticmethod
+    def backward(ctx, grad):
+        n = len(ctx.t)
+        grad_z = ctx.probs * (grad / n)  # (N, V/n)
+        rows = get_array_module(grad_z).arange(n)[ctx.here]
+        grad_z[rows, ctx.t[ctx.here]] -= grad / n
+        return grad_z.reshape(ctx.shape), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits, targets, tp_group, vocab_size: int):
+    """Mean cross-entropy of this rank's vocabulary slice of the logits (..., V_pad/n) against the
+    integer ``targets`` (...), whose ids lie in [0, vocab_size). Returns a scalar Tensor, the same on
+    every rank of ``tp_group``."""
+    return VocabParallelCrossEntropy.apply(logits, targets, tp_group, vocab_size)
