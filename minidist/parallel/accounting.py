@@ -1,0 +1,77 @@
+"""Bytes held and bytes sent: what ZeRO saves, measured rather than claimed.
+
+Memory is measured from the live arrays: an array that is a view of another counts as the memory of
+the buffer it views, and a buffer is counted once however many views point at it. Activations are
+the arrays saved for backward by the nodes of a live autograd graph (parameters they reference are
+not activations). Communication is read from a rank's trace with nccl-tests' bus-bandwidth factors:
+of an N-byte all-reduce each rank sends 2 (N-1)/n bytes; of a reduce-scatter of N bytes (its input)
+or an all-gather of N bytes (its output), (N-1)/n.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+              "all_gather": lambda n: (n - 1) / n}
+
+
+def _buffer(a: np.ndarray) -> np.ndarray:
+    """The array that owns the memory ``a`` views."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
+def unique_nbytes(arrays) -> int:
+    """Bytes of the distinct memory buffers behind ``arrays`` (None entries skipped)."""
+    buffers = {id(b): b for b in (_buffer(a) for a in arrays if a is not None)}
+    return sum(b.nbytes for b in buffers.values())
+
+
+def activation_bytes(loss, exclude=()) -> int:
+    """Bytes of the arrays that the graph behind ``loss`` keeps for backward (saved on its Function
+    nodes, directly or in tuples), not counting buffers behind the arrays in ``exclude`` (weights)."""
+    excluded = {id(_buffer(a)) for a in exclude}
+    saved, seen, stack = [], set(), [loss._node] if loss._node is not None else []
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        for v in vars(node).values():
+            for a in v if isinstance(v, tuple) else (v,):
+                if isinstance(a, np.ndarray) and id(_buffer(a)) not in excluded:
+                    saved.append(a)
+        stack.extend(t._node for t in node.inputs if t is not None and t._node is not None)
+    return unique_nbytes(saved)
+
+
+def zero_formula(stage: int, param_bytes: int, slots: int, n: int) -> dict:
+    """The ZeRO paper's model-state bytes per rank, all in one dtype: P = G = ``param_bytes``,
+    O = ``slots`` x P (SGD momentum: 1, AdamW: 2). Stage 0: P + G + O; 1: P + G + O/N;
+    2: P + (G + O)/N; 3: (P + G + O)/N."""
+    P = G = param_bytes
+    O = slots * param_bytes
+    shard = {"parameters": stage >= 3, "gradients": stage >= 2, "optimizer": stage >= 1}
+    full = {"parameters": P, "gradients": G, "optimizer": O}
+    return {k: v / n if shard[k] else v for k, v in full.items()}
+
+
+def bus_bytes(events, group_name: str, group_size: int) -> dict:
+    """Per op (all_reduce / reduce_scatter / all_gather) the bytes each rank of ``group_name`` sends
+    for the recorded ``events``, plus their ``"total"``."""
+    sent = {op: 0.0 for op in BUS_FACTOR}
+    for e in events:
+        if e.group == group_name and e.op in BUS_FACTOR:
+            sent[e.op] += e.nbytes * BUS_FACTOR[e.op](group_size)
+    sent["total"] = sum(sent.values())
+    return sent
+
+
+def format_memory_table(rows: list[dict]) -> str:
+    """A text table, one row per dict (keys: label, then byte counts), bytes shown in KiB."""
+    columns = [k for k in rows[0] if k != "label"]
+    lines = [f"{'':<22}" + "".join(f"{c:>14}" for c in columns)]
+    for r in rows:
+        lines.append(f"{r['label']:<22}" + "".join(f"{r[c] / 1024:>11.1f} KiB" for c in columns))
+    return "\n".join(lines)
