@@ -7,6 +7,10 @@ number, this rank and the peer. With ``debug=True`` the ranks first compare what
 and raise :class:`CollectiveMismatchError` on every rank when they disagree, instead of hanging or
 mixing up data.
 
+``async_op=True`` (all_reduce, reduce_scatter, all_gather) queues the collective on the group's
+communication thread and returns a :class:`~minidist.comm.work.Work` at once (see ``work.py``):
+queued collectives run in issue order, and a blocking collective waits for them first.
+
 ``backend="ring"`` runs the hand-written algorithms (``ring``, ``doubling``, ``rooted``) over the
 transport; ``backend="mpi"`` hands the collectives to MPI's own (``native``), which needs an
 ``MPITransport``. ``algorithm="ring"`` or ``"doubling"`` forces a hand-written all-reduce on either.
@@ -23,6 +27,7 @@ from minidist.comm.ops import (COLLECTIVE_TAG_BASE, DTYPES, GROUP_OPS, Workspace
                                split_counts)
 from minidist.comm.trace import Trace
 from minidist.comm.transport import CollectiveMismatchError, CommTimeoutError, PeerTimeout, Request
+from minidist.comm.work import CommStream
 
 DEFAULT_THRESHOLD_BYTES = 64 * 1024
 """All-reduces smaller than this use recursive doubling, larger ones the ring. In the usual cost
@@ -59,6 +64,7 @@ class ProcessGroup:
         self._splits = 0
         self._workspace = Workspace()
         self._native = None
+        self._stream = CommStream(name)  # where async_op collectives queue, in issue order
         if backend == "mpi":
             from minidist.comm import native  # only here: `import minidist` never imports mpi4py
             self._native = native
@@ -68,8 +74,9 @@ class ProcessGroup:
 
     # ---- collectives -------------------------------------------------------------------------------
 
-    def all_reduce(self, x, op: str = "sum", algorithm: str = "auto"):
-        """Every rank's ``x`` becomes the elementwise ``op`` over all ranks, in place; returns ``x``.
+    def all_reduce(self, x, op: str = "sum", algorithm: str = "auto", async_op: bool = False):
+        """Every rank's ``x`` becomes the elementwise ``op`` over all ranks, in place; returns ``x``
+        (with ``async_op``: a Work whose ``wait()`` returns ``x``; leave ``x`` alone until then).
 
         ``algorithm``: "auto" (doubling below ``threshold_bytes``, else the ring; MPI's own on backend
         "mpi"), "ring" or "doubling"."""
@@ -80,46 +87,55 @@ class ProcessGroup:
         if algorithm == "auto":
             algorithm = "mpi" if self._native else "doubling" if x.nbytes < self.threshold_bytes else "ring"
         flat = x.reshape(-1)  # (N,) view
-        with self._collective("all_reduce", algorithm, x.nbytes, op=op, dtype=x.dtype, count=x.size):
-            if algorithm == "mpi":
-                self._native.all_reduce(self.transport, flat, _summed(op))
-            elif algorithm == "ring":
-                ring.all_reduce(self.transport, flat, _summed(op), segment_bytes=self.segment_bytes,
-                                workspace=self._workspace)
-            else:
-                doubling.all_reduce(self.transport, flat, _summed(op), workspace=self._workspace)
-            if op == "avg":
-                divide_by_size(flat, self.size)
-        return x
 
-    def reduce_scatter(self, x, op: str = "sum", out=None):
+        def run():
+            with self._collective("all_reduce", algorithm, x.nbytes, op=op, dtype=x.dtype, count=x.size):
+                if algorithm == "mpi":
+                    self._native.all_reduce(self.transport, flat, _summed(op))
+                elif algorithm == "ring":
+                    ring.all_reduce(self.transport, flat, _summed(op), segment_bytes=self.segment_bytes,
+                                    workspace=self._workspace)
+                else:
+                    doubling.all_reduce(self.transport, flat, _summed(op), workspace=self._workspace)
+                if op == "avg":
+                    divide_by_size(flat, self.size)
+            return x
+        return self._launch(run, "all_reduce", async_op)
+
+    def reduce_scatter(self, x, op: str = "sum", out=None, async_op: bool = False):
         """Reduce ``x`` over all ranks and return this rank's part along axis 0, cut by
-        ``numpy.array_split``: shape ``(counts[rank],) + x.shape[1:]``. ``x`` is not modified."""
+        ``numpy.array_split``: shape ``(counts[rank],) + x.shape[1:]``. ``x`` is not modified.
+        With ``async_op``: a Work whose ``wait()`` returns that part; ``x`` is read when the
+        collective runs, so leave it alone until then."""
         self._check_array(x, "x", writeable=False, min_ndim=1)
         self._check_op(op)
         rows = split_counts(x.shape[0], self.size)  # rows of x per rank
         row = math.prod(x.shape[1:])  # elements per row
         out = self._out(out, (rows[self.rank],) + x.shape[1:], x.dtype)
-        with self._collective("reduce_scatter", self._algorithm("ring"), x.nbytes, op=op, dtype=x.dtype,
-                              count=x.size):
-            scratch = self._workspace.get("reduce_scatter_input", x.dtype, x.size)  # the algorithm clobbers it
-            scratch[...] = x.reshape(-1)
-            counts = [c * row for c in rows]
-            if self._native:
-                self._native.reduce_scatter(self.transport, scratch, counts, _summed(op), out.reshape(-1))
-            else:
-                ring.reduce_scatter(self.transport, scratch, counts, _summed(op), out.reshape(-1),
-                                    segment_bytes=self.segment_bytes, workspace=self._workspace)
-            if op == "avg":
-                divide_by_size(out, self.size)
-        return out
 
-    def all_gather(self, shard, count: int | None = None, out=None):
+        def run():
+            with self._collective("reduce_scatter", self._algorithm("ring"), x.nbytes, op=op, dtype=x.dtype,
+                                  count=x.size):
+                scratch = self._workspace.get("reduce_scatter_input", x.dtype, x.size)  # the algorithm clobbers it
+                scratch[...] = x.reshape(-1)
+                counts = [c * row for c in rows]
+                if self._native:
+                    self._native.reduce_scatter(self.transport, scratch, counts, _summed(op), out.reshape(-1))
+                else:
+                    ring.reduce_scatter(self.transport, scratch, counts, _summed(op), out.reshape(-1),
+                                        segment_bytes=self.segment_bytes, workspace=self._workspace)
+                if op == "avg":
+                    divide_by_size(out, self.size)
+            return out
+        return self._launch(run, "reduce_scatter", async_op)
+
+    def all_gather(self, shard, count: int | None = None, out=None, async_op: bool = False):
         """Every rank's ``shard`` concatenated along axis 0, in rank order, on every rank.
 
         With ``count`` (the total length along axis 0), rank r's shard must have the r-th length of
         ``numpy.array_split`` of ``count``; without it, all shards have this rank's length. ``shard``
-        may be a view of ``out`` at its own place (in-place all-gather)."""
+        may be a view of ``out`` at its own place (in-place all-gather). With ``async_op``: a Work
+        whose ``wait()`` returns the gathered array."""
         self._check_array(shard, "shard", writeable=False, min_ndim=1)
         if count is None:
             rows = [shard.shape[0]] * self.size
@@ -132,16 +148,20 @@ class ProcessGroup:
                                  f"have {rows[self.rank]} rows (numpy.array_split), got {shard.shape[0]}")
         row = math.prod(shard.shape[1:])
         out = self._out(out, (sum(rows),) + shard.shape[1:], shard.dtype)
-        with self._collective("all_gather", self._algorithm("ring"), out.nbytes, dtype=shard.dtype,
-                              count=out.size):
-            algorithms = self._native or ring
-            algorithms.all_gather(self.transport, shard.reshape(-1), [c * row for c in rows], out.reshape(-1))
-        return out
+
+        def run():
+            with self._collective("all_gather", self._algorithm("ring"), out.nbytes, dtype=shard.dtype,
+                                  count=out.size):
+                algorithms = self._native or ring
+                algorithms.all_gather(self.transport, shard.reshape(-1), [c * row for c in rows], out.reshape(-1))
+            return out
+        return self._launch(run, "all_gather", async_op)
 
     def broadcast(self, x, src: int = 0):
         """Every rank's ``x`` becomes ``src``'s ``x``, in place; returns ``x``."""
         self._check_array(x, "x")
         self._check_rank(src, "src")
+        self._stream.synchronize()
         with self._collective("broadcast", self._algorithm("binomial"), x.nbytes, dtype=x.dtype, count=x.size,
                               root=src):
             (self._native or rooted).broadcast(self.transport, x.reshape(-1), src)
@@ -153,6 +173,7 @@ class ProcessGroup:
         self._check_array(x, "x")
         self._check_op(op)
         self._check_rank(dst, "dst")
+        self._stream.synchronize()
         flat = x.reshape(-1)
         with self._collective("reduce", self._algorithm("binomial"), x.nbytes, op=op, dtype=x.dtype,
                               count=x.size, root=dst):
@@ -166,6 +187,7 @@ class ProcessGroup:
 
     def barrier(self) -> None:
         """Return only once every rank of the group has called ``barrier``."""
+        self._stream.synchronize()
         with self._collective("barrier", self._algorithm("binomial"), 0):
             (self._native or rooted).barrier(self.transport)
 
@@ -178,6 +200,7 @@ class ProcessGroup:
             if not isinstance(v, (int, np.integer)):
                 raise ValueError(f"rank {self.rank}: {what} must be an int, got {v!r}")
         self._splits += 1
+        self._stream.synchronize()
         with self._collective("split", self._algorithm("allgather"), 0):
             sub = self.transport.split(int(color), int(key))
         if sub is None:
@@ -224,6 +247,14 @@ class ProcessGroup:
         return recvbuf
 
     # ---- bookkeeping ------------------------------------------------------------------------------
+
+    def _launch(self, run, name: str, async_op: bool):
+        """Run a checked collective now, after any queued ones, or (``async_op``) queue it on the
+        group's communication thread and return its Work."""
+        if async_op:
+            return self._stream.submit(run, f"{name} on group '{self.name}'")
+        self._stream.synchronize()
+        return run()
 
     def _algorithm(self, hand_written: str) -> str:
         return "mpi" if self._native else hand_written

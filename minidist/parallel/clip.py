@@ -1,0 +1,42 @@
+"""Global-norm gradient clipping when the model is spread over ranks.
+
+The norm must be the norm of the gradient of the WHOLE model, the one a single process would clip
+by. Each rank sums the squares of what it owns, once:
+
+- a tensor-parallel parameter (``p.tensor_parallel = True``) is a distinct shard on each tp rank:
+  every tp rank adds its shard's squares;
+- a replicated parameter (LayerNorm, position embeddings, row-parallel biases) is the same on every
+  tp rank: only tp rank 0 adds it, so it is counted once;
+- pipeline stages hold different layers: their sums add up too;
+- data-parallel replicas hold the same (averaged) gradients: nothing to add over dp.
+
+So: one all-reduce of a single float over the tp group and one over the pp group, then every rank
+scales its own gradients by the same factor.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from minidist.optim import clip_coef, grad_norm_sq
+
+
+def local_grad_norm_sq(params, tp_rank: int) -> float:
+    """The squares of the gradient elements this rank owns: its tensor-parallel shards, plus the
+    replicated parameters if it is tp rank 0."""
+    return grad_norm_sq([p.grad for p in params if getattr(p, "tensor_parallel", False) or tp_rank == 0])
+
+
+def clip_grad_norm_parallel(params, max_norm: float, mesh) -> float:
+    """Scale the gradients of this rank's ``params`` so that the global L2 norm over the whole model
+    (tp shards and pp stages of ``mesh``) is at most ``max_norm``. Returns the norm before clipping,
+    the same on every rank. Sends one 8-byte all-reduce on the tp group and one on the pp group."""
+    params = [p for p in params if p.grad is not None]
+    total = np.array([local_grad_norm_sq(params, mesh.tp_rank)])  # (1,) float64
+    mesh.tp_group.all_reduce(total)
+    mesh.pp_group.all_reduce(total)
+    total_norm = float(total[0]) ** 0.5
+    coef = clip_coef(total_norm, max_norm)
+    if coef < 1.0:
+        for p in params:
+            p.grad *= coef
+    return total_norm
