@@ -80,4 +80,4 @@ def test_a_trace_saved_as_json_lines_loads_back_equal(tmp_path):
     assert [e.op for e in loaded[1].events] == ["all_reduce", "barrier"] and loaded[1].rank == 1
     write_chrome_trace(loaded, tmp_path / "trace.json", shared_clock=True)
     chrome = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
-    assert sorted(e["tid"] for e in chrome if e["ph"] == "X") == [0, 0, 1, 1]
+    assert sorted((e["pid"], e["tid"]) for e in chrome if e["ph"] == "X") == [(0, 1), (0, 1), (1, 1), (1, 1)]

@@ -12,6 +12,9 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 
+KINDS = ("compute", "collective", "p2p")
+
+
 @dataclass
 class Event:
     """One recorded call. Times are seconds from ``time.perf_counter()``."""
@@ -90,13 +93,14 @@ class Trace:
         return trace
 
     def to_chrome(self, origin: float | None = None) -> list[dict]:
-        """Chrome trace 'complete' events (ph 'X'), one row (tid) per rank, microseconds."""
+        """Chrome trace 'complete' events (ph 'X') in microseconds: one process (pid) per rank, and
+        within it one row (tid) per kind, so communication overlapping compute shows as two rows."""
         if origin is None:
             origin = min((e.start for e in self.events), default=0.0)
         out = []
         for e in self.events:
             args = {k: v for k, v in asdict(e).items() if k not in ("start", "end", "op")}
-            out.append(dict(name=e.op, cat=e.kind, ph="X", pid=0, tid=e.rank,
+            out.append(dict(name=e.op, cat=e.kind, ph="X", pid=e.rank, tid=KINDS.index(e.kind),
                             ts=(e.start - origin) * 1e6, dur=e.duration * 1e6, args=args))
         return out
 
@@ -111,7 +115,8 @@ def write_chrome_trace(traces: list[Trace], path, shared_clock: bool = False) ->
     events = []
     for t in traces:
         events.extend(t.to_chrome(origin))
-    meta = [dict(name="thread_name", ph="M", pid=0, tid=t.rank, args=dict(name=f"rank {t.rank}"))
-            for t in traces]
+    meta = [dict(name="process_name", ph="M", pid=t.rank, args=dict(name=f"rank {t.rank}")) for t in traces]
+    meta += [dict(name="thread_name", ph="M", pid=t.rank, tid=i, args=dict(name=kind))
+             for t in traces for i, kind in enumerate(KINDS)]
     with open(path, "w") as f:
         json.dump(dict(traceEvents=meta + events, displayTimeUnit="ms"), f)

@@ -22,19 +22,23 @@ def train_val_split(tokens, val_fraction=0.1):
     return tokens[:len(tokens) - n_val], tokens[len(tokens) - n_val:]
 
 
-def get_batch(tokens, step, batch_size, block_size, seed=0):
-    """The global batch of ``step``: (B, T+1) int64 windows of ``tokens``, B = batch_size, T = block_size.
-
-    Window starts are drawn uniformly by a generator seeded with (seed, step), so the batch depends
-    on nothing else. Inputs are ``batch[:, :-1]`` and next-token targets ``batch[:, 1:]``
-    (see :func:`inputs_and_targets`).
-    """
-    n_starts = len(tokens) - block_size
+def window_starts(n_tokens: int, step: int, batch_size: int, block_size: int, seed: int = 0) -> np.ndarray:
+    """The start of each of the B windows of ``step``'s global batch, shape (B,): drawn uniformly by a
+    generator seeded with (seed, step), so the batch depends on nothing else."""
+    n_starts = n_tokens - block_size
     if n_starts < 1:
-        raise ValueError(f"{len(tokens)} tokens cannot fill one window of block_size + 1 = {block_size + 1}")
-    starts = np.random.default_rng([seed, step]).integers(0, n_starts, size=batch_size)  # (B,)
-    index = starts[:, None] + np.arange(block_size + 1)                                    # (B, T+1)
-    return tokens[index].astype(np.int64)                                                  # (B, T+1)
+        raise ValueError(f"{n_tokens} tokens cannot fill one window of block_size + 1 = {block_size + 1}")
+    return np.random.default_rng([seed, step]).integers(0, n_starts, size=batch_size)
+
+
+def get_batch(tokens, step, batch_size, block_size, seed=0):
+    """The global batch of ``step``: (B, T+1) int64 windows of ``tokens``, B = batch_size, T = block_size,
+    starting at :func:`window_starts`. Inputs are ``batch[:, :-1]`` and next-token targets
+    ``batch[:, 1:]`` (see :func:`inputs_and_targets`).
+    """
+    starts = window_starts(len(tokens), step, batch_size, block_size, seed)  # (B,)
+    index = starts[:, None] + np.arange(block_size + 1)                     # (B, T+1)
+    return tokens[index].astype(np.int64)                                   # (B, T+1)
 
 
 def inputs_and_targets(batch):

@@ -9,19 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from minidist.data.dataset import window_starts
+
 
 def dp_rows(batch_size: int, dp_rank: int, dp_size: int) -> np.ndarray:
     """The rows of the global batch that dp rank ``dp_rank`` of ``dp_size`` trains on."""
     return np.array_split(np.arange(batch_size), dp_size)[dp_rank]
-
-
-def window_starts(n_tokens: int, step: int, batch_size: int, block_size: int, seed: int = 0) -> np.ndarray:
-    """The start of each of the B windows of ``step``'s global batch, shape (B,): the draw that
-    :func:`minidist.data.get_batch` makes."""
-    n_starts = n_tokens - block_size
-    if n_starts < 1:
-        raise ValueError(f"{n_tokens} tokens cannot fill one window of block_size + 1 = {block_size + 1}")
-    return np.random.default_rng([seed, step]).integers(0, n_starts, size=batch_size)
 
 
 class DistributedSampler:
