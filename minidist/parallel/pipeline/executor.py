@@ -1,0 +1,126 @@
+"""PipelineEngine: run any validated schedule for one training step.
+
+One loop serves GPipe, 1F1B and interleaved 1F1B: it walks this rank's action list and does what
+each action says. The schedule is built and checked (``validate``) when the engine is made, on
+every rank, so a broken schedule fails there with a message instead of hanging mid-step.
+
+What a step sends, per micro-batch and stage boundary: one (mb, T, C) activation forward, one
+(mb, T, C) gradient backward (``p2p.py``). At the end the last stage broadcasts the mean loss over
+the pp group, so every rank can report it.
+
+The loss convention matches one process on the whole batch: each micro-batch's mean loss is scaled
+by 1/m before its backward, so the gradients accumulated over the m micro-batches are those of the
+mean over all the rank's rows.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from minidist.autograd import Tensor, no_grad
+from minidist.data import inputs_and_targets
+from minidist.parallel.pipeline.actions import RECVS
+from minidist.parallel.pipeline.p2p import StageLink
+from minidist.parallel.pipeline.schedules import build_schedule
+from minidist.parallel.pipeline.validate import validate
+
+
+def split_micro_batches(batch, micro_batches: int) -> list:
+    """Cut a (B, T+1) batch into ``micro_batches`` arrays of (B/m, T+1) rows, in order."""
+    if batch.shape[0] % micro_batches:
+        raise ValueError(f"batch of {batch.shape[0]} rows does not split into {micro_batches} micro-batches")
+    return np.split(batch, micro_batches)
+
+
+class PipelineEngine:
+    """Runs ``schedule`` ("gpipe", "1f1b" or "interleaved") over ``mesh``'s pp group for one
+    :class:`~minidist.parallel.pipeline.stages.PipelineStage` per rank.
+
+    Building it is collective over the pp group (the tied-embedding group is split off). ``no_sync``
+    (e.g. ``DataParallel.no_sync``) wraps every backward but the last of each stage, so data
+    parallelism all-reduces once, after the last micro-batch. ``ideal`` is the simulator's timeline
+    of the schedule; ``peak_in_flight`` after a step is the most micro-batches this rank held
+    activations for at once.
+    """
+
+    def __init__(self, stage, mesh, schedule: str = "1f1b", micro_batches: int = 4, virtual_stages: int = 1,
+                 no_sync=None):
+        p = mesh.shape.pp
+        if stage.pp_size != p or len(stage.stages) != virtual_stages:
+            raise ValueError(f"the stage was built for pp={stage.pp_size} with {len(stage.stages)} chunks, "
+                             f"the engine for pp={p} with virtual_stages={virtual_stages}")
+        self.stage, self.group, self.micro_batches = stage, mesh.pp_group, micro_batches
+        self.trace = mesh.pp_group.trace
+        self.schedule = build_schedule(schedule, p, micro_batches, virtual_stages)
+        self.ideal = validate(self.schedule, p, micro_batches, virtual_stages)
+        self.eval_schedule = build_schedule(schedule, p, micro_batches, virtual_stages, forward_only=True)
+        validate(self.eval_schedule, p, micro_batches, virtual_stages, forward_only=True)
+        self.no_sync = no_sync if no_sync is not None else contextlib.nullcontext
+        self.embedding_group = stage.embedding_group(mesh.pp_group)
+        self.dtype = next(iter(stage.parameters())).dtype
+        self.peak_in_flight = 0
+
+    def forward_backward(self, micro_batches) -> float:
+        """One step's forwards and backwards over ``micro_batches`` (m arrays (mb, T+1), the same
+        list on every pp rank: stage 0 reads the inputs, the last stage the targets). Gradients
+        accumulate into the stage's parameters; the tied-embedding copies still need
+        :meth:`all_reduce_tied_grads` (after any data-parallel sync). Returns the mean loss over the
+        micro-batches, on every rank."""
+        return self._run(self.schedule[self.group.rank], micro_batches, training=True)
+
+    def evaluate(self, micro_batches) -> float:
+        """The mean loss over ``micro_batches`` with forwards only (no graph kept), on every rank."""
+        with no_grad():
+            return self._run(self.eval_schedule[self.group.rank], micro_batches, training=False)
+
+    def all_reduce_tied_grads(self) -> None:
+        """Megatron's embedding all-reduce: sum the first stage's wte gradient and the last stage's
+        lm_head gradient (tied copies) so both hold the single-process gradient. A no-op elsewhere."""
+        self.stage.all_reduce_tied_grads(self.embedding_group)
+
+    def _run(self, actions, micro_batches, training: bool) -> float:
+        m, stage = self.micro_batches, self.stage
+        if len(micro_batches) != m:
+            raise ValueError(f"the engine was built for {m} micro-batches, got {len(micro_batches)}")
+        rows, T = micro_batches[0].shape[0], micro_batches[0].shape[1] - 1
+        shape = stage.activation_shape(rows, T)  # (mb, T, C)
+        last_backward = {a.stage: a for a in actions if a.op == "B"}  # data parallelism syncs there
+        link = StageLink(self.group)
+        inputs, outputs, grads = {}, {}, {}  # (stage, micro-batch) -> received input / output / its gradient
+        loss_sum, held, peak = 0.0, 0, 0
+        for a in actions:
+            key, chunk = (a.stage, a.microbatch), a.stage // self.group.size
+            if a.op in RECVS:
+                buf = link.recv(a, shape, self.dtype)  # (mb, T, C)
+                if a.op == "RECV_F":
+                    inputs[key] = Tensor(buf, requires_grad=training)
+                else:
+                    grads[key] = buf
+            elif a.op == "F":
+                idx, targets = inputs_and_targets(micro_batches[a.microbatch])  # (mb, T), (mb, T)
+                x = idx if a.stage == 0 else inputs[key] if training else inputs.pop(key)
+                with self.trace.record("forward", group=f"stage {a.stage}", seq=a.microbatch, kind="compute"):
+                    out = stage(chunk, x, targets)  # (mb, T, C), or the loss on the last stage
+                    if a.stage == stage.n_stages - 1:
+                        out = out * (1.0 / m)  # backward from here gives the gradient of the mean
+                        loss_sum += out.item()
+                outputs[key] = out
+                held += training
+                peak = max(peak, held)
+            elif a.op == "SEND_F":
+                link.send(a, (outputs[key] if training else outputs.pop(key)).data)
+            elif a.op == "B":
+                sync = contextlib.nullcontext() if a == last_backward[a.stage] else self.no_sync()
+                with sync, self.trace.record("backward", group=f"stage {a.stage}", seq=a.microbatch,
+                                             kind="compute"):
+                    outputs.pop(key).backward(grads.pop(key, None))
+                held -= 1
+            else:  # SEND_B: the gradient of this stage's input goes back to the previous stage
+                link.send(a, inputs.pop(key).grad)
+        link.wait_sends()
+        loss = np.array([loss_sum])  # (1,) float64: known on the last stage
+        self.group.broadcast(loss, src=self.group.size - 1)
+        if training:
+            self.peak_in_flight = peak
+        return float(loss[0])

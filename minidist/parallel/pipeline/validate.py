@@ -1,0 +1,192 @@
+"""Check a schedule before it runs: static rules, then a dry run of all ranks together.
+
+A pipeline bug at run time is a hang with no message. Here the whole schedule (every rank's list)
+is checked first, and the first broken rule raises :class:`ScheduleError` naming the rank, the
+position and the action:
+
+- every action runs on the rank that holds its stage, for an existing stage and micro-batch;
+- every stage runs each micro-batch's F exactly once and (when training) its B exactly once, F first;
+- an F / B runs only after the RECV of its input / output gradient, a SEND only after the F / B
+  that produced its tensor;
+- every SEND has its RECV on the peer rank and vice versa, and on each edge (stage s -> stage s+1
+  for activations, s -> s-1 for gradients) the receiver takes the micro-batches in the order they were
+  sent (messages of one tag never overtake each other);
+- no deadlock: :func:`simulate` runs all ranks' lists together (sends never block, a RECV waits for
+  its SEND) and reports the ranks stuck, each at the action it waits on.
+
+The dry run also yields the ideal timeline: when each F and B would start and end if an F took
+``forward_cost`` and a B ``backward_cost`` time units and messages were free.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from minidist.parallel.pipeline.actions import RECVS, SENDS, Action, stage_rank
+
+
+class ScheduleError(ValueError):
+    """A schedule breaks a rule; the message names the rank, the position and the action."""
+
+
+@dataclass(frozen=True)
+class Span:
+    """One compute action of the timeline: ``action`` ran on ``rank`` from ``start`` to ``end``."""
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass
+class Timeline:
+    """The compute spans of every rank (``spans[rank]``, in order) and the step's length."""
+    spans: list[list[Span]]
+    makespan: float
+
+    def bubble(self) -> float:
+        """Fraction of the step the ranks sit idle, averaged over ranks: 1 - busy / makespan."""
+        busy = [sum(s.end - s.start for s in spans) for spans in self.spans]
+        return 1.0 - sum(busy) / (len(busy) * self.makespan)
+
+    def peak_in_flight(self) -> list[int]:
+        """Per rank, the most micro-batches forwarded but not yet backwarded at once (activations
+        held); with v chunks, each (chunk, micro-batch) counts."""
+        peaks = []
+        for spans in self.spans:
+            held = peak = 0
+            for s in spans:
+                held += 1 if s.action.op == "F" else -1
+                peak = max(peak, held)
+            peaks.append(peak)
+        return peaks
+
+
+def _where(rank: int, index: int, action: Action) -> str:
+    return f"rank {rank}, action #{index} {action.describe()}"
+
+
+def validate(schedule: list[list[Action]], pp_size: int, micro_batches: int, virtual_stages: int = 1,
+             forward_only: bool = False, forward_cost: float = 1.0, backward_cost: float = 2.0) -> Timeline:
+    """Check ``schedule`` (one action list per rank) against every rule above; return the ideal
+    :class:`Timeline` from :func:`simulate`. Raises :class:`ScheduleError` on the first broken rule."""
+    if len(schedule) != pp_size:
+        raise ScheduleError(f"the schedule has {len(schedule)} rank lists for a pipeline of {pp_size} ranks")
+    n_stages = pp_size * virtual_stages
+    done = defaultdict(set)  # rank -> {(op, stage, microbatch) done so far}
+    for r, actions in enumerate(schedule):
+        for i, a in enumerate(actions):
+            where = _where(r, i, a)
+            if not (0 <= a.stage < n_stages and 0 <= a.microbatch < micro_batches):
+                raise ScheduleError(f"{where}: stage must be in 0..{n_stages - 1} and micro-batch in "
+                                    f"0..{micro_batches - 1}")
+            if stage_rank(a.stage, pp_size) != r:
+                raise ScheduleError(f"{where}: stage {a.stage} lives on rank {stage_rank(a.stage, pp_size)}")
+            if forward_only and a.op in ("B", "SEND_B", "RECV_B"):
+                raise ScheduleError(f"{where}: a forward-only schedule has no backward")
+            peer = a.peer_stage()
+            if peer is not None and not 0 <= peer < n_stages:
+                raise ScheduleError(f"{where}: there is no stage {peer} to talk to")
+            key = (a.op, a.stage, a.microbatch)
+            if key in done[r]:
+                raise ScheduleError(f"{where}: runs twice")
+            needs = _needs(a, n_stages)
+            if needs is not None and needs not in done[r]:
+                raise ScheduleError(f"{where}: comes before {Action(*needs)}, which it needs")
+            done[r].add(key)
+    for s in range(n_stages):
+        r = stage_rank(s, pp_size)
+        for mb in range(micro_batches):
+            for op in ("F",) if forward_only else ("F", "B"):
+                if (op, s, mb) not in done[r]:
+                    raise ScheduleError(f"rank {r} never runs {Action(op, s, mb).describe()}")
+    _check_pairs_and_order(schedule, pp_size)
+    return simulate(schedule, pp_size, forward_cost, backward_cost)
+
+
+def _needs(a: Action, n_stages: int):
+    """The (op, stage, microbatch) that must come earlier on the same rank, or None."""
+    if a.op == "F" and a.stage > 0:
+        return ("RECV_F", a.stage, a.microbatch)
+    if a.op == "B":
+        return ("RECV_B", a.stage, a.microbatch) if a.stage < n_stages - 1 else ("F", a.stage, a.microbatch)
+    if a.op == "RECV_B":
+        return ("F", a.stage, a.microbatch)
+    if a.op in ("SEND_F", "SEND_B"):
+        return (a.op[-1], a.stage, a.microbatch)
+    return None
+
+
+def _channel(a: Action, rank: int, pp_size: int) -> tuple[int, int, int]:
+    """(sending rank, receiving rank, tag) of a SEND or RECV run on ``rank``."""
+    peer = stage_rank(a.peer_stage(), pp_size)
+    return (rank, peer, a.channel_tag()) if a.op in SENDS else (peer, rank, a.channel_tag())
+
+
+def _check_pairs_and_order(schedule, pp_size) -> None:
+    """Every SEND meets its RECV, and each channel is received in the order it was sent."""
+    sent, received = defaultdict(list), defaultdict(list)  # channel -> [(rank, index, action)]
+    for r, actions in enumerate(schedule):
+        for i, a in enumerate(actions):
+            if a.op in SENDS:
+                sent[_channel(a, r, pp_size)].append((r, i, a))
+            elif a.op in RECVS:
+                received[_channel(a, r, pp_size)].append((r, i, a))
+    for channel in sorted(set(sent) | set(received)):
+        sends, recvs = sent[channel], received[channel]
+        posted = {a for _, _, a in recvs}
+        for r, i, a in sends:
+            if a.matching() not in posted:
+                raise ScheduleError(f"{_where(r, i, a)}: rank {channel[1]} never posts the matching "
+                                    f"{a.matching()}")
+        posted = {a for _, _, a in sends}
+        for r, i, a in recvs:
+            if a.matching() not in posted:
+                raise ScheduleError(f"{_where(r, i, a)}: rank {channel[0]} never sends the matching "
+                                    f"{a.matching()}")
+        for (_, _, s), (r, i, a) in zip(sends, recvs):
+            if s.microbatch != a.microbatch:
+                raise ScheduleError(f"{_where(r, i, a)}: rank {channel[0]} sends micro-batch {s.microbatch} "
+                                    f"first on this edge, so this receive would get {s} (messages of one "
+                                    f"edge arrive in the order they were sent)")
+
+
+def simulate(schedule: list[list[Action]], pp_size: int, forward_cost: float = 1.0,
+             backward_cost: float = 2.0) -> Timeline:
+    """Dry-run every rank's list together and return the ideal :class:`Timeline`.
+
+    Each rank keeps a clock. F and B advance it by their cost; a SEND is posted at the current time
+    and never blocks; the k-th RECV of a channel waits until the k-th SEND of that channel was posted.
+    When no rank can move and some are not done, the schedule deadlocks: :class:`ScheduleError`
+    lists each stuck rank and the receive it waits on."""
+    cost = {"F": forward_cost, "B": backward_cost}
+    position, clock = [0] * pp_size, [0.0] * pp_size
+    sent_at = defaultdict(list)  # channel -> times of its sends so far
+    received = defaultdict(int)  # channel -> receives completed so far
+    spans = [[] for _ in range(pp_size)]
+    moved = True
+    while moved:
+        moved = False
+        for r in range(pp_size):
+            while position[r] < len(schedule[r]):
+                a = schedule[r][position[r]]
+                if a.op in SENDS:
+                    sent_at[_channel(a, r, pp_size)].append(clock[r])
+                elif a.op in RECVS:
+                    channel = _channel(a, r, pp_size)
+                    k = received[channel]
+                    if k >= len(sent_at[channel]):
+                        break  # its message is not sent yet: this rank waits
+                    clock[r] = max(clock[r], sent_at[channel][k])
+                    received[channel] += 1
+                else:
+                    spans[r].append(Span(r, a, clock[r], clock[r] + cost[a.op]))
+                    clock[r] += cost[a.op]
+                position[r] += 1
+                moved = True
+    stuck = [r for r in range(pp_size) if position[r] < len(schedule[r])]
+    if stuck:
+        waits = "; ".join(f"{_where(r, position[r], schedule[r][position[r]])} waits for rank "
+                          f"{stage_rank(schedule[r][position[r]].peer_stage(), pp_size)}" for r in stuck)
+        raise ScheduleError(f"deadlock: {waits}")
+    return Timeline(spans, max(clock))

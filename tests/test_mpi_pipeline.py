@@ -1,0 +1,42 @@
+"""Pipeline parallelism under real MPI: one ``mpiexec -n 4`` launch (tests/mpi/pp_checks.py) trains
+pp in {2, 4} with each schedule, alone and with dp or tp, against one process; measures in-flight
+micro-batches and the bubble. (8-rank dp x tp x pp: tests/test_pipeline_3d.py, in-process.)"""
+import json
+import re
+
+import pytest
+
+from tests.mpi.harness import find_mpiexec, run_mpi
+
+pytestmark = pytest.mark.skipif(find_mpiexec() is None, reason="mpiexec not found")
+
+
+@pytest.fixture(scope="module")
+def launch():
+    return run_mpi(4, "pp_checks.py", timeout=240)
+
+
+@pytest.mark.parametrize("layout", [
+    "dp=1 pp=2 tp=1 schedule=gpipe m=4 v=1", "dp=1 pp=2 tp=1 schedule=1f1b m=4 v=1",
+    "dp=1 pp=2 tp=1 schedule=interleaved m=2 v=2", "dp=1 pp=4 tp=1 schedule=gpipe m=4 v=1",
+    "dp=1 pp=4 tp=1 schedule=1f1b m=8 v=1", "dp=1 pp=4 tp=1 schedule=interleaved m=4 v=2",
+    "dp=2 pp=2 tp=1 schedule=1f1b m=2 v=1", "dp=1 pp=2 tp=2 schedule=interleaved m=2 v=2",
+    "dp=1 pp=2 tp=2 schedule=1f1b m=4 v=1",
+])
+def test_every_layout_matches_one_process_with_sgd_and_adamw(launch, layout):
+    for optimizer in ("sgd", "adamw"):
+        assert f"PARITY {layout} optimizer={optimizer}" in launch.stdout, launch.output
+
+
+def test_peak_in_flight_is_m_for_gpipe_and_min_p_minus_stage_m_for_1f1b(launch):
+    peaks = {(s, int(p), int(m)): json.loads(v) for s, p, m, v in
+             re.findall(r"INFLIGHT schedule=(\w+) pp=(\d) m=(\d+) peaks=(\[[\d, ]+\])", launch.stdout)}
+    assert peaks[("gpipe", 2, 4)] == [4, 4] and peaks[("gpipe", 4, 4)] == [4, 4, 4, 4], launch.output
+    assert peaks[("1f1b", 2, 4)] == [2, 1] and peaks[("1f1b", 4, 8)] == [4, 3, 2, 1], launch.output
+
+
+def test_measured_bubble_is_close_to_the_formula(launch):
+    found = re.findall(r"BUBBLE schedule=(\w+) .* measured=([\d.]+) formula=([\d.]+)", launch.stdout)
+    assert {s for s, _, _ in found} == {"gpipe", "1f1b", "interleaved"}, launch.output
+    for schedule, measured, formula in found:
+        assert float(measured) == pytest.approx(float(formula), abs=0.05), (schedule, launch.output)
