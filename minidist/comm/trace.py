@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 
-KINDS = ("compute", "collective", "p2p")
+KINDS = ("compute", "collective", "p2p", "wait")  # "wait": blocked on a peer (parameter server)
 
 
 @dataclass
@@ -27,7 +27,7 @@ class Event:
     seq: int
     rank: int
     peer: int | None = None
-    kind: str = "collective"  # "collective", "p2p" or "compute"
+    kind: str = "collective"  # one of KINDS
 
     @property
     def duration(self) -> float:
