@@ -7,10 +7,10 @@ import re
 import numpy as np
 import pytest
 
-from tests.mpi.harness import REPO, find_mpiexec, run_mpi
+from tests.mpi.harness import find_mpiexec, run_mpi
 
 needs_mpi = pytest.mark.skipif(find_mpiexec() is None, reason="mpiexec not found")
-TRAIN = REPO / "minidist" / "train.py"
+TRAIN = ("-m", "minidist.train")  # as a module: a path would put minidist/ (and its inspect) first on sys.path
 TINY = ["--n-layer", "2", "--n-head", "4", "--n-embd", "16", "--block-size", "16", "--batch-size", "8",
         "--steps", "4", "--eval-every", "100", "--eval-iters", "1", "--sample-tokens", "0", "--dtype", "float64"]
 
@@ -37,8 +37,8 @@ def test_every_layout_on_4_ranks_matches_one_process(tmp_path):
 @needs_mpi
 def test_cli_on_2_ranks_exports_the_weights_of_one_process(tmp_path):
     common = TINY + ["--data-dir", str(tmp_path / "data"), "--optimizer", "adamw"]
-    run_mpi(1, TRAIN, *common, "--export", tmp_path / "one.npz", timeout=120)
-    run = run_mpi(2, TRAIN, *common, "--dp", "2", "--micro-batches", "2", "--export", tmp_path / "dp2.npz",
+    run_mpi(1, *TRAIN, *common, "--export", tmp_path / "one.npz", timeout=120)
+    run = run_mpi(2, *TRAIN, *common, "--dp", "2", "--micro-batches", "2", "--export", tmp_path / "dp2.npz",
                   "--out", tmp_path / "out", "--trace", tmp_path / "trace", timeout=120)
     one, dp2 = np.load(tmp_path / "one.npz"), np.load(tmp_path / "dp2.npz")
     assert sorted(one.files) == sorted(dp2.files) and "lm_head.weight" in one.files
@@ -51,7 +51,7 @@ def test_cli_on_2_ranks_exports_the_weights_of_one_process(tmp_path):
 
 @needs_mpi
 def test_cli_rejects_a_bad_layout_on_every_rank_before_communicating(tmp_path):
-    run = run_mpi(2, TRAIN, *TINY, "--dp", "4", "--n-head", "3", "--data-dir", tmp_path, timeout=60, check=False)
+    run = run_mpi(2, *TRAIN, *TINY, "--dp", "4", "--n-head", "3", "--data-dir", tmp_path, timeout=60, check=False)
     assert run.returncode == 2, run.output
     assert run.stderr.count("invalid configuration") == 1, run.output  # printed once, by rank 0
     assert "world size 2 != dp * tp = 4 * 1 = 4" in run.stderr

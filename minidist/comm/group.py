@@ -52,7 +52,7 @@ class ProcessGroup:
 
     def __init__(self, transport, *, backend: str = "ring", trace: Trace | None = None, debug: bool = False,
                  threshold_bytes: int = DEFAULT_THRESHOLD_BYTES, name: str = "world",
-                 segment_bytes: int = ring.SEGMENT_BYTES):
+                 segment_bytes: int = ring.SEGMENT_BYTES, flight_recorder=None):
         if backend not in ("ring", "mpi"):
             raise ValueError(f"backend must be 'ring' or 'mpi', got {backend!r}")
         self.transport = transport
@@ -60,6 +60,7 @@ class ProcessGroup:
         self.backend, self.debug, self.name = backend, debug, name
         self.trace = trace if trace is not None else Trace(transport.rank)
         self.threshold_bytes, self.segment_bytes = threshold_bytes, segment_bytes
+        self.flight_recorder = flight_recorder  # dumps the trace's last calls when one times out
         self.seq = 0  # collectives called so far: the same on every rank
         self.p2p_seq = 0  # point-to-point calls so far: differs between ranks
         self._splits = 0
@@ -208,7 +209,7 @@ class ProcessGroup:
             return None
         return ProcessGroup(sub, backend=self.backend, trace=self.trace, debug=self.debug,
                             threshold_bytes=self.threshold_bytes, segment_bytes=self.segment_bytes,
-                            name=name if name is not None else f"{self.name}/split{self._splits}.{color}")
+                            flight_recorder=self.flight_recorder, name=name if name is not None else f"{self.name}/split{self._splits}.{color}")
 
     # ---- point to point -----------------------------------------------------------------------------
 
@@ -284,7 +285,10 @@ class ProcessGroup:
         try:
             yield
         except PeerTimeout as e:
-            raise CommTimeoutError(name, seq, self.rank, e.peer, e.waited, self.name) from e
+            error = CommTimeoutError(name, seq, self.rank, e.peer, e.waited, self.name)
+            if self.flight_recorder is not None:
+                self.flight_recorder.dump(self.trace, error)
+            raise error from e
 
     def _check_same_call(self, name, op, dtype, count, root) -> None:
         """Debug mode: all-gather every rank's fingerprint of this call (6 int64: collective, reduce op,

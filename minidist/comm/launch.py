@@ -12,23 +12,28 @@ from __future__ import annotations
 import threading
 import time
 
+from minidist.comm.flight_recorder import FlightRecorder
 from minidist.comm.group import ProcessGroup
 from minidist.comm.local_transport import LocalTransport
 from minidist.comm.trace import Trace
 
 
 def init(backend: str = "ring", *, timeout: float = 300.0, debug: bool = False, trace: bool = True,
-         threshold_bytes: int | None = None) -> ProcessGroup:
+         threshold_bytes: int | None = None, segment_bytes: int | None = None,
+         flight_dir=None) -> ProcessGroup:
     """The world group of an ``mpiexec`` job (this starts MPI).
 
     ``backend="ring"`` runs the hand-written collectives over MPI point-to-point messages, ``"mpi"``
     MPI's own collectives. An uncaught exception on any rank aborts the whole job. ``trace=False``
-    turns recording off; ``threshold_bytes`` overrides where all-reduce switches to the ring."""
+    turns recording off; ``threshold_bytes`` overrides where all-reduce switches to the ring and
+    ``segment_bytes`` the ring's segment size. When a call times out, the flight recorder prints this
+    rank's last recorded calls to stderr (and to ``flight_dir/flight_rank<r>.txt`` if given)."""
     from minidist.comm.mpi_transport import MPITransport  # here, so `import minidist` never starts MPI
     transport = MPITransport.world(timeout)
-    settings = {} if threshold_bytes is None else {"threshold_bytes": threshold_bytes}
+    settings = {k: v for k, v in (("threshold_bytes", threshold_bytes), ("segment_bytes", segment_bytes))
+                if v is not None}
     return ProcessGroup(transport, backend=backend, trace=Trace(transport.rank, enabled=trace), debug=debug,
-                        **settings)
+                        flight_recorder=FlightRecorder(directory=flight_dir), **settings)
 
 
 def run_local(fn, world_size: int, backend: str = "ring", *, timeout: float = 60.0, debug: bool = False,

@@ -1,6 +1,7 @@
 """Rank script: a hung peer. ``python flight.py DIR``: the last rank hangs (sleeps) instead of
-joining the third all_reduce; every other rank times out (1 s), dumps its flight record to stderr and
-DIR/flight_rank<r>.txt, and prints ``DUMPED rank=..``. Then the hung rank wakes and all end."""
+joining the third all_reduce; every other rank times out (1 s), and the group's flight recorder (on by
+default under ``minidist.init``) dumps its record to stderr and DIR/flight_rank<r>.txt before the
+error reaches this script, which prints ``DUMPED rank=..``. Then the hung rank wakes and all end."""
 import sys
 import time
 
@@ -8,11 +9,9 @@ import numpy as np
 from mpi4py import MPI
 
 import minidist
-from minidist.comm.flight_recorder import FlightRecorder
 from minidist.comm.transport import CommTimeoutError
 
-group = minidist.init(backend="ring", timeout=1.0)
-recorder = FlightRecorder(last=8, directory=sys.argv[1])
+group = minidist.init(backend="ring", timeout=1.0, flight_dir=sys.argv[1])
 x = np.ones(1000, np.float32)
 group.all_reduce(x)
 group.barrier()
@@ -22,7 +21,6 @@ else:
     try:
         group.all_reduce(x)
         raise AssertionError("all_reduce returned although a rank hung")
-    except CommTimeoutError as e:
-        recorder.dump(group.trace, e)
+    except CommTimeoutError:
         print(f"DUMPED rank={group.rank}", flush=True)
 MPI.COMM_WORLD.Barrier()

@@ -39,7 +39,8 @@ class MPIRun:
 
 
 def run_mpi(n: int, script, *args, timeout: float = 60.0, check: bool = True) -> MPIRun:
-    """Run ``script`` (a path, or a name in ``tests/mpi/``) on ``n`` ranks.
+    """Run ``script`` (a path, a name in ``tests/mpi/``, or ``"-m"`` followed by a module name in
+    ``args``, as in ``run_mpi(4, "-m", "minidist.train", "--dp", 2)``) on ``n`` ranks.
 
     With ``check`` a non-zero exit raises ``AssertionError`` carrying the output; without it the
     caller inspects :class:`MPIRun` (used by tests that expect the job to fail). A launch still
@@ -48,8 +49,11 @@ def run_mpi(n: int, script, *args, timeout: float = 60.0, check: bool = True) ->
     mpiexec = find_mpiexec()
     if mpiexec is None:
         raise FileNotFoundError("mpiexec not found next to sys.executable nor on PATH")
-    path = Path(script) if Path(script).is_absolute() or Path(script).exists() else HERE / script
-    cmd = [mpiexec, "-n", str(n), sys.executable, str(path), *map(str, args)]
+    if script == "-m":
+        target = "-m"
+    else:
+        target = str(Path(script) if Path(script).is_absolute() or Path(script).exists() else HERE / script)
+    cmd = [mpiexec, "-n", str(n), sys.executable, target, *map(str, args)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,

@@ -1,0 +1,162 @@
+"""``--explain``: what every rank holds and sends in one training step, in words.
+
+After the first step each rank turns its own view into lines of text: its place in the mesh and
+its groups, the parameters it holds (shards with their full shapes), and its trace of the step in
+order (compute spans, and under them every collective and message: bytes, group, partners, shape
+when it is an activation). The lines travel to everyone as bytes (UTF-8 in int32 words: two all-gathers,
+no pickling) and rank 0 prints them grouped by rank, so 8 ranks read as 8 short stories rather than
+interleaved output:
+
+    === rank 1: DP(0)-PP(0)-TP(1)-Rank(1) ===
+    groups: tp[dp0,pp0] = ranks [0, 1]; dp[pp0,tp1] = ranks [1, 3]
+    holds transformer.h.{0,1}.attn.c_attn.weight   (96, 64) qkv shard of (192, 64)
+    forward  3.1 ms
+      2 x all_reduce 64.0 KiB (8, 64, 64) activation on tp[dp0,pp0] with rank 0 (doubling)
+"""
+from __future__ import annotations
+
+import re
+import sys
+from contextlib import contextmanager
+
+import numpy as np
+
+from minidist.parallel.tensor_parallel import tp_layout
+
+_FULL_AXIS = {"qkv": 0, "column": 0, "row": 1, "vocab": 0}  # the axis a tensor-parallel shard cuts
+
+
+def _bytes(n: int) -> str:
+    return f"{n} B" if n < 1024 else f"{n / 1024:.1f} KiB" if n < 2**20 else f"{n / 2**20:.1f} MiB"
+
+
+def group_members(mesh) -> dict[str, list[int]]:
+    """{group name: its global ranks, in group-rank order} for this rank's world and axis groups."""
+    s = mesh.shape
+    d, p, t = mesh.dp_rank, mesh.pp_rank, mesh.tp_rank
+    return {mesh.world.name: list(range(s.world)),
+            mesh.tp_group.name: [s.rank_of(d, p, i) for i in range(s.tp)],
+            mesh.pp_group.name: [s.rank_of(d, i, t) for i in range(s.pp)],
+            mesh.dp_group.name: [s.rank_of(i, p, t) for i in range(s.dp)]}
+
+
+def holdings(model, tp_size: int) -> list[str]:
+    """One line per parameter of ``model`` (blocks folded: ``h.{0,1}``): its shape on this rank
+    and, when tensor parallelism cuts it, which shard of which full shape."""
+    folded: dict[str, tuple[list[str], tuple]] = {}
+    for name, p in model.named_parameters():
+        block = re.search(r"\.h\.(\d+)\.", name)
+        key = re.sub(r"\.h\.\d+\.", ".h.{}.", name)
+        blocks, _ = folded.setdefault(key, ([], p.data.shape))
+        if block:
+            blocks.append(block.group(1))
+    lines = []
+    for key, (blocks, shape) in folded.items():
+        name = key.replace("{}", "{" + ",".join(blocks) + "}")
+        layout = tp_layout(re.sub(r"\{\}", "0", key)) if tp_size > 1 else "replicated"
+        if layout == "replicated":
+            lines.append(f"holds {name:<42} {str(shape):<12} {'copy' if tp_size > 1 else 'whole'}")
+        else:
+            full = list(shape)
+            full[_FULL_AXIS[layout]] *= tp_size
+            lines.append(f"holds {name:<42} {str(shape):<12} {layout} shard of {tuple(full)}")
+    return lines
+
+
+def _partners(e, members, me: int) -> str:
+    """``with ranks 0, 2`` (a collective's other members) or ``to rank 2 (pp rank 1)`` (a message)."""
+    ranks = members.get(e.group)
+    if e.kind == "p2p":
+        where = "to" if "send" in e.op else "from"
+        return f"{where} rank {ranks[e.peer]} ({e.group} rank {e.peer})" if ranks else f"{where} {e.group} rank {e.peer}"
+    others = [r for r in ranks if r != me] if ranks else []
+    return f"on {e.group}" + (f" with rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}" if others else "")
+
+
+def step_story(events, members: dict[str, list[int]], me: int, activation_shape=None, itemsize: int = 4) -> list[str]:
+    """The events of one step as lines, in start order: a compute span as a heading, each call made
+    inside it (or under ``after <span>:``, once it ended) as ``op bytes [shape] group partners
+    (algorithm)``; consecutive identical calls fold into ``k x``. A call of exactly ``activation_shape`` x ``itemsize`` bytes is labelled with that shape."""
+    act_bytes = int(np.prod(activation_shape)) * itemsize if activation_shape is not None else None
+    lines, last, repeat, span = [], None, 0, None  # span: the last compute event, while not yet left
+
+    def flush():
+        if last is not None:
+            lines.append(("  " if repeat == 1 else f"  {repeat} x ") + last)
+
+    for e in sorted(events, key=lambda e: e.start):
+        if e.kind == "compute":
+            flush()
+            last, repeat = None, 0
+            stage = f" micro-batch {e.seq} of {e.group}" if e.group.startswith("stage") else ""
+            heading = f"{e.op}{stage}  {1e3 * e.duration:.1f} ms"
+            lines.append(heading)
+            span = e
+            continue
+        if span is not None and e.start >= span.end:  # outside the span: say so once
+            flush()
+            last, repeat = None, 0
+            if lines[-1] == heading:  # nothing inside it: "forward ... ms, then:"
+                lines[-1] += ", then:"
+            else:
+                lines.append(f"after {span.op}:")
+            span = None
+        shape = f" {tuple(activation_shape)} activation" if e.nbytes == act_bytes else ""
+        algorithm = f" ({e.algorithm})" if e.algorithm else ""
+        text = f"{e.op} {_bytes(e.nbytes)}{shape} {_partners(e, members, me)}{algorithm}"
+        if text == last:
+            repeat += 1
+        else:
+            flush()
+            last, repeat = text, 1
+    flush()
+    return lines
+
+
+def explain_first_step(mesh, model, events, *, activation_shape=None, batch_shape=None,
+                       state_bytes: dict | None = None) -> list[str]:
+    """This rank's account of one step: heading, groups, what it holds, then the step's ``events``
+    (trace events recorded during it). ``activation_shape`` (b, T, C) labels the calls that move
+    activations; ``batch_shape`` is this rank's batch; ``state_bytes`` ({what: bytes}) its memory."""
+    members = group_members(mesh)
+    groups = [f"{name} = ranks {ranks}" for name, ranks in members.items()
+              if len(ranks) > 1 and name != mesh.world.name]
+    lines = [f"=== rank {mesh.rank}: {mesh.name} ===", "groups: " + ("; ".join(groups) or "none (one rank)")]
+    if batch_shape is not None:
+        lines.append(f"reads a batch of {tuple(batch_shape)} token ids")
+    lines += holdings(model, mesh.shape.tp)
+    if state_bytes:
+        lines.append("model states: " + ", ".join(f"{k} {_bytes(v)}" for k, v in state_bytes.items()))
+    itemsize = next(iter(model.parameters())).data.dtype.itemsize
+    return lines + step_story(events, members, mesh.rank, activation_shape, itemsize)
+
+
+def gather_lines(group, lines: list[str]) -> list[list[str]]:
+    """Every rank's ``lines``, on every rank, in rank order. Sends the text as UTF-8 bytes packed
+    four to an int32 (the collectives' smallest integer type): first each rank's byte count (one
+    int64 all-gather), then the bytes padded to the longest (one int32 all-gather)."""
+    data = np.frombuffer("\n".join(lines).encode(), dtype=np.uint8)   # (L,)
+    lengths = group.all_gather(np.array([len(data)], dtype=np.int64))  # (n,)
+    words = -(-int(lengths.max()) // 4)
+    padded = np.zeros(4 * words, dtype=np.uint8)
+    padded[:len(data)] = data
+    everyone = group.all_gather(padded.view(np.int32)).view(np.uint8).reshape(group.size, 4 * words)  # (n, 4 words)
+    return [bytes(row[:n]).decode().split("\n") if n else [] for row, n in zip(everyone, lengths)]
+
+
+def print_explanation(mesh, model, events, *, file=None, **details) -> None:
+    """Collective over ``mesh.world``: gather every rank's :func:`explain_first_step` and print them
+    on global rank 0, one block per rank (``details``: its keyword arguments)."""
+    stories = gather_lines(mesh.world, explain_first_step(mesh, model, events, **details))
+    if mesh.rank == 0:
+        print("\n\n".join("\n".join(story) for story in stories), file=file or sys.stdout, flush=True)
+
+
+@contextmanager
+def explaining(mesh, model, *, file=None, **details):
+    """Print the explanation of whatever the ``with`` block does (a tutorial's training step):
+    the events ``mesh.world.trace`` records inside it. Collective over ``mesh.world`` on exit."""
+    trace = mesh.world.trace
+    first = len(trace.events)
+    yield
+    print_explanation(mesh, model, trace.events[first:], file=file, **details)

@@ -1,0 +1,44 @@
+"""``python -m minidist.inspect RUN_DIR``: see what a run did.
+
+    mpiexec -n 4 python -m minidist.train --dp 2 --tp 2 --steps 3 --trace runs/a --out runs/a
+    python -m minidist.inspect runs/a
+
+writes runs/a/trace.json (all ranks, for https://ui.perfetto.dev) and runs/a/timeline.png (one
+step per rank: compute, communication by op, idle), and prints the communication table (op, group,
+calls, bytes, time, algbw, busbw) and the memory table.
+"""
+import argparse
+from pathlib import Path
+
+from minidist.inspect.chrome import merge_chrome_trace
+from minidist.inspect.load import load_run
+from minidist.inspect.tables import comm_table, format_comm_table, format_memory
+from minidist.inspect.timeline import draw_run_timeline, step_window
+
+
+def main(argv=None) -> None:
+    """Entry point: read RUN_DIR, write the merged trace and the timeline, print the tables."""
+    p = argparse.ArgumentParser(prog="python -m minidist.inspect", description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dir", help="a directory written by python -m minidist.train --trace DIR --out DIR")
+    p.add_argument("--step", type=int, default=-1, help="the training step to draw (negative: from the last)")
+    p.add_argument("--png", help="where to draw the timeline (default RUN_DIR/timeline.png)")
+    args = p.parse_args(argv)
+    run = load_run(args.run_dir)
+    print(f"{args.run_dir}: {len(run.traces)} ranks, {sum(len(t.events) for t in run.traces):,} events")
+    if run.metrics:
+        first, last = run.metrics[0], run.metrics[-1]
+        print(f"steps {first['step']}..{last['step']}: loss {first['loss']:.4f} -> {last['loss']:.4f}")
+    print(f"merged trace: {merge_chrome_trace(run)}  (open in https://ui.perfetto.dev)")
+    window = step_window(run.traces, args.step)
+    png = Path(args.png) if args.png else run.path / "timeline.png"
+    what = f"step {args.step}" if window else "the whole trace"
+    draw_run_timeline(png, run.traces, window, title=f"{run.path.name}: {what}, {len(run.traces)} ranks")
+    print(f"timeline of {what}: {png}")
+    print("\ncommunication, whole run:")
+    print(format_comm_table(comm_table(run.traces, run.group_members())))
+    print("\nmemory:")
+    print(format_memory(run.memory))
+
+
+if __name__ == "__main__":
+    main()

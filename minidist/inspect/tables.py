@@ -1,0 +1,73 @@
+"""The communication table and the memory table of a run.
+
+The communication table is nccl-tests' view of a whole run: one row per (op, group) with the calls,
+bytes and time of one rank, and two bandwidths. algbw is bytes / time. busbw rescales it to what
+each rank's link carried, so that it can be compared with the hardware's bandwidth whatever the
+group size n: an all-reduce of N bytes sends 2(n-1)/n N per rank, a reduce-scatter or all-gather
+(n-1)/n N, a broadcast, a reduce or a point-to-point message N.
+"""
+from __future__ import annotations
+
+from minidist.parallel.accounting import BUS_FACTOR, format_memory_table
+
+BUS_FACTORS = {**BUS_FACTOR, **{op: (lambda n: 1.0) for op in ("broadcast", "reduce", "send", "recv", "isend",
+                                                                 "irecv", "sendrecv")}}
+
+
+def human_bytes(n: float) -> str:
+    """``1.5 MiB``-style text for a byte count."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def comm_table(traces, members: dict[str, list[int]]) -> list[dict]:
+    """One row per (op, group) of the communication in ``traces``, most time first.
+
+    ``members`` maps a group name to its ranks (``Run.group_members``). A row's ``ranks`` are the
+    ranks that made the op (all members for a collective, the senders for ``send``); ``calls``,
+    ``bytes`` and ``seconds`` are per such rank (their mean); ``algbw`` = bytes / seconds and
+    ``busbw`` = algbw x the op's factor for n = the group's size, in bytes per second (None for
+    ops that move no data: barrier, split)."""
+    totals: dict[tuple[str, str], dict] = {}
+    for t in traces:
+        for e in t.events:
+            if e.kind == "compute":
+                continue
+            row = totals.setdefault((e.op, e.group), dict(op=e.op, group=e.group, ranks=set(), calls=0, bytes=0,
+                                                           seconds=0.0))
+            row["ranks"].add(t.rank)
+            row["calls"] += 1
+            row["bytes"] += e.nbytes
+            row["seconds"] += e.duration
+    rows = []
+    for row in totals.values():
+        k, n = len(row["ranks"]), len(members[row["group"]])
+        calls, nbytes, seconds = row["calls"] / k, row["bytes"] / k, row["seconds"] / k
+        algbw = nbytes / seconds if nbytes and seconds > 0 else None
+        busbw = algbw * BUS_FACTORS[row["op"]](n) if algbw is not None and row["op"] in BUS_FACTORS else None
+        rows.append(dict(op=row["op"], group=row["group"], n=n, ranks=k, calls=calls, bytes=nbytes,
+                         seconds=seconds, algbw=algbw, busbw=busbw))
+    return sorted(rows, key=lambda r: -r["seconds"])
+
+
+def format_comm_table(rows: list[dict]) -> str:
+    """:func:`comm_table` as text: time in ms, bandwidths in GB/s (1e9 bytes, as nccl-tests)."""
+    def gbs(x):
+        return f"{x / 1e9:>9.3f}" if x is not None else f"{'-':>9}"
+
+    width = max([len(r["group"]) for r in rows] + [5])
+    lines = [f"{'op':<14} {'group':<{width}} {'n':>3} {'calls':>7} {'bytes':>11} {'time ms':>9} "
+             f"{'algbw':>9} {'busbw':>9}   (per rank; GB/s)"]
+    for r in rows:
+        calls = f"{r['calls']:.0f}" if r["calls"] == int(r["calls"]) else f"{r['calls']:.1f}"
+        lines.append(f"{r['op']:<14} {r['group']:<{width}} {r['n']:>3} {calls:>7} {human_bytes(r['bytes']):>11} "
+                     f"{1e3 * r['seconds']:>9.2f} {gbs(r['algbw'])} {gbs(r['busbw'])}")
+    return "\n".join(lines)
+
+
+def format_memory(memory: dict[int, list[dict]]) -> str:
+    """Every rank's memory rows as one table (``format_memory_table``), labelled ``rank r: label``."""
+    rows = [{**row, "label": f"rank {rank}: {row['label']}"} for rank in sorted(memory) for row in memory[rank]]
+    return format_memory_table(rows) if rows else "(no memory files)"

@@ -1,0 +1,41 @@
+"""Write a run directory for ``python -m minidist.inspect`` (the layout is in ``load.py``).
+
+Each rank writes its own files, so nothing is sent: ``write_trace`` the trace events,
+``write_memory_report`` the bytes it holds.
+"""
+from __future__ import annotations
+
+import json
+
+from minidist.inspect.load import memory_path, trace_path
+from minidist.parallel.accounting import unique_nbytes
+
+
+def write_trace(run_dir, trace) -> None:
+    """Save ``trace`` (one rank's) as ``run_dir/trace/rank<r>.jsonl``."""
+    path = trace_path(run_dir, trace.rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    trace.save(path)
+
+
+def write_memory_report(run_dir, rank: int, rows: list[dict]) -> None:
+    """Save rank ``rank``'s memory rows as ``run_dir/memory/rank<r>.json``. Each row is a dict with
+    a ``label`` and byte counts (the same keys in every row), e.g. ``model_state_bytes``' dict
+    with a label."""
+    for row in rows:
+        if "label" not in row:
+            raise ValueError(f"memory row {row} has no 'label'")
+    path = memory_path(run_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"rank": rank, "rows": rows}, f)
+
+
+def model_state_bytes(model, optimizer) -> dict:
+    """Bytes this rank holds in parameters, gradients and optimizer state (a plain ``Optimizer``
+    with its ``state`` slots), measured from the live arrays; the keys of
+    ``ZeroOptimizer.model_state_bytes``, so both fill the same memory table."""
+    params = list(model.parameters())
+    return {"parameters": unique_nbytes([p.data for p in params]),
+            "gradients": unique_nbytes([p.grad for p in params]),
+            "optimizer": unique_nbytes([a for slot in optimizer.state.values() for a in slot.values()])}
