@@ -6,15 +6,22 @@ batches, a tensor-parallel model, a ZeRO optimizer) and keep the rest:
     parse_args -> TrainConfig       the command line as one dataclass
     check_config(cfg, world_size)   every rank rejects a bad layout before anything is sent
     load_data(cfg)                  train / validation tokens (memmapped uint8 files)
-    build_model(cfg), build_optimizer(model, cfg)
+    build_parallel(cfg, mesh)       this rank's model part, optimizer, gradient sync, pipeline engine
     train(cfg)                      the loop: batch -> forward -> backward -> clip -> lr -> step
+                                    (one step under any layout: minidist/parallel/step.py)
 
 Parallel runs start the same script under MPI, e.g. 4 ranks as 2 data-parallel replicas of a 2-way
 tensor-parallel model, each step's batch cut into 2 micro-batches:
 
     mpiexec -n 4 python -m minidist.train --dp 2 --tp 2 --micro-batches 2
 
-Every layout trains to the same numbers as one process on the full batch (tests/test_train_parallel.py).
+or 8 ranks in 3D: 2 replicas of a 2-stage pipeline (1F1B over 8 micro-batches) whose stages are
+2-way tensor-parallel, optimizer states sharded over the replicas (ZeRO stage 1):
+
+    mpiexec -n 8 python -m minidist.train --dp 2 --pp 2 --tp 2 --schedule 1f1b --micro-batches 8 --zero 1
+
+Every layout trains to the same numbers as one process on the full batch (tests/test_train_parallel*.py,
+tests/test_train_zero.py, tests/test_train_pipeline.py).
 
 With no arguments it trains a 2-layer, 64-wide GPT on the generated default corpus (English-like
 sentences, see minidist/data/corpus.py) for 800 steps: about a minute on one CPU core, validation loss
@@ -34,18 +41,23 @@ import numpy as np
 from tqdm import tqdm
 
 from minidist.autograd import no_grad
-from minidist.comm import LocalTransport, ProcessGroup, Trace, init, write_chrome_trace
+from minidist.comm import LocalTransport, ProcessGroup, init, write_chrome_trace
 from minidist.data import (ByteTokenizer, default_corpus, get_batch, inputs_and_targets, load_tokens,
                            train_val_split)
 from minidist.model import GPT, GPTConfig
-from minidist.optim import SGD, AdamW, clip_grad_norm, lr_at
-from minidist.parallel.clip import clip_grad_norm_parallel
-from minidist.parallel.consolidate import consolidated_state_dict
+from minidist.optim import SGD, AdamW, lr_at
+from minidist.parallel.accounting import format_memory_table
+from minidist.parallel.consolidate import full_state_dict
 from minidist.parallel.data_parallel import DataParallel
 from minidist.parallel.mesh import DeviceMesh
+from minidist.parallel.pipeline import SCHEDULES, PipelineEngine, PipelineStage
+from minidist.parallel.recompute import recompute_blocks
 from minidist.parallel.sampler import DistributedSampler, micro_batches
-from minidist.parallel.tensor_parallel import sync_sequence_parallel_grads
+from minidist.parallel.step import forward_backward, train_step  # noqa: F401 (forward_backward: public here)
 from minidist.parallel.tp_model import build_tp_gpt
+from minidist.parallel.zero import ZeroOptimizer, check_zero_layout
+
+ADAMW_BETAS = (0.9, 0.95)
 
 
 @dataclasses.dataclass
@@ -75,11 +87,16 @@ class TrainConfig:
     eval_iters: int = 8
     sample_tokens: int = 200
     out: str | None = None
-    # parallelism (world size = dp * tp) and what it writes
+    # parallelism (world size = dp * pp * tp) and what it writes
     dp: int = 1
+    pp: int = 1
     tp: int = 1
     sequence_parallel: bool = False
     micro_batches: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    zero: int = 0
+    recompute: bool = False
     bucket_mb: float = 1.0
     export: str | None = None
     trace: str | None = None
@@ -93,14 +110,16 @@ class ConfigError(ValueError):
 def check_config(cfg, world_size: int) -> None:
     """Raise :class:`ConfigError` listing everything wrong with running ``cfg`` on ``world_size`` ranks."""
     problems = []
-    for name in ("dp", "tp", "micro_batches"):
+    for name in ("dp", "pp", "tp", "micro_batches", "virtual_stages"):
         if getattr(cfg, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
-    if world_size != cfg.dp * cfg.tp:
-        problems.append(f"world size {world_size} != dp * tp = {cfg.dp} * {cfg.tp} = {cfg.dp * cfg.tp} "
-                        f"(start {cfg.dp * cfg.tp} ranks: mpiexec -n {cfg.dp * cfg.tp} ...)")
+    axes = ("dp", "pp", "tp") if cfg.pp > 1 else ("dp", "tp")
+    n = cfg.dp * cfg.pp * cfg.tp
+    if world_size != n:
+        problems.append(f"world size {world_size} != {' * '.join(axes)} = "
+                        f"{' * '.join(str(getattr(cfg, a)) for a in axes)} = {n} (start {n} ranks: mpiexec -n {n} ...)")
     if cfg.n_embd % cfg.n_head:
         problems.append(f"n_embd {cfg.n_embd} is not divisible by n_head {cfg.n_head}")
     if cfg.n_head % cfg.tp:
@@ -115,6 +134,25 @@ def check_config(cfg, world_size: int) -> None:
                         f"splits the sequence over the tp ranks)")
     if cfg.bucket_mb <= 0:
         problems.append(f"--bucket-mb must be positive, got {cfg.bucket_mb}")
+    if cfg.schedule not in SCHEDULES:
+        problems.append(f"--schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
+    if cfg.pp * cfg.virtual_stages > cfg.n_layer:
+        problems.append(f"pp * virtual_stages = {cfg.pp} * {cfg.virtual_stages} pipeline stages need at least "
+                        f"as many blocks, n_layer is {cfg.n_layer}")
+    if cfg.virtual_stages > 1 and cfg.schedule != "interleaved":
+        problems.append(f"--virtual-stages {cfg.virtual_stages} needs --schedule interleaved")
+    if cfg.schedule == "interleaved" and cfg.micro_batches % cfg.pp:
+        problems.append(f"the interleaved schedule needs micro_batches ({cfg.micro_batches}) to be a multiple "
+                        f"of pp ({cfg.pp})")
+    try:
+        check_zero_layout(cfg.zero, cfg.pp)
+    except ValueError as e:
+        problems.append(str(e))
+    if cfg.zero >= 2 and cfg.sequence_parallel:
+        problems.append(f"--zero {cfg.zero} with --sequence-parallel is not supported: the sequence-parallel "
+                        "gradient sync adds up full gradients, which ZeRO stages 2 and 3 do not keep (use --zero 1)")
+    if cfg.zero == 3 and cfg.recompute:
+        problems.append("--recompute with --zero 3 is redundant: ZeRO-3 already recomputes every block in backward")
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
 
@@ -124,7 +162,8 @@ def parse_args(argv=None):
     defaults = TrainConfig()
     p = argparse.ArgumentParser(prog="python -m minidist.train", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    choices = {"dtype": ["float32", "float64"], "optimizer": ["sgd", "adamw"]}
+    choices = {"dtype": ["float32", "float64"], "optimizer": ["sgd", "adamw"], "schedule": list(SCHEDULES),
+               "zero": [0, 1, 2, 3]}
     helps = {
         "steps": "optimizer steps", "batch_size": "sequences per step (the global batch)",
         "seed": "seeds the weights and the batches", "dtype": "parameter and activation dtype",
@@ -139,9 +178,13 @@ def parse_args(argv=None):
         "out": "directory for metrics.jsonl",
         "n_layer": "transformer blocks", "n_head": "attention heads", "n_embd": "embedding width",
         "block_size": "context length T",
-        "dp": "data-parallel replicas", "tp": "tensor-parallel ranks per replica",
+        "dp": "data-parallel replicas", "pp": "pipeline stages per replica",
+        "tp": "tensor-parallel ranks per pipeline stage",
         "sequence_parallel": "also split LayerNorm/dropout activations along the sequence over tp",
-        "micro_batches": "gradient-accumulation micro-batches per step (per dp rank)",
+        "micro_batches": "micro-batches per step and dp rank (gradient accumulation; the pipeline's units)",
+        "schedule": "pipeline schedule", "virtual_stages": "model chunks per pipeline rank (interleaved schedule)",
+        "zero": "ZeRO stage: shard optimizer states (1), + gradients (2), + parameters (3) over dp",
+        "recompute": "recompute each block's activations in backward instead of keeping them",
         "bucket_mb": "data-parallel gradient bucket size in MiB",
         "export": "write the consolidated full-model state_dict here (.npz) at the end",
         "trace": "directory for per-rank Chrome traces (trace_rank<r>.json)",
@@ -177,67 +220,88 @@ def build_model(cfg, tp_group=None):
 def build_optimizer(model, cfg):
     """AdamW (betas 0.9, 0.95) or SGD with momentum over the model's named parameters."""
     if cfg.optimizer == "adamw":
-        return AdamW(model.named_parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        return AdamW(model.named_parameters(), lr=cfg.lr, betas=ADAMW_BETAS, weight_decay=cfg.weight_decay)
     return SGD(model.named_parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
-def estimate_val_loss(model, val_tokens, cfg):
-    """Mean loss over ``cfg.eval_iters`` validation batches, the same batches at every evaluation."""
+def build_parallel(cfg, mesh):
+    """This rank's part of the run: (model, optimizer, dp, engine). Collective over ``mesh``.
+
+    ``model``: the GPT, its tensor-parallel shard over ``mesh.tp_group``, and with ``cfg.pp > 1`` the
+    PipelineStage of this pp rank (blocks recomputed in backward with ``cfg.recompute``).
+    ``optimizer``: with ``cfg.zero`` a ZeroOptimizer over ``mesh.dp_group``, which then syncs the
+    gradients itself (``dp`` None); else SGD / AdamW and ``dp`` a DataParallel. ``engine``: the
+    PipelineEngine running ``cfg.schedule`` (None without pipeline parallelism)."""
+    model = build_model(cfg, mesh.tp_group)
+    if cfg.recompute:
+        recompute_blocks(model)
+    if cfg.pp > 1:
+        model = PipelineStage(model, mesh.pp_rank, cfg.pp, cfg.virtual_stages)
+    if cfg.zero > 0:
+        dp = None
+        hyper = {"betas": ADAMW_BETAS} if cfg.optimizer == "adamw" else {"momentum": cfg.momentum}
+        optimizer = ZeroOptimizer(model, mesh.dp_group, cfg.zero, cfg.optimizer, lr=cfg.lr,
+                                  weight_decay=cfg.weight_decay, tp_group=mesh.tp_group, pp_group=mesh.pp_group,
+                                  **hyper)
+    else:
+        dp = DataParallel(model, mesh.dp_group, bucket_bytes=int(cfg.bucket_mb * 2**20))
+        optimizer = build_optimizer(model, cfg)
+    engine = None
+    if cfg.pp > 1:
+        engine = PipelineEngine(model, mesh, cfg.schedule, cfg.micro_batches, cfg.virtual_stages,
+                                no_sync=dp.no_sync if dp else None)
+    return model, optimizer, dp, engine
+
+
+def describe_layout(cfg, mesh, model) -> str:
+    """Who holds what, one line per rank: its (dp, pp, tp) coordinates, the blocks of its pipeline
+    stage(s), and what tensor parallelism and ZeRO cut further."""
+    shape = mesh.shape
+    counts = model.layers_per_stage if cfg.pp > 1 else [cfg.n_layer]
+    starts = np.cumsum([0] + counts)
+    held = []
+    for pp_rank in range(shape.pp):
+        stages = [c * shape.pp + pp_rank for c in range(cfg.virtual_stages)]
+        parts = ["embeddings"] if 0 in stages else []
+        parts += [f"blocks {starts[s]}-{starts[s + 1] - 1}" if counts[s] > 1 else f"block {starts[s]}"
+                  for s in stages]
+        parts += ["ln_f, lm_head"] if len(counts) - 1 in stages else []
+        held.append(", ".join(parts))
+    sharded = ["optimizer states", "gradients and optimizer states", "parameters, gradients and optimizer states"]
+    cut = ([f"1/{shape.tp} of its matrices (tp)"] if shape.tp > 1 else []) + (
+        [f"1/{shape.dp} of their {sharded[cfg.zero - 1]} (ZeRO-{cfg.zero})"] if cfg.zero else [])
+    pipeline = f", {cfg.schedule} schedule" if cfg.pp > 1 else ""
+    lines = [f"mesh: dp {shape.dp} x pp {shape.pp} x tp {shape.tp} = {shape.world} ranks, "
+             f"per dp rank {cfg.micro_batches} micro-batch(es) x {cfg.batch_size // (cfg.dp * cfg.micro_batches)} "
+             f"row(s){pipeline}"]
+    for rank in range(shape.world):
+        d, p, t = shape.coords(rank)
+        lines.append(f"  rank {rank}: dp {d} pp {p} tp {t}  holds {held[p]}" + "".join(f"; {c}" for c in cut))
+    return "\n".join(lines)
+
+
+def memory_table(optimizer) -> str:
+    """ZeRO's model-state bytes on this rank: the paper's formula beside what the arrays hold."""
+    rows = [{"label": f"ZeRO-{optimizer.stage} formula", **optimizer.formula()},
+            {"label": "measured on rank 0", **optimizer.model_state_bytes()}]
+    return format_memory_table([dict(r, total=sum(v for k, v in r.items() if k != "label")) for r in rows])
+
+
+def estimate_val_loss(model, val_tokens, cfg, engine=None):
+    """Mean loss over ``cfg.eval_iters`` validation batches, the same batches at every evaluation
+    (through the pipeline ``engine``'s forward-only schedule when there is one)."""
     model.eval()
     with no_grad():
         losses = []
         for i in range(cfg.eval_iters):
-            idx, targets = inputs_and_targets(get_batch(val_tokens, i, cfg.batch_size, cfg.block_size, cfg.seed))
-            losses.append(model(idx, targets)[1].item())
+            batch = get_batch(val_tokens, i, cfg.batch_size, cfg.block_size, cfg.seed)  # (B, T+1)
+            if engine is not None:
+                losses.append(engine.evaluate(micro_batches(batch, cfg.micro_batches)))
+            else:
+                idx, targets = inputs_and_targets(batch)
+                losses.append(model(idx, targets)[1].item())
     model.train()
     return float(np.mean(losses))
-
-
-def forward_backward(model, batches, no_sync=contextlib.nullcontext, trace=None):
-    """Forward and backward over ``batches`` (micro-batches of (b, T+1) rows), accumulating
-    gradients. Each micro-batch's mean loss is scaled by 1/len(batches) before backward, so the
-    accumulated gradient is that of the mean over all rows. All backward passes but the last run
-    inside ``no_sync()`` (data parallelism communicates once, after the last). Returns the mean
-    loss. (A pipeline engine replaces exactly this function.)"""
-    trace = trace or Trace(enabled=False)
-    m, losses = len(batches), []
-    for i, batch in enumerate(batches):
-        idx, targets = inputs_and_targets(batch)          # (b/m, T), (b/m, T)
-        with no_sync() if i < m - 1 else contextlib.nullcontext():
-            with trace.record("forward", kind="compute"):
-                _, loss = model(idx, targets)
-            with trace.record("backward", kind="compute"):
-                loss.backward(np.full_like(loss.data, 1.0 / m))
-        losses.append(loss.item())
-    return float(np.mean(losses))
-
-
-def train_step(model, optimizer, batch, lr, grad_clip, *, dp=None, mesh=None, n_micro=1,
-               sequence_parallel=False, trace=None):
-    """One step on this rank's (b, T+1) rows: forward and backward per micro-batch, gradient
-    averaging, clip, update. Returns (loss, grad norm); the norm is measured before clipping, and
-    ``grad_clip <= 0`` measures without clipping.
-
-    With ``dp`` (a DataParallel) gradients are averaged over its group and the loss over the dp
-    ranks; with ``mesh`` the norm spans the whole model (tp shards, pp stages). Without them: one
-    process, plain arrays."""
-    (dp or optimizer).zero_grad()
-    loss = forward_backward(model, micro_batches(batch, n_micro), dp.no_sync if dp else contextlib.nullcontext,
-                            trace)
-    if dp:
-        dp.finish()
-        loss = float(dp.group.all_reduce(np.array([loss]), op="avg")[0])
-    if sequence_parallel:
-        sync_sequence_parallel_grads(model, mesh.tp_group)
-    max_norm = grad_clip if grad_clip > 0 else float("inf")
-    if mesh:
-        grad_norm = clip_grad_norm_parallel(model.parameters(), max_norm, mesh)
-    else:
-        grad_norm = clip_grad_norm(model.parameters(), max_norm)
-    optimizer.lr = lr
-    with (trace or Trace(enabled=False)).record("optimizer", kind="compute"):
-        optimizer.step()
-    return loss, grad_norm
 
 
 def open_metrics(out):
@@ -254,22 +318,23 @@ def world_of_one(timeout: float = 60.0) -> ProcessGroup:
 
 
 def train(cfg, progress=True, world=None):
-    """Run the training loop of ``cfg`` on ``world`` (a ProcessGroup of dp * tp ranks; None: one
-    process). Returns (model, history), history one dict per step (the same on every rank);
-    global rank 0 writes ``cfg.out``, ``cfg.export``, and prints."""
+    """Run the training loop of ``cfg`` on ``world`` (a ProcessGroup of dp * pp * tp ranks; None:
+    one process). Returns (model, history): this rank's model (or pipeline stage) and one dict per
+    step (the same on every rank); global rank 0 writes ``cfg.out``, ``cfg.export``, and prints."""
     world = world if world is not None else world_of_one()
     check_config(cfg, world.size)
     lead = world.rank == 0
-    mesh = DeviceMesh(world, dp=cfg.dp, tp=cfg.tp)
+    mesh = DeviceMesh(world, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp)
     train_tokens, val_tokens = load_data(cfg)
     sampler = DistributedSampler(train_tokens, cfg.batch_size, cfg.block_size, cfg.seed, mesh.dp_rank, cfg.dp)
-    model = build_model(cfg, mesh.tp_group)
-    dp = DataParallel(model, mesh.dp_group, bucket_bytes=int(cfg.bucket_mb * 2**20))
-    optimizer = build_optimizer(model, cfg)
+    model, optimizer, dp, engine = build_parallel(cfg, mesh)
     if lead:
-        n_params = sum(p.data.size for p in model.parameters())
+        n_params = (sum(s.unit.numel for s in optimizer.shards) if cfg.zero  # ZeRO-3 holds shards only
+                    else sum(p.data.size for p in model.parameters()))
         print(f"{n_params:,} parameters on rank 0, {len(train_tokens):,} train / {len(val_tokens):,} val "
               f"tokens, {cfg.batch_size} x {cfg.block_size} tokens per step, {mesh!r}")
+        if world.size > 1:
+            print(describe_layout(cfg, mesh, model))
     history = []
     with open_metrics(cfg.out if lead else None) as metrics_file:
         bar = tqdm(range(cfg.steps), disable=not (progress and lead), dynamic_ncols=True)
@@ -277,13 +342,15 @@ def train(cfg, progress=True, world=None):
             lr = lr_at(step, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr)
             t0 = time.perf_counter()
             batch = sampler.batch(step)   # (B/dp, T+1): this rank's rows of the global batch
-            loss, grad_norm = train_step(model, optimizer, batch, lr, cfg.grad_clip, dp=dp, mesh=mesh,
-                                         n_micro=cfg.micro_batches, sequence_parallel=cfg.sequence_parallel,
-                                         trace=world.trace)
+            loss, grad_norm = train_step(model, optimizer, batch, lr, cfg.grad_clip, dp=dp, engine=engine,
+                                         mesh=mesh, n_micro=cfg.micro_batches,
+                                         sequence_parallel=cfg.sequence_parallel, trace=world.trace)
             tokens_per_s = cfg.batch_size * cfg.block_size / (time.perf_counter() - t0)
+            if step == 0 and cfg.zero and lead:  # after a step: every model state exists, at its size
+                bar.write(memory_table(optimizer))
             record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "grad_norm": grad_norm}
             if step % cfg.eval_every == 0 or step == cfg.steps - 1:
-                record["val_loss"] = estimate_val_loss(model, val_tokens, cfg)
+                record["val_loss"] = estimate_val_loss(model, val_tokens, cfg, engine)
                 if lead:
                     bar.write(f"step {step:5d}  train loss {loss:.4f}  val loss {record['val_loss']:.4f}")
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:.0f}")
@@ -291,15 +358,17 @@ def train(cfg, progress=True, world=None):
             if metrics_file is not None:
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
-    write_outputs(cfg, model, mesh)
+    write_outputs(cfg, model, optimizer, mesh)
     return model, history
 
 
-def write_outputs(cfg, model, mesh):
-    """``--export``: the consolidated full state_dict as .npz (collective over tp; written by global
-    rank 0). ``--trace``: this rank's Chrome trace as DIR/trace_rank<r>.json."""
+def write_outputs(cfg, model, optimizer, mesh):
+    """``--export``: the consolidated full state_dict as .npz (collective over the mesh, ZeRO-3's
+    parameters gathered first; written by global rank 0). ``--trace``: this rank's Chrome trace as
+    DIR/trace_rank<r>.json."""
     if cfg.export is not None:
-        state = consolidated_state_dict(model, mesh)
+        with optimizer.full_parameters() if cfg.zero else contextlib.nullcontext():
+            state = full_state_dict(model, mesh)
         if mesh.rank == 0:
             Path(cfg.export).parent.mkdir(parents=True, exist_ok=True)
             np.savez(cfg.export, **state)
@@ -328,9 +397,11 @@ def main(argv=None):
         sys.exit(2)
     if world.rank == 0:
         print(f"\nfinal: train loss {history[-1]['loss']:.4f}, val loss {history[-1]['val_loss']:.4f}")
-        if cfg.sample_tokens > 0 and cfg.tp == 1:  # a tensor-parallel model has no generate()
+        if cfg.sample_tokens > 0 and cfg.tp == cfg.pp == 1 and cfg.zero < 3:
             model.eval()
             print("sample:\n" + sample(model, "The ", cfg.sample_tokens, seed=cfg.seed))
+        elif cfg.sample_tokens > 0:  # generate() needs the whole model on one rank
+            print("(no sample: the model is split over ranks by tp, pp or ZeRO-3)")
 
 
 if __name__ == "__main__":

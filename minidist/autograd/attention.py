@@ -6,7 +6,7 @@ Forward keeps only q, k, v and the attention probabilities P. Backward, with dY 
 """
 import math
 
-from minidist.autograd.backend import get_array_module
+from minidist.autograd.backend import get_array_module, matmul
 from minidist.autograd.function import Function
 
 
@@ -15,7 +15,7 @@ class ScaledDotProductAttention(Function):
     def forward(ctx, q, k, v, is_causal):  # q (B, nh, T, hs), k and v (B, nh, S, hs)
         xp = get_array_module(q)
         scale = 1.0 / math.sqrt(q.shape[-1])
-        att = q @ k.swapaxes(-1, -2)  # (B, nh, T, S)
+        att = matmul(q, k.swapaxes(-1, -2))  # (B, nh, T, S)
         att *= scale
         if is_causal:  # query t may look at keys 0..t only
             T, S = att.shape[-2:]
@@ -24,18 +24,18 @@ class ScaledDotProductAttention(Function):
         xp.exp(att, out=att)
         att /= att.sum(axis=-1, keepdims=True)  # P, rows sum to 1
         ctx.q, ctx.k, ctx.v, ctx.att, ctx.scale = q, k, v, att, scale
-        return att @ v  # (B, nh, T, hs)
+        return matmul(att, v)  # (B, nh, T, hs)
 
     @staticmethod
     def backward(ctx, grad):  # grad (B, nh, T, hs)
         q, k, v, att, scale = ctx.q, ctx.k, ctx.v, ctx.att, ctx.scale
-        grad_v = att.swapaxes(-1, -2) @ grad  # (B, nh, S, hs)
-        grad_s = grad @ v.swapaxes(-1, -2)  # dP (B, nh, T, S)
+        grad_v = matmul(att.swapaxes(-1, -2), grad)  # (B, nh, S, hs)
+        grad_s = matmul(grad, v.swapaxes(-1, -2))  # dP (B, nh, T, S)
         grad_s -= (grad_s * att).sum(axis=-1, keepdims=True)
         grad_s *= att  # dS, the gradient of the scaled scores
         grad_s *= scale
-        grad_q = grad_s @ k  # (B, nh, T, hs)
-        grad_k = grad_s.swapaxes(-1, -2) @ q  # (B, nh, S, hs)
+        grad_q = matmul(grad_s, k)  # (B, nh, T, hs)
+        grad_k = matmul(grad_s.swapaxes(-1, -2), q)  # (B, nh, S, hs)
         return grad_q, grad_k, grad_v, None
 
 

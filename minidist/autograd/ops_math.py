@@ -6,7 +6,7 @@ on either side of an operator; they get no gradient.
 """
 import numpy as np
 
-from minidist.autograd.backend import get_array_module
+from minidist.autograd.backend import get_array_module, matmul
 from minidist.autograd.function import Function
 
 
@@ -105,13 +105,13 @@ class MatMul(Function):
         if a.ndim < 2 or b.ndim < 2:
             raise ValueError(f"matmul needs operands of rank >= 2, got shapes {a.shape} and {b.shape}")
         ctx.a, ctx.b = a, b
-        return a @ b
+        return matmul(a, b)
 
     @staticmethod
     def backward(ctx, grad):
         a, b = ctx.a, ctx.b
-        grad_a = unbroadcast(grad @ b.swapaxes(-1, -2), a.shape) if ctx.needs_input_grad[0] else None
-        grad_b = unbroadcast(a.swapaxes(-1, -2) @ grad, b.shape) if ctx.needs_input_grad[1] else None
+        grad_a = unbroadcast(matmul(grad, b.swapaxes(-1, -2)), a.shape) if ctx.needs_input_grad[0] else None
+        grad_b = unbroadcast(matmul(a.swapaxes(-1, -2), grad), b.shape) if ctx.needs_input_grad[1] else None
         return grad_a, grad_b
 
 

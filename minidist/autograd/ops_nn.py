@@ -3,7 +3,7 @@ temporaries than composing them from arithmetic): linear, GELU, LayerNorm, embed
 """
 import math
 
-from minidist.autograd.backend import get_array_module
+from minidist.autograd.backend import get_array_module, matmul
 from minidist.autograd.function import Function
 
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)  # Python floats keep float32 arrays float32 (NEP 50)
@@ -17,7 +17,7 @@ class Linear(Function):
     def forward(ctx, x, weight, bias):
         x_2d = x.reshape(-1, x.shape[-1])  # (N, in): one large matmul beats a batch of small ones
         ctx.x_2d, ctx.weight = x_2d, weight
-        y = x_2d @ weight.T  # (N, out)
+        y = matmul(x_2d, weight.T)  # (N, out)
         if bias is not None:
             y += bias
         return y.reshape(*x.shape[:-1], weight.shape[0])  # (..., out)
@@ -27,8 +27,8 @@ class Linear(Function):
         x_2d, weight = ctx.x_2d, ctx.weight
         needs = ctx.needs_input_grad
         grad_2d = grad.reshape(-1, grad.shape[-1])  # (N, out)
-        grad_x = (grad_2d @ weight).reshape(*grad.shape[:-1], weight.shape[1]) if needs[0] else None  # (..., in)
-        grad_w = grad_2d.T @ x_2d if needs[1] else None  # (out, in)
+        grad_x = matmul(grad_2d, weight).reshape(*grad.shape[:-1], weight.shape[1]) if needs[0] else None  # (..., in)
+        grad_w = matmul(grad_2d.T, x_2d) if needs[1] else None  # (out, in)
         grad_b = grad_2d.sum(axis=0) if needs[2] else None  # (out,)
         return grad_x, grad_w, grad_b
 
@@ -139,14 +139,15 @@ class CrossEntropy(Function):
     """Softmax + negative log-likelihood in one numerically stable step (logits shifted by their max).
 
     Targets equal to ``ignore_index`` contribute nothing; "mean" divides by the number of the others
-    (NaN when there are none, as in PyTorch), "sum" does not divide.
+    (NaN when there are none, as in PyTorch), "sum" does not divide. Float16 logits are computed in
+    float32 (as PyTorch's autocast does): the loss is float32, the logits' gradient float16.
     """
 
     @staticmethod
     def forward(ctx, logits, targets, ignore_index, reduction):
         xp = get_array_module(logits)
         V = logits.shape[-1]
-        z = logits.reshape(-1, V)  # (N, V)
+        z = logits.reshape(-1, V).astype(xp.promote_types(logits.dtype, xp.float32), copy=False)  # (N, V)
         t = targets.reshape(-1)  # (N,)
         valid = t != ignore_index  # (N,)
         t = xp.where(valid, t, 0)
@@ -159,7 +160,7 @@ class CrossEntropy(Function):
         nll = (xp.log(total) - target_logit) * valid  # (N,)
         n_valid = int(valid.sum())
         scale = 1.0 if reduction == "sum" else 1.0 / n_valid if n_valid else math.nan
-        ctx.probs, ctx.t, ctx.valid, ctx.scale, ctx.shape = probs, t, valid, scale, logits.shape
+        ctx.probs, ctx.t, ctx.valid, ctx.scale, ctx.shape, ctx.dtype = probs, t, valid, scale, logits.shape, logits.dtype
         return nll.sum() * scale
 
     @staticmethod
@@ -168,7 +169,7 @@ class CrossEntropy(Function):
         weight = (grad * ctx.scale) * valid.astype(probs.dtype)  # (N,) d loss / d nll_i
         grad_z = probs * weight[:, None]  # (N, V)
         grad_z[get_array_module(probs).arange(len(t)), t] -= weight
-        return grad_z.reshape(ctx.shape), None, None, None
+        return grad_z.reshape(ctx.shape).astype(ctx.dtype, copy=False), None, None, None
 
 
 def cross_entropy(logits, targets, ignore_index: int = -1, reduction: str = "mean"):

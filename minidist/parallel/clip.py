@@ -7,7 +7,8 @@ by. Each rank sums the squares of what it owns, once:
   every tp rank adds its shard's squares;
 - a replicated parameter (LayerNorm, position embeddings, row-parallel biases) is the same on every
   tp rank: only tp rank 0 adds it, so it is counted once;
-- pipeline stages hold different layers: their sums add up too;
+- pipeline stages hold different layers: their sums add up too; the last stage's copy of the tied
+  embedding (``p.tied_copy = True``, the first stage holds the original) is not added again;
 - data-parallel replicas hold the same (averaged) gradients: nothing to add over dp.
 
 So: one all-reduce of a single float over the tp group and one over the pp group, then every rank
@@ -22,8 +23,10 @@ from minidist.optim import clip_coef, grad_norm_sq
 
 def local_grad_norm_sq(params, tp_rank: int) -> float:
     """The squares of the gradient elements this rank owns: its tensor-parallel shards, plus the
-    replicated parameters if it is tp rank 0."""
-    return grad_norm_sq([p.grad for p in params if getattr(p, "tensor_parallel", False) or tp_rank == 0])
+    replicated parameters if it is tp rank 0; never a pipeline stage's tied copy of a parameter
+    another stage holds too."""
+    owned = [p for p in params if not getattr(p, "tied_copy", False)]
+    return grad_norm_sq([p.grad for p in owned if getattr(p, "tensor_parallel", False) or tp_rank == 0])
 
 
 def clip_grad_norm_parallel(params, max_norm: float, mesh) -> float:

@@ -1,21 +1,27 @@
-"""One full-model state_dict from a model spread over tensor-parallel ranks.
+"""One full-model state_dict from a model spread over tensor-parallel ranks and pipeline stages.
 
 Replicated parameters are already whole on every rank. A tensor-parallel parameter is a distinct
 shard on each tp rank: the tp group all-gathers the shards and ``unshard`` (the TP engineer's inverse
-of ``shard_for``) puts them back together. The result uses GPT-2 names and full shapes, the same
-dict a single-process ``GPT.state_dict()`` gives, so it can be compared with one process or loaded
-into PyTorch.
+of ``shard_for``) puts them back together. Pipeline stages hold different parameters under their
+GPT-2 names: pp rank 0 receives every other stage's dict and takes the union. The result uses GPT-2
+names and full shapes, the same dict a single-process ``GPT.state_dict()`` gives, so it can be
+compared with one process or loaded into PyTorch.
 """
 from __future__ import annotations
+
+import json
+
+import numpy as np
 
 from minidist.autograd import to_numpy
 from minidist.parallel.tensor_parallel import unshard
 
 
 def consolidated_state_dict(model, mesh) -> dict:
-    """{GPT-2 name: full NumPy array} for every parameter name of ``model`` (a GPT or a
-    tensor-parallel GPT with ``config``; tied weights under each name). Collective over ``mesh.tp_group``: each tensor-parallel parameter costs one all-gather of
-    its shard (shards of one parameter have the same shape on every tp rank)."""
+    """{GPT-2 name: full NumPy array} for every parameter name of ``model`` (a GPT, a tensor-parallel
+    GPT or a PipelineStage, with ``config``; tied weights under each name). Collective over
+    ``mesh.tp_group``: each tensor-parallel parameter costs one all-gather of its shard (shards of one
+    parameter have the same shape on every tp rank)."""
     full = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         value = to_numpy(p.data)
@@ -25,3 +31,43 @@ def consolidated_state_dict(model, mesh) -> dict:
             value = unshard(name, shards, vocab_size=model.config.vocab_size)
         full[name] = value.copy()
     return full
+
+
+def gather_state_dicts(state: dict, group, dst: int = 0) -> dict | None:
+    """On rank ``dst`` of ``group``: the union of every rank's ``state`` ({name: array}), in rank
+    order (a name held by several ranks keeps the value of the last); None elsewhere.
+
+    Each other rank sends ``dst`` point-to-point, without pickle: the length of a JSON manifest
+    (names, shapes, dtypes), the manifest as bytes, then its arrays one by one."""
+    if group.rank != dst:
+        manifest = np.frombuffer(json.dumps([[k, v.shape, v.dtype.str] for k, v in state.items()]).encode(),
+                                 dtype=np.uint8)
+        group.send(np.array([manifest.size]), dst)
+        group.send(manifest, dst)
+        for value in state.values():
+            group.send(np.ascontiguousarray(value), dst)
+        return None
+    merged = {}
+    for src in range(group.size):
+        if src == dst:
+            merged.update(state)
+            continue
+        size = group.recv(np.zeros(1, dtype=np.int64), src)
+        manifest = json.loads(group.recv(np.empty(int(size[0]), dtype=np.uint8), src).tobytes())
+        for name, shape, dtype in manifest:
+            merged[name] = group.recv(np.empty(shape, dtype=dtype), src)
+    return merged
+
+
+def full_state_dict(model, mesh) -> dict | None:
+    """The whole model's {GPT-2 name: full array} on global rank 0, None elsewhere. ``model`` is this
+    rank's GPT, tensor-parallel GPT or PipelineStage. Collective over the mesh: dp rank 0's tp groups
+    consolidate their shards (:func:`consolidated_state_dict`), then their tp rank 0 sends its stage's
+    dict to pp rank 0 (:func:`gather_state_dicts`); the other dp replicas hold the same values and send
+    nothing. With tied embeddings ``lm_head.weight`` comes from the last stage (the same values)."""
+    if mesh.dp_rank != 0:
+        return None
+    state = consolidated_state_dict(model, mesh)
+    if mesh.tp_rank != 0:
+        return None
+    return gather_state_dicts(state, mesh.pp_group, dst=0)

@@ -53,6 +53,7 @@ class Shard:
     state: dict = field(default_factory=dict)
     decay: np.ndarray | None = None  # 0/1 per shard element
     tensor_parallel: np.ndarray | None = None  # bool per shard element
+    counted: np.ndarray | None = None  # bool per shard element: False on a pipeline stage's tied copy
     grad_flat: np.ndarray | None = None  # stages 0 and 1
     ready: int = 0  # stage 2: parameters of the unit whose gradient is final in this backward
     work: object = None  # stage 2: the reduce-scatter in flight
@@ -102,8 +103,9 @@ class ZeroOptimizer:
             param = Tensor(flat[unit.lo:unit.hi])  # a view: updating it updates the parameters
         state = {slot: np.zeros(unit.hi - unit.lo, dtype=unit.dtype) for slot in SLOTS[self.optimizer]}
         grad_flat = np.zeros(unit.numel, dtype=unit.dtype) if self.stage < 2 else None  # (numel,)
+        tied_copy = unit.shard_mask(lambda name, p: getattr(p, "tied_copy", False)).astype(bool)
         return Shard(unit, param, flat, state, unit.decay_mask(), unit.tensor_parallel_mask().astype(bool),
-                     grad_flat)
+                     ~tied_copy, grad_flat)
 
     # ---- gradients --------------------------------------------------------------------------------
 
@@ -163,12 +165,14 @@ class ZeroOptimizer:
         ``max_norm``; returns the norm before clipping. Each rank sums the squares of its shards
         (tensor-parallel and replicated elements apart), all-reduces the two sums over dp (stages
         >= 1, where each element lives on one dp rank), the tensor-parallel sum over tp (replicated
-        parameters are the same on every tp rank: counted once), and the total over pp."""
+        parameters are the same on every tp rank: counted once), and the total over pp (a last
+        stage's tied copy of the embedding, ``p.tied_copy``, is not counted: stage 0 counts it)."""
         self.reduce_gradients()
         sums = np.zeros(2)  # [tensor-parallel elements, replicated elements]
         for s in self.shards:
             g = s.param.grad
-            sums += [float((g[s.tensor_parallel] ** 2).sum()), float((g[~s.tensor_parallel] ** 2).sum())]
+            sums += [float((g[s.tensor_parallel & s.counted] ** 2).sum()),
+                     float((g[~s.tensor_parallel & s.counted] ** 2).sum())]
         if self.stage > 0:
             self.group.all_reduce(sums)
         if self.tp_group is not None:

@@ -1,0 +1,119 @@
+"""Master weights: the model runs in a 16-bit dtype, the optimizer updates float32 copies.
+
+Why: an update ``lr * g`` is often smaller than half the spacing of float16 numbers near the weight
+(float16 has 10 mantissa bits: around 1.0 the spacing is 0.001), so ``w16 - lr * g`` would round back
+to ``w16`` and training would stall. The float32 master accumulates the small updates; the model
+gets a rounded copy after each step. AdamW's moments live in float32 too (they are the optimizer's).
+
+One step, after backward (with the loss scaled by :class:`DynamicLossScaler`) and data parallelism's
+all-reduce (of float16 gradients: half the bytes of float32):
+
+    1. found_inf: any inf/NaN in the model's gradients, on ANY rank (one all-reduce "max").
+       If so: skip everything below, halve the scale. No weight, no optimizer state changes.
+    2. unscale:   master.grad = float32(p.grad) / scale       (exact: scale is a power of two)
+    3. clip:      global-norm clipping on the unscaled float32 gradients
+    4. update:    optimizer.step() on the float32 masters and float32 state
+    5. cast back: p.data[...] = float16(master)               (in place: DP buckets, views stay valid)
+
+    dtype      model weights stored as        gradients on the wire   loss scale
+    float16    float16                        float16 (half)          dynamic, from 2**16
+    bfloat16   float32 holding bfloat16 values float32 (emulation)     none needed (1, static)
+
+bfloat16 is emulated (bfloat16.py): weights are rounded to bfloat16 when cast back, gradients when
+read into the masters; activations and arithmetic stay float32.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from minidist.amp.bfloat16 import round_to_bfloat16
+from minidist.nn.parameter import Parameter
+from minidist.optim import clip_grad_norm
+from minidist.parallel.clip import clip_grad_norm_parallel
+
+COMPUTE_DTYPES = {"float16": np.float16, "bfloat16": np.float32}  # name -> storage dtype of the model
+SHARDING_TAGS = ("tensor_parallel", "tied_copy")  # parameter tags global-norm clipping reads
+
+
+@dataclass
+class StepResult:
+    """What :meth:`MixedPrecision.step` did: ``skipped`` (overflow somewhere: no update), the
+    gradient norm before clipping (NaN when skipped), and the loss scale this step's backward used."""
+    skipped: bool
+    grad_norm: float
+    loss_scale: float
+
+
+class MixedPrecision:
+    """float32 master copies of ``model``'s parameters, and the mixed-precision optimizer step.
+
+    ``dtype`` is the compute dtype: "float16" (the model's parameters must be float16) or
+    "bfloat16" (float32 parameters, rounded to bfloat16 values here). ``scaler`` is a
+    :class:`DynamicLossScaler` (its group: every rank that holds gradients, i.e. the world).
+    Build the optimizer over :meth:`master_parameters`, never over the model's.
+    """
+
+    def __init__(self, model, dtype: str, scaler):
+        if dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute dtype must be one of {sorted(COMPUTE_DTYPES)}, got {dtype!r}")
+        self.dtype, self.scaler = dtype, scaler
+        self.pairs = list(model.named_parameters())  # (name, model parameter), tied weights once
+        storage = np.dtype(COMPUTE_DTYPES[dtype])
+        wrong = [name for name, p in self.pairs if p.data.dtype != storage]
+        if wrong:
+            raise ValueError(f"compute dtype {dtype} keeps the model's parameters as {storage}; "
+                             f"these are not: {wrong[:3]}{' ...' if len(wrong) > 3 else ''}")
+        self.masters = []
+        for _, p in self.pairs:
+            master = Parameter(p.data.astype(np.float32))  # a copy
+            for tag in SHARDING_TAGS:
+                if hasattr(p, tag):
+                    setattr(master, tag, getattr(p, tag))
+            self.masters.append(master)
+        self._cast_to_model()  # bfloat16: the model starts from bfloat16 values
+
+    def master_parameters(self) -> list:
+        """(name, float32 master Parameter) pairs, named like the model's: give these to SGD / AdamW."""
+        return [(name, m) for (name, _), m in zip(self.pairs, self.masters)]
+
+    def backward(self, loss, weight: float = 1.0) -> None:
+        """Backward of ``weight * scale * loss`` (``weight``: 1/micro_batches under accumulation).
+        The loss must be float32 (cross-entropy returns float32 for float16 logits): 2**16 is not a
+        float16 number."""
+        loss.backward(np.full_like(loss.data, weight * self.scaler.scale))
+
+    def step(self, optimizer, max_norm: float = math.inf, mesh=None) -> StepResult:
+        """Steps 1-5 of the module docstring. ``optimizer`` is built over :meth:`master_parameters`;
+        ``mesh`` (optional) makes clipping global over tensor-parallel shards and pipeline stages.
+        Sends: one 8-byte all-reduce over the scaler's group, plus clipping's with ``mesh``."""
+        scale = self.scaler.scale
+        if self.scaler.found_inf([p.grad for _, p in self.pairs]):
+            self.scaler.update(found_inf=True)
+            return StepResult(skipped=True, grad_norm=math.nan, loss_scale=scale)
+        for (_, p), master in zip(self.pairs, self.masters):
+            master.grad = None if p.grad is None else self._unscale(p.grad, scale)
+        if mesh is not None:
+            grad_norm = clip_grad_norm_parallel(self.masters, max_norm, mesh)
+        else:
+            grad_norm = clip_grad_norm(self.masters, max_norm)
+        optimizer.step()
+        self._cast_to_model()
+        self.scaler.update(found_inf=False)
+        return StepResult(skipped=False, grad_norm=grad_norm, loss_scale=scale)
+
+    def _unscale(self, grad, scale: float) -> np.ndarray:
+        """float32(grad) / scale, a new array; bfloat16 rounds the gradient first."""
+        g = grad.astype(np.float32)
+        if self.dtype == "bfloat16":
+            g = round_to_bfloat16(g)
+        g *= 1.0 / scale
+        return g
+
+    def _cast_to_model(self) -> None:
+        """Write the masters into the model's parameters, in place, rounded to the compute dtype
+        (float16: NumPy's round-to-nearest-even cast; bfloat16: :func:`round_to_bfloat16`)."""
+        for (_, p), master in zip(self.pairs, self.masters):
+            p.data[...] = round_to_bfloat16(master.data) if self.dtype == "bfloat16" else master.data
