@@ -1,4 +1,6 @@
 """Tokenizer, the generated default corpus, memmapped token files and deterministic batches."""
+import threading
+
 import numpy as np
 import pytest
 
@@ -41,6 +43,21 @@ def test_default_corpus_is_cached_as_a_uint8_token_file(tmp_path):
     tokens = load_tokens(path)
     assert isinstance(tokens, np.memmap) and tokens.dtype == np.uint8
     assert ByteTokenizer().decode(tokens) == grammar_text(20_000, seed=0)
+
+
+def test_ranks_starting_at_once_as_threads_all_get_the_same_complete_corpus(tmp_path):
+    paths = [None] * 8
+
+    def start(rank):
+        paths[rank] = default_corpus(tmp_path, n_bytes=50_000)
+
+    threads = [threading.Thread(target=start, args=(rank,)) for rank in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(paths)) == 1 and [p.name for p in tmp_path.iterdir()] == [paths[0].name]
+    assert paths[0].read_bytes() == grammar_text(50_000).encode()
 
 
 def test_a_text_file_is_a_token_file_and_splits_without_copying(tmp_path):

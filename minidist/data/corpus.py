@@ -9,6 +9,7 @@ The text is a pure function of the seed, cached once as a uint8 token file
 (``grammar-v1-<bytes>-<seed>.bin``, see :func:`default_corpus`).
 """
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -87,15 +88,16 @@ def default_data_dir():
 def default_corpus(data_dir=None, n_bytes=1_000_000, seed=0):
     """Path of the default corpus token file, generating it on first use (about 1 MB, < 1 s).
 
-    The file is written to a temporary name and renamed, so several processes starting at once
-    (ranks of one job) never read a half-written file.
+    The file is written to a unique temporary name and renamed, so several processes or threads
+    starting at once (ranks of one job) never read a half-written file nor trip over each other.
     """
     data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
     path = data_dir / f"grammar-v1-{n_bytes}-{seed}.bin"
     if not path.exists():
         data_dir.mkdir(parents=True, exist_ok=True)
         tokens = ByteTokenizer().encode(grammar_text(n_bytes, seed))
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tokens.tofile(tmp)
+        fd, tmp = tempfile.mkstemp(dir=data_dir, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            tokens.tofile(f)
         os.replace(tmp, path)
     return path
