@@ -4,6 +4,7 @@ checkpoint holds 3 floats per parameter: the weights and two moments).
 
     python benchmarks/checkpoint.py            # prints a Markdown table, writes results/checkpoint.json
 """
+import argparse
 import json
 import shutil
 import tempfile
@@ -63,6 +64,7 @@ def step_overhead(mode, root, steps=16, every=4):
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     root = Path(tempfile.mkdtemp(prefix="ckpt-bench-"))
     try:
         sizes = [save_and_load(n_layer, n_embd, root / f"{n_layer}x{n_embd}") for n_layer, n_embd in SIZES]

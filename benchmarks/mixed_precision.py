@@ -8,8 +8,8 @@ bfloat16, with the same data and schedule. Per dtype: median step time, the byte
 gradient all-reduces carry per step (from the trace), final loss, the largest |loss - float32 loss|
 over the run, and the skipped steps. Writes benchmarks/results/mixed_precision.json (rank 0).
 """
+import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -62,7 +62,9 @@ def run(group, dtype, steps):
 
 
 def main():
-    steps = int(sys.argv[1]) if len(sys.argv) > 1 else 150
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=150, help="training steps per dtype (default %(default)s)")
+    steps = ap.parse_args().steps
     world = minidist.init()
     runs = {dtype: run(world, dtype, steps) for dtype in ("float32", "float16", "bfloat16")}
     if world.rank != 0:

@@ -11,6 +11,7 @@
 
 Writes benchmarks/results/param_server.json and benchmarks/figures/param_server_{traffic,convergence}.png.
 """
+import argparse
 import contextlib
 import io
 import json
@@ -131,6 +132,7 @@ def plot(results, path_traffic, path_convergence):
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     world = minidist.init()
     with contextlib.redirect_stdout(io.StringIO()):
         tokens, val_tokens = load_data(CFG)

@@ -8,6 +8,7 @@ from the live arrays after backward and gradient reduction: parameters, gradient
 activations (the graph before backward), next to the ZeRO formula; and the median step time.
 Writes benchmarks/results/zero.json and benchmarks/figures/zero_memory.png (rank 0).
 """
+import argparse
 import json
 import time
 from pathlib import Path
@@ -48,6 +49,7 @@ def measure(group, stage):
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     world = minidist.init()
     groups = {world.size: world, 2: world.split(world.rank // 2, name="pair"), 1: world.split(world.rank, name="self")}
     rows = []
