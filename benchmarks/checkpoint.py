@@ -16,7 +16,8 @@ from minidist.checkpoint.layout import load_training_state, training_meta, train
 from minidist.optim import lr_at
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.sampler import DistributedSampler
-from minidist.train import TrainConfig, build_model, build_optimizer, load_data, train_step, world_of_one
+from minidist.parallel.step import train_step
+from minidist.train import TrainConfig, build_model, build_optimizer, load_data, world_of_one
 
 SIZES = [(2, 64), (4, 128), (6, 256), (8, 384)]  # (n_layer, n_embd)
 

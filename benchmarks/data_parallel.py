@@ -64,7 +64,8 @@ def worker(buckets_kib, steps: int, warmup: int, out: str):
     from minidist.parallel.data_parallel import DataParallel
     from minidist.parallel.mesh import DeviceMesh
     from minidist.parallel.sampler import DistributedSampler
-    from minidist.train import TrainConfig, build_model, build_optimizer, load_data, train_step
+    from minidist.parallel.step import train_step
+    from minidist.train import TrainConfig, build_model, build_optimizer, load_data
 
     world = minidist.init(backend="ring")
     cfg = TrainConfig(batch_size=ROWS_PER_RANK * world.size, dp=world.size)

@@ -33,7 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from minidist.data import default_corpus, get_batch, load_tokens, train_val_split
-from minidist.train import TrainConfig, build_model, build_optimizer, train_step
+from minidist.parallel.step import train_step
+from minidist.train import TrainConfig, build_model, build_optimizer
 
 HERE = Path(__file__).resolve().parent
 SIZES = {   # name: (n_layer, n_head, n_embd, block_size, batch_size); "default" = the CLI's defaults

@@ -115,7 +115,9 @@ def test_reduce_scatter_then_all_gather_is_all_reduce(n, length, dtype, op, seed
     def fn(g):
         return g.all_gather(g.reduce_scatter(inputs[g.rank], op), count=length)
 
-    assert_all_equal(run_local(fn, n), run_local(lambda g: g.all_reduce(inputs[g.rank].copy(), op), n)[0])
+    gathered = run_local(fn, n)
+    assert_all_equal(gathered, expected(inputs, op))  # NumPy's answer ...
+    assert_all_equal(gathered, run_local(lambda g: g.all_reduce(inputs[g.rank].copy(), op), n)[0])  # ... and all_reduce's
 
 
 @SETTINGS

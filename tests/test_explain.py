@@ -16,7 +16,8 @@ from minidist.optim import SGD
 from minidist.parallel.data_parallel import DataParallel
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.pipeline import PipelineEngine, PipelineStage, split_micro_batches
-from minidist.train import TrainConfig, build_model, build_optimizer, train_step
+from minidist.parallel.step import train_step
+from minidist.train import TrainConfig, build_model, build_optimizer
 
 
 def test_lines_of_any_length_reach_every_rank():

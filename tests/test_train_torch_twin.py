@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from minidist.data import get_batch, inputs_and_targets
-from minidist.train import TrainConfig, build_model, build_optimizer, train_step
+from minidist.parallel.step import train_step
+from minidist.train import TrainConfig, build_model, build_optimizer
 
 torch = pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

@@ -74,7 +74,7 @@ def run_local(fn, world_size: int, backend: str = "ring", *, timeout: float = 60
         first_rank = min(errors, key=lambda rank: errors[rank][0])
         first = errors[first_rank][1]
         for rank, (_, e) in sorted(errors.items()):
-            if rank != first_rank:
+            if rank != first_rank and hasattr(first, "add_note"):  # notes exist from Python 3.11
                 first.add_note(f"rank {rank} also failed: {type(e).__name__}: {e}")
         raise first
     return results
