@@ -29,14 +29,10 @@ import numpy as np
 from mpi4py import MPI
 
 import minidist
+from minidist.comm.ops import bus_factor
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 BACKENDS = ("ring", "mpi")
-
-
-def busbw_factor(collective: str, n: int) -> float:
-    """nccl-tests' bus-bandwidth factor: how much of the buffer each rank sends, per byte of buffer."""
-    return 2 * (n - 1) / n if collective == "all_reduce" else (n - 1) / n
 
 
 def parse_size(text: str) -> int:
@@ -101,7 +97,7 @@ def measure(groups, collective: str, nbytes: int, repeats: int, budget_bytes: in
         algbw = nbytes / seconds / 1e9
         rows.append(dict(collective=collective, backend=name, size=nbytes, count=count, type="float",
                          redop="sum" if collective != "all_gather" else "none", time_us=seconds * 1e6,
-                         algbw=algbw, busbw=algbw * busbw_factor(collective, n), wrong=wrong,
+                         algbw=algbw, busbw=algbw * bus_factor(collective, n), wrong=wrong,
                          iters=iters, repeats=repeats))
     return rows
 

@@ -45,7 +45,8 @@ def test_cli_on_2_ranks_exports_the_weights_of_one_process(tmp_path):
     for name in one.files:
         np.testing.assert_allclose(dp2[name], one[name], rtol=1e-10, atol=1e-13, err_msg=name)
     assert len((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()) == 4
-    assert sorted(p.name for p in (tmp_path / "trace").iterdir()) == ["trace_rank0.json", "trace_rank1.json"]
+    assert sorted(p.name for p in (tmp_path / "trace" / "trace").iterdir()) == ["rank0.jsonl", "rank1.jsonl"]
+    assert sorted(p.name for p in (tmp_path / "trace" / "memory").iterdir()) == ["rank0.json", "rank1.json"]
     assert run.stdout.count("final: train loss") == 1, run.output  # rank 0 alone prints
 
 

@@ -99,7 +99,7 @@ def test_the_command_line_with_zero_3_exports_the_weights_of_one_process(data_di
     cfg = TrainConfig(**TINY, data_dir=data_dir, optimizer="adamw")
     reference = losses_and_export(cfg, 1, tmp_path / "one.npz")
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()]
-    run = run_mpi(4, "train_pp_zero_main.py", *flags, "--data-dir", data_dir, "--optimizer", "adamw",
+    run = run_mpi(4, "-m", "minidist.train", *flags, "--data-dir", data_dir, "--optimizer", "adamw",
                   "--dp", "4", "--zero", "3", "--sample-tokens", "20", "--export", tmp_path / "zero3.npz",
                   "--out", tmp_path, timeout=90)
     assert "ZeRO-3 formula" in run.stdout and "measured on rank 0" in run.stdout, run.output
@@ -111,7 +111,7 @@ def test_the_command_line_with_zero_3_exports_the_weights_of_one_process(data_di
 
 @needs_mpi
 def test_the_command_line_refuses_zero_2_with_a_pipeline_on_every_rank(tmp_path):
-    run = run_mpi(4, "train_pp_zero_main.py", "--dp", "2", "--pp", "2", "--zero", "2", "--data-dir",
+    run = run_mpi(4, "-m", "minidist.train", "--dp", "2", "--pp", "2", "--zero", "2", "--data-dir",
                   tmp_path, timeout=60, check=False)
     assert run.returncode == 2, run.output
     assert run.stderr.count("invalid configuration") == 1, run.output

@@ -11,18 +11,23 @@ part of them this rank holds, as boxes (regions.py), using the tensor-parallel l
     vocab        rows [r V_pad/n, (r+1) V_pad/n) clipped to V: padding rows are not stored, and
                  are zero when loaded
 
-Data-parallel replicas hold the same values, so only dp rank 0 writes (ZeRO shards would each write
-their own flat pieces: :class:`~minidist.checkpoint.regions.Flat`). Pipeline stages hold different
+Data-parallel replicas hold the same values, so only dp rank 0 writes. Under ZeRO each dp rank holds
+elements ``lo:hi`` of every unit's flat vector (flat_buffer.py), so each writes its own flat pieces:
+where the shard crosses a parameter (or one box of its tp shard), a
+:class:`~minidist.checkpoint.regions.Flat` range of that box. Pipeline stages hold different
 parameters under their GPT names; the last stage's copy of a tied embedding (``tied_copy``) is not
 written and loads from ``transformer.wte.weight``. Loading asks for this rank's boxes of every
 tensor it holds, whatever layout wrote them: that is resharding.
 """
 from __future__ import annotations
 
+import math
+
 from minidist.autograd import to_numpy
-from minidist.checkpoint.regions import Piece, full_box
+from minidist.checkpoint.regions import Flat, Piece, full_box
 from minidist.parallel.tensor_parallel import padded_vocab_size, tp_layout
 from minidist.parallel.tp_model import full_shape
+from minidist.parallel.zero import ZeroOptimizer
 
 
 def tp_regions(name: str, global_shape, tp_rank: int, tp_size: int) -> list:
@@ -48,29 +53,71 @@ def tp_regions(name: str, global_shape, tp_rank: int, tp_size: int) -> list:
     return [(0, width if axis == 0 else global_shape[0], tuple(box))]
 
 
+def _stored_name(name: str, p) -> str:
+    """The checkpoint name of parameter ``p``: a pipeline stage's tied copy is the tensor it copies."""
+    return "transformer.wte.weight" if getattr(p, "tied_copy", False) else name
+
+
 def _held(model, mesh):
     """(name in the checkpoint, local array name, Parameter, global shape) for every parameter this
     rank holds, tied copies under the name of the tensor they copy."""
     tp = mesh.tp_group.size
     for name, p in model.named_parameters():
-        stored = "transformer.wte.weight" if getattr(p, "tied_copy", False) else name
+        stored = _stored_name(name, p)
         yield stored, name, p, full_shape(stored, p.data.shape, model.config, tp)
+
+
+def _written_here(stored: str, p, mesh) -> bool:
+    """Whether this rank writes its part of ``p``: a tied copy never, a tp-replicated tensor on tp
+    rank 0 only."""
+    return not getattr(p, "tied_copy", False) and (tp_layout(stored) != "replicated" or mesh.tp_rank == 0)
+
+
+def zero_regions(unit, config, tp_rank: int, tp_size: int):
+    """Where this rank's ZeRO shard ``unit.lo:unit.hi`` of a unit's flat vector sits in the global
+    tensors: (stored name, Parameter, global shape, shard start, shard stop, :class:`Flat` region)
+    for every stretch of the shard inside one parameter and one box of its tp shard. Vocabulary
+    padding rows lie in no stretch."""
+    for (name, p), start, shape in zip(unit.params, unit.starts, unit.shapes):
+        stored = _stored_name(name, p)
+        global_shape = full_shape(stored, shape, config, tp_size)
+        row = math.prod(shape[1:])  # elements per local row
+        for r0, r1, box in tp_regions(stored, global_shape, tp_rank, tp_size):
+            first, last = start + r0 * row, start + r1 * row  # the box's elements in the flat vector
+            lo, hi = max(unit.lo, first), min(unit.hi, last)
+            if lo < hi:
+                yield stored, p, global_shape, lo - unit.lo, hi - unit.lo, Flat(box, lo - first, hi - first)
 
 
 def training_pieces(model, optimizer, mesh) -> list:
     """This rank's pieces of the model and of the optimizer state (SGD/AdamW over
-    ``model.named_parameters()``), each tensor written once over the whole mesh."""
+    ``model.named_parameters()``, or a :class:`ZeroOptimizer`'s flat shards), each tensor written
+    once over the whole mesh."""
+    if isinstance(optimizer, ZeroOptimizer) and optimizer.stage > 0:
+        return _zero_pieces(model, optimizer, mesh)
     if mesh.dp_rank != 0:
         return []
     pieces = []
     for stored, name, p, shape in _held(model, mesh):
-        if getattr(p, "tied_copy", False) or (tp_layout(stored) == "replicated" and mesh.tp_rank != 0):
+        if not _written_here(stored, p, mesh):
             continue
         arrays = [(stored, p.data)] + [(f"{slot}/{stored}", state[name]) for slot, state in optimizer.state.items()]
         for global_name, local in arrays:
             local = to_numpy(local)
             for r0, r1, box in tp_regions(stored, shape, mesh.tp_rank, mesh.tp_group.size):
                 pieces.append(Piece(global_name, local[r0:r1], shape, box))
+    return pieces
+
+
+def _zero_pieces(model, optimizer, mesh) -> list:
+    """Every dp rank's own flat pieces: its shard of the parameters (``shard.param``, which ZeRO-3
+    keeps alone) and of each optimizer slot."""
+    pieces = []
+    for s in optimizer.shards:
+        arrays = [("", s.param.data)] + [(f"{slot}/", state) for slot, state in s.state.items()]
+        for stored, p, shape, a, b, flat in zero_regions(s.unit, model.config, mesh.tp_rank, mesh.tp_group.size):
+            if _written_here(stored, p, mesh):
+                pieces += [Piece(prefix + stored, to_numpy(array[a:b]), shape, flat) for prefix, array in arrays]
     return pieces
 
 
@@ -83,13 +130,41 @@ def training_meta(mesh, optimizer) -> dict:
 def load_training_state(ckpt, model, optimizer, mesh) -> None:
     """Fill ``model``'s parameters and ``optimizer``'s state, in place, with this rank's regions of
     the checkpoint ``ckpt`` (a :class:`~minidist.checkpoint.reader.Checkpoint` written by ANY
-    layout); padding rows become zeros. Reads files only, sends nothing."""
+    layout); padding rows become zeros. Reads files only, sends nothing.
+
+    A :class:`ZeroOptimizer` reads its flat shards; in stages 1 and 2 the full parameters are read
+    as well (every dp rank computes with all of them), in stage 3 the shards are all it keeps."""
+    zero = isinstance(optimizer, ZeroOptimizer) and optimizer.stage > 0
+    if not (zero and optimizer.stage == 3):
+        _load_boxes(ckpt, model, {} if zero else optimizer.state, mesh)
+    if zero:
+        _load_zero(ckpt, model, optimizer, mesh)
+    optimizer.step_count = ckpt.meta["optimizer_step"]
+
+
+def _check_shape(ckpt, stored: str, shape) -> None:
+    if shape != ckpt.global_shape(stored):
+        raise ValueError(f"{stored}: the checkpoint holds {ckpt.global_shape(stored)}, this model {shape}")
+
+
+def _load_boxes(ckpt, model, state: dict, mesh) -> None:
+    """Every parameter's tp shard (and its ``state`` slots: {slot: {name: array}}) from its boxes."""
     for stored, name, p, shape in _held(model, mesh):
-        if shape != ckpt.global_shape(stored):
-            raise ValueError(f"{stored}: the checkpoint holds {ckpt.global_shape(stored)}, this model {shape}")
-        targets = [(stored, p.data)] + [(f"{slot}/{stored}", state[name]) for slot, state in optimizer.state.items()]
+        _check_shape(ckpt, stored, shape)
+        targets = [(stored, p.data)] + [(f"{slot}/{stored}", arrays[name]) for slot, arrays in state.items()]
         for global_name, local in targets:
             local[...] = 0
             for r0, r1, box in tp_regions(stored, shape, mesh.tp_rank, mesh.tp_group.size):
                 local[r0:r1] = ckpt.read(global_name, box)
-    optimizer.step_count = ckpt.meta["optimizer_step"]
+
+
+def _load_zero(ckpt, model, optimizer, mesh) -> None:
+    """Each ZeRO shard's parameter values and optimizer slots from their flat regions."""
+    for s in optimizer.shards:
+        arrays = [("", s.param.data)] + [(f"{slot}/", state) for slot, state in s.state.items()]
+        for _, array in arrays:
+            array[...] = 0
+        for stored, _, shape, a, b, flat in zero_regions(s.unit, model.config, mesh.tp_rank, mesh.tp_group.size):
+            _check_shape(ckpt, stored, shape)
+            for prefix, array in arrays:
+                array[a:b] = ckpt.read(prefix + stored, flat)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from minidist.comm.ops import offsets
+
 _OPS = {"sum": "SUM", "prod": "PROD", "max": "MAX", "min": "MIN"}
 _DTYPES = {np.dtype(np.float16): "FLOAT16_T", np.dtype(np.float32): "FLOAT",
            np.dtype(np.float64): "DOUBLE", np.dtype(np.int32): "INT32_T", np.dtype(np.int64): "INT64_T"}
@@ -56,8 +58,7 @@ def all_gather(t, shard, counts, out) -> None:
     """Concatenate every rank's ``shard`` (rank r sends ``counts[r]`` elements) into ``out`` on every
     rank, in rank order (``MPI_Allgatherv``)."""
     mpi_type = _mpi_type(t, shard.dtype)
-    displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
-    t.comm.Allgatherv([shard, mpi_type], [out, (list(counts), displs), mpi_type])
+    t.comm.Allgatherv([shard, mpi_type], [out, (list(counts), offsets(counts)), mpi_type])
 
 
 def broadcast(t, buf, root: int) -> None:

@@ -70,3 +70,16 @@ class Workspace:
         if buf is None or buf.size < count:
             buf = self._buffers[key] = np.empty(count, dtype)
         return buf[:count]
+
+
+def bus_factor(op: str, n: int) -> float | None:
+    """nccl-tests' bus-bandwidth factor of ``op`` on ``n`` ranks: the bytes each rank's link carries
+    per byte of buffer. All-reduce 2(n-1)/n; reduce-scatter (of its input) and all-gather (of its
+    output) (n-1)/n; broadcast, reduce and point-to-point 1. ``None`` for anything else."""
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("reduce_scatter", "all_gather"):
+        return (n - 1) / n
+    if op in ("broadcast", "reduce", "send", "recv", "isend", "irecv", "sendrecv"):
+        return 1.0
+    return None

@@ -8,10 +8,8 @@ group size n: an all-reduce of N bytes sends 2(n-1)/n N per rank, a reduce-scatt
 """
 from __future__ import annotations
 
-from minidist.parallel.accounting import BUS_FACTOR, format_memory_table
-
-BUS_FACTORS = {**BUS_FACTOR, **{op: (lambda n: 1.0) for op in ("broadcast", "reduce", "send", "recv", "isend",
-                                                                 "irecv", "sendrecv")}}
+from minidist.comm.ops import bus_factor
+from minidist.parallel.accounting import format_memory_table
 
 
 def human_bytes(n: float) -> str:
@@ -46,7 +44,8 @@ def comm_table(traces, members: dict[str, list[int]]) -> list[dict]:
         k, n = len(row["ranks"]), len(members[row["group"]])
         calls, nbytes, seconds = row["calls"] / k, row["bytes"] / k, row["seconds"] / k
         algbw = nbytes / seconds if nbytes and seconds > 0 else None
-        busbw = algbw * BUS_FACTORS[row["op"]](n) if algbw is not None and row["op"] in BUS_FACTORS else None
+        factor = bus_factor(row["op"], n)
+        busbw = algbw * factor if algbw is not None and factor is not None else None
         rows.append(dict(op=row["op"], group=row["group"], n=n, ranks=k, calls=calls, bytes=nbytes,
                          seconds=seconds, algbw=algbw, busbw=busbw))
     return sorted(rows, key=lambda r: -r["seconds"])

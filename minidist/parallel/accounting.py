@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-BUS_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-              "all_gather": lambda n: (n - 1) / n}
+from minidist.comm.ops import bus_factor
+
+SHARDING_OPS = ("all_reduce", "reduce_scatter", "all_gather")  # what data parallelism and ZeRO send
 
 
 def _buffer(a: np.ndarray) -> np.ndarray:
@@ -60,10 +61,10 @@ def zero_formula(stage: int, param_bytes: int, slots: int, n: int) -> dict:
 def bus_bytes(events, group_name: str, group_size: int) -> dict:
     """Per op (all_reduce / reduce_scatter / all_gather) the bytes each rank of ``group_name`` sends
     for the recorded ``events``, plus their ``"total"``."""
-    sent = {op: 0.0 for op in BUS_FACTOR}
+    sent = {op: 0.0 for op in SHARDING_OPS}
     for e in events:
-        if e.group == group_name and e.op in BUS_FACTOR:
-            sent[e.op] += e.nbytes * BUS_FACTOR[e.op](group_size)
+        if e.group == group_name and e.op in SHARDING_OPS:
+            sent[e.op] += e.nbytes * bus_factor(e.op, group_size)
     sent["total"] = sum(sent.values())
     return sent
 

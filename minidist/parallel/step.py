@@ -28,10 +28,11 @@ from minidist.parallel.tensor_parallel import sync_sequence_parallel_grads
 from minidist.parallel.zero import ZeroOptimizer
 
 
-def forward_backward(model, batches, no_sync=contextlib.nullcontext, trace=None):
+def forward_backward(model, batches, no_sync=contextlib.nullcontext, trace=None, loss_scale: float = 1.0):
     """Forward and backward over ``batches`` (micro-batches of (b, T+1) rows), accumulating
     gradients. Each micro-batch's mean loss is scaled by 1/len(batches) before backward, so the
-    accumulated gradient is that of the mean over all rows. All backward passes but the last run
+    accumulated gradient is that of the mean over all rows (times ``loss_scale``: mixed precision's
+    loss scaling keeps float16 gradients out of the underflow zone). All backward passes but the last run
     inside ``no_sync()`` (data parallelism communicates once, after the last). Returns the mean
     loss. (A pipeline engine's ``forward_backward`` replaces exactly this function.)"""
     trace = trace or Trace(enabled=False)
@@ -42,13 +43,13 @@ def forward_backward(model, batches, no_sync=contextlib.nullcontext, trace=None)
             with trace.record("forward", kind="compute"):
                 _, loss = model(idx, targets)
             with trace.record("backward", kind="compute"):
-                loss.backward(np.full_like(loss.data, 1.0 / m))
+                loss.backward(np.full_like(loss.data, loss_scale / m))
         losses.append(loss.item())
     return float(np.mean(losses))
 
 
 def train_step(model, optimizer, batch, lr, grad_clip, *, dp=None, engine=None, mesh=None, n_micro=1,
-               sequence_parallel=False, trace=None):
+               sequence_parallel=False, trace=None, amp=None):
     """One step on this rank's (b, T+1) rows, in the order of the module docstring. Returns
     (loss, grad norm); the norm is measured before clipping, and ``grad_clip <= 0`` measures
     without clipping.
@@ -57,7 +58,9 @@ def train_step(model, optimizer, batch, lr, grad_clip, *, dp=None, engine=None, 
     owns the data-parallel gradient sync: pass no ``dp``). ``dp``: a DataParallel averaging the
     gradients over its group. ``engine``: a PipelineEngine running the micro-batches through the
     pipeline stages. ``mesh``: the loss is averaged over its dp group and the norm spans the whole
-    model (tp shards, pp stages). Without ``dp``/``mesh``: one process, plain arrays."""
+    model (tp shards, pp stages). Without ``dp``/``mesh``: one process, plain arrays. ``amp``: a
+    MixedPrecision whose float32 masters ``optimizer`` updates; backward runs on the scaled loss, and
+    a step whose gradients overflowed on any rank is skipped (grad norm None)."""
     trace = trace or Trace(enabled=False)
     zero = isinstance(optimizer, ZeroOptimizer)
     (dp or optimizer).zero_grad()
@@ -65,7 +68,8 @@ def train_step(model, optimizer, batch, lr, grad_clip, *, dp=None, engine=None, 
     if engine is not None:
         loss = engine.forward_backward(batches)
     else:
-        loss = forward_backward(model, batches, dp.no_sync if dp else contextlib.nullcontext, trace)
+        loss = forward_backward(model, batches, dp.no_sync if dp else contextlib.nullcontext, trace,
+                                loss_scale=amp.scaler.scale if amp else 1.0)
     if dp:
         dp.finish()
     if mesh:
@@ -75,6 +79,11 @@ def train_step(model, optimizer, batch, lr, grad_clip, *, dp=None, engine=None, 
     if engine is not None:
         engine.all_reduce_tied_grads()
     max_norm = grad_clip if grad_clip > 0 else float("inf")
+    if amp:  # unscale into the masters, clip, update them, cast back (or skip on overflow)
+        optimizer.lr = lr
+        with trace.record("optimizer", kind="compute"):
+            result = amp.step(optimizer, max_norm, mesh)
+        return loss, None if result.skipped else result.grad_norm
     if zero:
         grad_norm = optimizer.clip_grad_norm(max_norm)  # reduce-scatters first (stages 0, 1)
     elif mesh:
