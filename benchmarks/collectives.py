@@ -135,6 +135,28 @@ def plot(runs: list[tuple[int, list[dict]]], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def markdown(runs: list[tuple[int, list[dict]]]) -> str:
+    """The ring against MPI's own, one Markdown table per (collective, world size): the tables of
+    benchmarks/RESULTS.md. ``ring / mpi`` is the busbw ratio: above 1 the hand-written ring is faster."""
+    out = []
+    for n, rows in runs:
+        for collective in COLLECTIVES:
+            by = {(r["backend"], r["size"]): r for r in rows if r["collective"] == collective}
+            sizes = sorted({size for _, size in by})
+            if not sizes:
+                continue
+            out += [f"### {collective}, {n} ranks", "",
+                    "| size | ring time (us) | mpi time (us) | ring busbw (GB/s) | mpi busbw (GB/s) | ring / mpi | #wrong |",
+                    "|---:|---:|---:|---:|---:|---:|---:|"]
+            for size in sizes:
+                ring, mpi = by[("ring", size)], by[("mpi", size)]
+                label = f"{size // 2**20} MiB" if size >= 2**20 else f"{size // 2**10} KiB"
+                out.append(f"| {label} | {ring['time_us']:.1f} | {mpi['time_us']:.1f} | {ring['busbw']:.3f} | "
+                           f"{mpi['busbw']:.3f} | {ring['busbw'] / mpi['busbw']:.2f} | {ring['wrong'] + mpi['wrong']} |")
+            out.append("")
+    return "\n".join(out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--min-bytes", default="1K", help="smallest buffer (default 1K)")
@@ -149,6 +171,7 @@ def main() -> None:
     p.add_argument("--plot", help="write a PNG of busbw against size to this path")
     p.add_argument("--from", dest="sources", nargs="+", metavar="JSON",
                    help="measure nothing: plot these --json results (e.g. 2 and 4 ranks) into --plot")
+    p.add_argument("--markdown", action="store_true", help="with --from: print the RESULTS.md tables")
     args = p.parse_args()
     if args.sources:
         runs = []
@@ -156,7 +179,10 @@ def main() -> None:
             with open(source) as f:
                 result = json.load(f)
             runs.append((result["machine"]["ranks"], result["rows"]))
-        plot(runs, args.plot)
+        if args.plot:
+            plot(runs, args.plot)
+        if args.markdown:
+            print(markdown(runs))
         return
     if args.quick:
         args.max_bytes, args.repeats, args.budget = "64K", 2, "1M"
