@@ -17,7 +17,8 @@ from minidist.optim import lr_at
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.sampler import DistributedSampler
 from minidist.parallel.step import train_step
-from minidist.train import TrainConfig, build_model, build_optimizer, load_data, world_of_one
+from minidist.train_build import build_model, build_optimizer, load_data, world_of_one
+from minidist.train_config import TrainConfig
 
 SIZES = [(2, 64), (4, 128), (6, 256), (8, 384)]  # (n_layer, n_embd)
 

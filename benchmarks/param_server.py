@@ -22,7 +22,9 @@ import numpy as np
 import minidist
 from minidist.comm import ProcessGroup, Transport
 from minidist.parallel.param_server import train_parameter_server
-from minidist.train import TrainConfig, build_model, estimate_val_loss, load_data
+from minidist.train_build import build_model, load_data
+from minidist.train_config import TrainConfig
+from minidist.train_outputs import estimate_val_loss
 
 HERE = Path(__file__).resolve().parent
 CFG = TrainConfig(steps=150, batch_size=12, warmup=10, eval_iters=4)  # the default 2-layer, 64-wide GPT

@@ -34,7 +34,8 @@ import numpy as np
 
 from minidist.data import default_corpus, get_batch, load_tokens, train_val_split
 from minidist.parallel.step import train_step
-from minidist.train import TrainConfig, build_model, build_optimizer
+from minidist.train_build import build_model, build_optimizer
+from minidist.train_config import TrainConfig
 
 HERE = Path(__file__).resolve().parent
 SIZES = {   # name: (n_layer, n_head, n_embd, block_size, batch_size); "default" = the CLI's defaults

@@ -3,7 +3,7 @@
 After the first step each rank turns its own view into lines of text: its place in the mesh and
 its groups, the parameters it holds (shards with their full shapes), and its trace of the step in
 order (compute spans, and under them every collective and message: bytes, group, partners, shape
-when it is an activation). The lines travel to everyone as bytes (UTF-8 in int32 words: two all-gathers,
+when it is an activation). The lines travel to rank 0 as UTF-8 bytes (``ProcessGroup.gather_bytes``,
 no pickling) and rank 0 prints them grouped by rank, so 8 ranks read as 8 short stories rather than
 interleaved output:
 
@@ -131,24 +131,20 @@ def explain_first_step(mesh, model, events, *, activation_shape=None, batch_shap
     return lines + step_story(events, members, mesh.rank, activation_shape, itemsize)
 
 
-def gather_lines(group, lines: list[str]) -> list[list[str]]:
-    """Every rank's ``lines``, on every rank, in rank order. Sends the text as UTF-8 bytes packed
-    four to an int32 (the collectives' smallest integer type): first each rank's byte count (one
-    int64 all-gather), then the bytes padded to the longest (one int32 all-gather)."""
-    data = np.frombuffer("\n".join(lines).encode(), dtype=np.uint8)   # (L,)
-    lengths = group.all_gather(np.array([len(data)], dtype=np.int64))  # (n,)
-    words = -(-int(lengths.max()) // 4)
-    padded = np.zeros(4 * words, dtype=np.uint8)
-    padded[:len(data)] = data
-    everyone = group.all_gather(padded.view(np.int32)).view(np.uint8).reshape(group.size, 4 * words)  # (n, 4 words)
-    return [bytes(row[:n]).decode().split("\n") if n else [] for row, n in zip(everyone, lengths)]
+def gather_lines(group, lines: list[str], dst: int = 0) -> list[list[str]] | None:
+    """Every rank's ``lines`` on rank ``dst``, in rank order; None elsewhere. The text travels as
+    UTF-8 bytes, one ``group.gather_bytes``."""
+    gathered = group.gather_bytes("\n".join(lines).encode(), dst)
+    if gathered is None:
+        return None
+    return [data.decode().split("\n") if data else [] for data in gathered]
 
 
 def print_explanation(mesh, model, events, *, file=None, **details) -> None:
     """Collective over ``mesh.world``: gather every rank's :func:`explain_first_step` and print them
     on global rank 0, one block per rank (``details``: its keyword arguments)."""
     stories = gather_lines(mesh.world, explain_first_step(mesh, model, events, **details))
-    if mesh.rank == 0:
+    if stories is not None:
         print("\n\n".join("\n".join(story) for story in stories), file=file or sys.stdout, flush=True)
 
 

@@ -20,7 +20,9 @@ from minidist.parallel.data_parallel import DataParallel
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.pipeline.stages import PipelineStage
 from minidist.parallel.sampler import DistributedSampler
-from minidist.train import TrainConfig, build_model, build_optimizer, load_data, train_step
+from minidist.parallel.step import train_step
+from minidist.train_build import build_model, build_optimizer, load_data
+from minidist.train_config import TrainConfig
 
 TINY = dict(n_layer=2, n_head=6, n_embd=24, block_size=16, batch_size=8, steps=6, eval_every=100, eval_iters=1,
             dtype="float64", sample_tokens=0, warmup=2, lr=1e-2)

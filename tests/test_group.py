@@ -81,3 +81,41 @@ def test_a_trace_saved_as_json_lines_loads_back_equal(tmp_path):
     write_chrome_trace(loaded, tmp_path / "trace.json", shared_clock=True)
     chrome = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     assert sorted((e["pid"], e["tid"]) for e in chrome if e["ph"] == "X") == [(0, 1), (0, 1), (1, 1), (1, 1)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("dst", ["first", "last"])
+def test_gather_bytes_brings_uneven_and_empty_payloads_to_dst_in_rank_order(world, dst):
+    dst = 0 if dst == "first" else world - 1
+    payload = [bytes(range(r % 3 * 7)) + f"rank {r}".encode() * (r % 2) for r in range(world)]  # some empty
+
+    def fn(g):
+        got = g.gather_bytes(payload[g.rank], dst=dst)
+        return got, [(e.op, e.nbytes, e.seq) for e in g.trace.events]
+
+    results = run_local(fn, world)
+    assert b"" in payload
+    for rank, (got, events) in enumerate(results):
+        assert got == (payload if rank == dst else None)
+        assert events == [("gather_bytes", len(payload[rank]), 1)]  # one numbered collective per rank
+
+
+def test_gather_bytes_rejects_what_is_not_bytes_before_sending():
+    with pytest.raises(ValueError, match="data must be bytes"):
+        run_local(lambda g: g.gather_bytes("text"), 2)
+    with pytest.raises(ValueError, match="dst"):
+        run_local(lambda g: g.gather_bytes(b"x", dst=2), 2)
+
+
+def test_format_summary_has_one_row_per_op_and_group_in_order_of_first_call():
+    def fn(g):
+        g.all_reduce(np.ones(4, np.float32))           # 16 bytes
+        g.barrier()
+        g.all_reduce(np.ones(8, np.float32))           # 32 bytes
+        return g.trace.format_summary()
+
+    rows = [line.split() for line in run_local(fn, 2)[1].splitlines()]
+    assert rows[0] == ["rank", "1:", "op", "group", "calls", "bytes", "ms"]
+    assert [r[:6] for r in rows[1:]] == [["rank", "1:", "all_reduce", "world", "2", "48"],
+                                          ["rank", "1:", "barrier", "world", "1", "0"]]
+    assert all(float(r[6]) >= 0 for r in rows[1:])

@@ -1,14 +1,11 @@
 """The tensor-parallel GPT in separate MPI processes: one mpiexec launch of 4 ranks checks tp=4 and
 dp=2 x tp=2, with and without sequence parallelism, on the hand-written and MPI's own collectives,
-against one process (see tests/mpi/tp_parity.py); and lesson 3 checks itself under mpiexec."""
+against one process (see tests/mpi/tp_parity.py). Lesson 3 under mpiexec: tests/test_tutorials.py."""
 import re
-from pathlib import Path
 
 import pytest
 
 from tests.mpi.harness import find_mpiexec, run_mpi
-
-TUTORIAL = Path(__file__).resolve().parent.parent / "tutorials" / "03_tensor_parallel.py"
 
 
 @pytest.mark.skipif(find_mpiexec() is None, reason="mpiexec not found")
@@ -17,9 +14,3 @@ def test_tensor_parallel_gpt_matches_one_process_under_mpi():
     cases = re.findall(r"OK backend=(\w+) dp=(\d) tp=(\d) sequence_parallel=(\w+)", run.stdout)
     assert len(cases) == 8, run.output  # 2 backends x 2 layouts x with/without sequence parallelism
 
-
-@pytest.mark.skipif(find_mpiexec() is None, reason="mpiexec not found")
-def test_tutorial_03_checks_itself_against_one_process_under_mpi():
-    run = run_mpi(4, TUTORIAL, timeout=120)
-    assert run.stdout.count("= one process's") == 2, run.output  # tensor parallel, then + sequence parallel
-    assert "h.0                           all_gather" in run.stdout, run.output

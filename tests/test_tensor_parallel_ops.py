@@ -113,7 +113,7 @@ def test_layouts_by_name():
 
 
 def test_c_attn_shard_holds_whole_heads_of_q_k_and_v():
-    C, n_head, tp = 6, 6, 3  # head size 1: rank r holds heads 2r and 2r+1
+    C, tp = 6, 3  # 6 heads of size 1: rank r holds heads 2r and 2r+1
     full = np.arange(3 * C)[:, None] * np.ones((1, C))  # row i of c_attn.weight is the number i
     shard = shard_for("transformer.h.0.attn.c_attn.weight", full, 1, tp)
     np.testing.assert_array_equal(shard[:, 0], [2, 3, 2 + C, 3 + C, 2 + 2 * C, 3 + 2 * C])  # [q_1; k_1; v_1]

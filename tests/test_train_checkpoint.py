@@ -20,7 +20,9 @@ from minidist import run_local
 from minidist.checkpoint import Checkpoint, CheckpointWriter, Flat, step_dir
 from minidist.checkpoint.layout import load_training_state, training_meta, training_pieces, zero_regions
 from minidist.parallel.mesh import DeviceMesh
-from minidist.train import ConfigError, TrainConfig, build_parallel, check_config, load_data, train
+from minidist.train import train
+from minidist.train_build import build_parallel, load_data
+from minidist.train_config import ConfigError, TrainConfig, check_config
 
 TINY = dict(n_layer=2, n_head=4, n_embd=16, block_size=16, batch_size=8, steps=6, eval_every=100, eval_iters=1,
             dtype="float64", sample_tokens=0, warmup=2, lr=1e-2, grad_clip=0.5, bucket_mb=0.01)

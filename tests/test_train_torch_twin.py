@@ -8,7 +8,8 @@ import pytest
 
 from minidist.data import get_batch, inputs_and_targets
 from minidist.parallel.step import train_step
-from minidist.train import TrainConfig, build_model, build_optimizer
+from minidist.train_build import build_model, build_optimizer
+from minidist.train_config import TrainConfig
 
 torch = pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from minidist import run_local
-from minidist.train import ConfigError, TrainConfig, check_config, parse_args, train
+from minidist.train import train
+from minidist.train_config import ConfigError, TrainConfig, check_config, parse_args
 from tests.mpi.harness import find_mpiexec, run_mpi
 
 needs_mpi = pytest.mark.skipif(find_mpiexec() is None, reason="mpiexec not found")

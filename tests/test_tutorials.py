@@ -1,8 +1,9 @@
 """Every tutorial runs and passes its own verification: under mpiexec with the world size it is
 written for, and in one process where it offers that (``--local N``, or 05 on its own).
 
-Each lesson checks its claims against one process and exits non-zero when one fails; the line
-asserted here is the one it prints only once every check has passed. Each must finish well under a
+Each lesson checks its claims against one process and exits non-zero when one fails; the last line
+asserted here is the one it prints only once every check has passed, the others what the lesson
+shows on the way. Each must finish well under a
 minute on 2 cores (tutorials/README.md promises it).
 """
 import os
@@ -16,38 +17,60 @@ from tests.mpi.harness import REPO, find_mpiexec, run_mpi
 
 TUTORIALS = REPO / "tutorials"
 
-# (script, ranks under mpiexec or None for one process, in-process arguments or None, verification line)
+# (script, ranks under mpiexec or None for one process, in-process arguments or None, what it prints).
+# What it prints: regular expressions that must each match, or (expression, n): exactly n matches.
+# The last is the verification line.
 LESSONS = [
-    ("00_autograd_and_gpt.py", None, [], r"All checks passed\."),
-    ("01_ring_allreduce.py", 4, ["--local", "4"], r"all ranks agree with numpy and with group\.all_reduce"),
-    ("02_data_parallel.py", 2, ["--local", "2"], r"all \d replicas hold bitwise identical weights"),
-    ("03_tensor_parallel.py", 2, ["--local", "4"], r"tensor \+ sequence parallel: loss [\d.]+ = one process's"),
-    ("04_pipeline.py", 4, ["--local", "2"], r"every stage's weights and every loss equal one process's to 1e-10"),
-    ("05_zero.py", 4, [], r"stages 1 and 2 send what stage 0 \(plain data parallelism\) sends"),
-    ("06_checkpoint_and_restart.py", None, [], r"5\. exported \d+ parameters"),
-    ("07_parameter_server.py", 4, ["--local", "4"], r"ring all-reduce over 3 ranks"),
+    ("00_autograd_and_gpt.py", None, [], [r"All checks passed\."]),
+    ("01_ring_allreduce.py", 4, ["--local", "4"], [r"all ranks agree with numpy and with group\.all_reduce"]),
+    ("02_data_parallel.py", 2, ["--local", "2"], [
+        r"=== 1\. 7 buckets of >= 128 KiB",
+        (r"rank \d: .*% of the all-reduce time ran while backward", 2),
+        (r"    bucket 6  \|", 2),  # a timeline row per bucket per rank
+        r"backward of micro-batch 0: 0 all-reduces started",
+        r"backward of micro-batch 1: 7 all-reduces started",
+        (r"= one process's on the full batch", 3),  # 2 gradients, then the weights
+        r"all 2 replicas hold bitwise identical weights"]),
+    ("03_tensor_parallel.py", 2, ["--local", "4"], [
+        r"h\.0 +all_gather",
+        (r"= one process's", 2),  # tensor parallel, then + sequence parallel
+        r"tensor \+ sequence parallel: loss [\d.]+ = one process's"]),
+    ("04_pipeline.py", 4, ["--local", "2"], [r"every stage's weights and every loss equal one process's to 1e-10"]),
+    ("05_zero.py", 4, [], [r"stages 1 and 2 send what stage 0 \(plain data parallelism\) sends"]),
+    ("06_checkpoint_and_restart.py", None, [], [r"5\. exported \d+ parameters"]),
+    ("07_parameter_server.py", 4, ["--local", "4"], [r"ring all-reduce over 3 ranks"]),
 ]
 SECONDS = 60
 
 
+def assert_printed(stdout, expected, output):
+    """Every expectation of a LESSONS row holds for ``stdout`` (``output``: shown on failure)."""
+    for pattern in expected:
+        if isinstance(pattern, tuple):
+            pattern, n = pattern
+            assert len(re.findall(pattern, stdout)) == n, f"{pattern!r} not printed {n} times:\n{output}"
+        else:
+            assert re.search(pattern, stdout), f"{pattern!r} not printed:\n{output}"
+
+
 @pytest.mark.skipif(find_mpiexec() is None, reason="mpiexec not found")
-@pytest.mark.parametrize("script, ranks, verification",
+@pytest.mark.parametrize("script, ranks, expected",
                          [(s, n, v) for s, n, _, v in LESSONS if n is not None],
                          ids=[s[:2] for s, n, _, _ in LESSONS if n is not None])
-def test_tutorial_under_mpiexec(script, ranks, verification):
+def test_tutorial_under_mpiexec(script, ranks, expected):
     run = run_mpi(ranks, TUTORIALS / script, timeout=2 * SECONDS)
-    assert re.search(verification, run.stdout), run.output
+    assert_printed(run.stdout, expected, run.output)
     assert run.seconds < SECONDS, f"{script} took {run.seconds:.0f} s on {ranks} ranks"
 
 
-@pytest.mark.parametrize("script, args, verification",
+@pytest.mark.parametrize("script, args, expected",
                          [(s, a, v) for s, _, a, v in LESSONS if a is not None],
                          ids=[s[:2] for s, _, a, _ in LESSONS if a is not None])
-def test_tutorial_in_one_process(script, args, verification):
+def test_tutorial_in_one_process(script, args, expected):
     done = subprocess.run([sys.executable, str(TUTORIALS / script), *args], capture_output=True, text=True,
                           timeout=2 * SECONDS, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert re.search(verification, done.stdout), done.stdout
+    assert_printed(done.stdout, expected, done.stdout)
 
 
 def test_every_tutorial_is_listed():

@@ -33,7 +33,9 @@ from minidist.optim import lr_at
 from minidist.parallel.data_parallel import DataParallel
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.sampler import DistributedSampler
-from minidist.train import TrainConfig, build_model, build_optimizer, load_data, train_step
+from minidist.parallel.step import train_step
+from minidist.train_build import build_model, build_optimizer, load_data
+from minidist.train_config import TrainConfig
 
 CFG = TrainConfig(n_layer=2, n_head=6, n_embd=24, block_size=16, batch_size=8, steps=6, warmup=2, lr=1e-2,
                   dtype="float64", dp=2, tp=2)

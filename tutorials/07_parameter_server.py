@@ -31,7 +31,9 @@ import numpy as np
 import minidist
 from minidist.parallel.param_server import staleness_bound, train_parameter_server
 from minidist.parallel.ps_timeline import gather_traces, plot_timeline
-from minidist.train import TrainConfig, build_model, load_data, train
+from minidist.train import train
+from minidist.train_build import build_model, load_data
+from minidist.train_config import TrainConfig
 
 CFG = TrainConfig(steps=12, batch_size=6, dtype="float64", optimizer="adamw", n_layer=1, n_embd=32, n_head=2,
                   block_size=32, eval_iters=1, sample_tokens=0)

@@ -37,7 +37,9 @@ microseconds of latency and several GB/s, the two meet at some hundreds of KiB f
 by benchmarks/collectives.py on 2 cores: doubling won up to about 1 MiB at 4 ranks, e.g. 64 KiB in
 1.2 ms against the ring's 3.5 ms). Every rank sees the same size, so all pick the same algorithm."""
 
-_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "barrier", "split")
+_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "barrier", "split",
+                "gather_bytes")
+TAG_GATHER_BYTES = COLLECTIVE_TAG_BASE + 6
 _FINGERPRINT = ("op", "reduce op", "dtype", "count", "root", "seq")
 
 
@@ -192,6 +194,37 @@ class ProcessGroup:
         self._stream.synchronize()
         with self._collective("barrier", self._algorithm("binomial"), 0):
             (self._native or rooted).barrier(self.transport)
+
+    def gather_bytes(self, data: bytes, dst: int = 0) -> list[bytes] | None:
+        """Every rank's ``data`` (any length, 0 included) on rank ``dst``, as a list in rank order;
+        None on the other ranks. For results whose size differs between ranks (JSON, text, raw array
+        bytes) without pickling.
+
+        What it sends: each rank other than ``dst`` sends ``dst`` its length (one int64), then, when
+        not empty, the bytes as one uint8 buffer, point-to-point with the reserved collective tag
+        ``TAG_GATHER_BYTES``; ``dst`` receives them in rank order."""
+        if not isinstance(data, (bytes, bytearray)):
+            raise ValueError(f"rank {self.rank}: data must be bytes, got {type(data).__name__}")
+        self._check_rank(dst, "dst")
+        self._stream.synchronize()
+        with self._collective("gather_bytes", "direct", len(data), root=dst):
+            if self.rank != dst:
+                self.transport.send(np.array([len(data)], dtype=np.int64), dst, TAG_GATHER_BYTES)
+                if data:
+                    self.transport.send(np.frombuffer(data, dtype=np.uint8), dst, TAG_GATHER_BYTES)
+                return None
+            gathered = []
+            for src in range(self.size):
+                if src == dst:
+                    gathered.append(bytes(data))
+                    continue
+                size = np.empty(1, dtype=np.int64)
+                self.transport.recv(size, src, TAG_GATHER_BYTES)
+                buf = np.empty(int(size[0]), dtype=np.uint8)  # (length,)
+                if buf.size:
+                    self.transport.recv(buf, src, TAG_GATHER_BYTES)
+                gathered.append(buf.tobytes())
+            return gathered
 
     def split(self, color: int, key: int | None = None, name: str | None = None) -> "ProcessGroup | None":
         """Collective: ranks passing the same ``color`` form a new group, ranked by (``key``, rank);

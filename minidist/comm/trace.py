@@ -77,20 +77,29 @@ class Trace:
                          f"{r['bytes']:>12} {1e3 * r['seconds']:>10.3f}")
         return "\n".join(lines)
 
+    def to_bytes(self) -> bytes:
+        """The events as JSON lines (one event per line, UTF-8): what :meth:`save` writes and what
+        ranks send each other (``ProcessGroup.gather_bytes``)."""
+        return "".join(json.dumps(asdict(e)) + "\n" for e in self.events).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, rank: int | None = None) -> "Trace":
+        """The trace encoded by :meth:`to_bytes`; ``rank`` defaults to the events' rank."""
+        events = [Event(**json.loads(line)) for line in data.decode().splitlines() if line.strip()]
+        trace = cls(rank if rank is not None else (events[0].rank if events else 0))
+        trace.events = events
+        return trace
+
     def save(self, path) -> None:
-        """Write the events as JSON lines (one event per line) to ``path``."""
-        with open(path, "w") as f:
-            for e in self.events:
-                f.write(json.dumps(asdict(e)) + "\n")
+        """Write the events as JSON lines (:meth:`to_bytes`) to ``path``."""
+        with open(path, "wb") as f:
+            f.write(self.to_bytes())
 
     @classmethod
     def load(cls, path, rank: int | None = None) -> "Trace":
         """Read a trace written by :meth:`save`; ``rank`` defaults to the events' rank."""
-        with open(path) as f:
-            events = [Event(**json.loads(line)) for line in f if line.strip()]
-        trace = cls(rank if rank is not None else (events[0].rank if events else 0))
-        trace.events = events
-        return trace
+        with open(path, "rb") as f:
+            return cls.from_bytes(f.read(), rank)
 
     def to_chrome(self, origin: float | None = None) -> list[dict]:
         """Chrome trace 'complete' events (ph 'X') in microseconds: one process (pid) per rank, and

@@ -10,7 +10,7 @@ from minidist.comm.trace import write_chrome_trace
 def merge_chrome_trace(run, path=None) -> Path:
     """Write the traces of ``run`` (a ``load.Run``) as one Chrome trace JSON at ``path`` (default
     ``RUN_DIR/trace.json``) and return the path. Raw clocks (one machine) keep the ranks aligned
-    in time; per-rank Chrome files are merged as they are, each starting at 0."""
+    in time."""
     path = Path(path) if path is not None else run.path / "trace.json"
-    write_chrome_trace(run.traces, path, shared_clock=run.shared_clock)
+    write_chrome_trace(run.traces, path, shared_clock=True)
     return path

@@ -4,7 +4,6 @@ The layout (``write.py`` writes it; ``trace_path`` and ``memory_path`` name the 
 
     DIR/trace/rank<r>.jsonl    rank r's trace events, one JSON object per line (``Trace.save``),
                                times straight from ``time.perf_counter()``
-    DIR/trace_rank<r>.json     the older form: rank r's Chrome trace (times from its first event)
     DIR/memory/rank<r>.json    rank r's memory rows: {"rank": r, "rows": [{"label": ..., <bytes>...}]}
     DIR/metrics.jsonl          one JSON object per step (written by rank 0)
 
@@ -18,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from minidist.comm.trace import Event, Trace
+from minidist.comm.trace import Trace
 
 
 def trace_path(run_dir, rank: int) -> Path:
@@ -34,13 +33,12 @@ def memory_path(run_dir, rank: int) -> Path:
 @dataclass
 class Run:
     """One run directory, read: ``traces`` in rank order, ``metrics`` (one dict per step),
-    ``memory`` ({rank: rows}). ``shared_clock`` is True when the times are the ranks' raw
-    ``perf_counter`` readings (one machine: one clock), False when each rank's start at 0."""
+    ``memory`` ({rank: rows}). Times are the ranks' raw ``perf_counter`` readings (one machine:
+    one clock)."""
     path: Path
     traces: list[Trace]
     metrics: list[dict] = field(default_factory=list)
     memory: dict[int, list[dict]] = field(default_factory=dict)
-    shared_clock: bool = True
 
     def group_members(self) -> dict[str, list[int]]:
         """{group name: the global ranks whose traces record calls on it}, ranks sorted."""
@@ -58,31 +56,13 @@ def _ranked(paths, pattern: str) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def chrome_events(path) -> list[Event]:
-    """The events of a per-rank Chrome trace file (``trace_rank<r>.json``), back as :class:`Event`."""
-    with open(path) as f:
-        chrome = json.load(f)["traceEvents"]
-    return [Event(op=c["name"], start=c["ts"] * 1e-6, end=(c["ts"] + c["dur"]) * 1e-6,
-                  **{k: c["args"][k] for k in ("group", "algorithm", "nbytes", "seq", "rank", "peer", "kind")})
-            for c in chrome if c["ph"] == "X"]
-
-
 def load_run(run_dir) -> Run:
     """Read ``run_dir`` (see the module docstring). Raises FileNotFoundError when it holds no trace."""
     run_dir = Path(run_dir)
-    jsonl = _ranked((run_dir / "trace").glob("rank*.jsonl"), r"rank(\d+)\.jsonl")
-    if jsonl:
-        traces, shared_clock = [Trace.load(p, rank=r) for r, p in jsonl], True
-    else:
-        chrome = _ranked(run_dir.glob("trace_rank*.json"), r"trace_rank(\d+)\.json")
-        if not chrome:
-            raise FileNotFoundError(f"{run_dir} holds no trace: neither trace/rank<r>.jsonl nor trace_rank<r>.json "
-                                    f"(run the trainer with --trace {run_dir})")
-        traces, shared_clock = [], False
-        for r, p in chrome:
-            t = Trace(r)
-            t.events = chrome_events(p)
-            traces.append(t)
+    ranked = _ranked((run_dir / "trace").glob("rank*.jsonl"), r"rank(\d+)\.jsonl")
+    if not ranked:
+        raise FileNotFoundError(f"{run_dir} holds no trace/rank<r>.jsonl (run the trainer with --trace {run_dir})")
+    traces = [Trace.load(p, rank=r) for r, p in ranked]
     metrics = []
     if (run_dir / "metrics.jsonl").exists():
         with open(run_dir / "metrics.jsonl") as f:
@@ -91,4 +71,4 @@ def load_run(run_dir) -> Run:
     for r, p in _ranked((run_dir / "memory").glob("rank*.json"), r"rank(\d+)\.json"):
         with open(p) as f:
             memory[r] = json.load(f)["rows"]
-    return Run(run_dir, traces, metrics, memory, shared_clock)
+    return Run(run_dir, traces, metrics, memory)

@@ -10,6 +10,7 @@ compared with one process or loaded into PyTorch.
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 
@@ -37,25 +38,20 @@ def gather_state_dicts(state: dict, group, dst: int = 0) -> dict | None:
     """On rank ``dst`` of ``group``: the union of every rank's ``state`` ({name: array}), in rank
     order (a name held by several ranks keeps the value of the last); None elsewhere.
 
-    Each other rank sends ``dst`` point-to-point, without pickle: the length of a JSON manifest
-    (names, shapes, dtypes), the manifest as bytes, then its arrays one by one."""
-    if group.rank != dst:
-        manifest = np.frombuffer(json.dumps([[k, v.shape, v.dtype.str] for k, v in state.items()]).encode(),
-                                 dtype=np.uint8)
-        group.send(np.array([manifest.size]), dst)
-        group.send(manifest, dst)
-        for value in state.values():
-            group.send(np.ascontiguousarray(value), dst)
+    No pickle: each rank sends two ``group.gather_bytes``, a JSON header (name, shape, dtype per
+    array) and the arrays' bytes back to back in the header's order."""
+    header = json.dumps([[name, value.shape, value.dtype.str] for name, value in state.items()]).encode()
+    headers = group.gather_bytes(header, dst)
+    payloads = group.gather_bytes(b"".join(np.ascontiguousarray(v).tobytes() for v in state.values()), dst)
+    if headers is None:
         return None
     merged = {}
-    for src in range(group.size):
-        if src == dst:
-            merged.update(state)
-            continue
-        size = group.recv(np.zeros(1, dtype=np.int64), src)
-        manifest = json.loads(group.recv(np.empty(int(size[0]), dtype=np.uint8), src).tobytes())
-        for name, shape, dtype in manifest:
-            merged[name] = group.recv(np.empty(shape, dtype=dtype), src)
+    for header, payload in zip(headers, payloads):
+        offset = 0
+        for name, shape, dtype in json.loads(header):
+            value = np.frombuffer(payload, dtype=dtype, count=math.prod(shape), offset=offset).reshape(shape)
+            merged[name] = value.copy()  # writable, like the arrays it was sent from
+            offset += value.nbytes
     return merged
 
 

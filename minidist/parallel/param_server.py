@@ -87,13 +87,3 @@ def staleness_bound(workers: int, staleness: int) -> int:
     pushes at most steps c - s .. c + s between w's pull and w's push: 2s + 1 updates, from each of
     the other W - 1 workers. Hence (W - 1)(2s + 1); with s = 0, W - 1."""
     return (workers - 1) * (2 * staleness + 1)
-
-
-def add_parameter_server_arguments(parser) -> None:
-    """Add ``--servers``, ``--staleness`` and ``--straggler`` to an argparse parser."""
-    parser.add_argument("--servers", type=int, default=1,
-                        help="--mode ps: parameter-server ranks (0..K-1); the other ranks are workers")
-    parser.add_argument("--staleness", type=int, default=None,
-                        help="--mode ps: asynchronous with this staleness bound (default: synchronous)")
-    parser.add_argument("--straggler", type=float, default=0.0,
-                        help="--mode ps: seconds of sleep added to every step of worker 0")

@@ -47,10 +47,6 @@ class FlatLayout:
         cut = offsets(split_counts(self.total, servers)) + [self.total]
         self.bounds = [(cut[j], cut[j + 1]) for j in range(servers)]
 
-    def shard_size(self, server: int) -> int:
-        lo, hi = self.bounds[server]
-        return hi - lo
-
     def flat_params(self) -> np.ndarray:
         """The model's current parameters as one new flat array, shape (total,)."""
         return np.concatenate([p.data.reshape(-1) for p in self.params])

@@ -5,43 +5,26 @@ red, messages as thin grey ticks. In a synchronous parameter-server run the fast
 mostly red while the straggler computes; in an asynchronous one they keep computing.
 
 Under MPI each rank holds its own trace: :func:`gather_traces` brings them to one rank (as JSON
-bytes in a uint8 array, no pickle). ``time.perf_counter`` is the system's monotonic clock on Linux,
+lines, ``ProcessGroup.gather_bytes``, no pickle). ``time.perf_counter`` is the system's monotonic clock on Linux,
 shared by all processes of one machine, so the spans line up; ranks on several machines would need
 their clocks aligned first. matplotlib is imported only when drawing (Agg, no display).
 """
 from __future__ import annotations
 
-import json
-from dataclasses import asdict
-
-import numpy as np
-
-from minidist.comm import Event, Trace
+from minidist.comm import Trace
 
 COLORS = {"forward": "tab:blue", "backward": "tab:cyan", "optimizer": "tab:green",
           "straggler delay": "tab:purple"}
-WAIT_COLOR, MESSAGE_COLOR, GATHER_TAG = "tab:red", "0.6", 7
+WAIT_COLOR, MESSAGE_COLOR = "tab:red", "0.6"
 
 
 def gather_traces(group, trace: Trace, root: int = 0) -> list[Trace] | None:
     """Every rank's ``trace`` on ``root`` (a list in rank order); None on the other ranks. Each
-    rank sends its events as JSON bytes: first their length (one int64), then the bytes."""
-    if group.rank != root:
-        data = np.frombuffer(json.dumps([asdict(e) for e in trace.events]).encode(), dtype=np.uint8)
-        group.send(np.array([data.size], dtype=np.int64), root, GATHER_TAG)
-        group.send(data, root, GATHER_TAG)
+    rank's events travel as JSON lines (``Trace.to_bytes``) in one ``group.gather_bytes``."""
+    gathered = group.gather_bytes(trace.to_bytes(), dst=root)
+    if gathered is None:
         return None
-    traces = []
-    for rank in range(group.size):
-        if rank == root:
-            traces.append(trace)
-            continue
-        size = group.recv(np.empty(1, dtype=np.int64), rank, GATHER_TAG)
-        data = group.recv(np.empty(int(size[0]), dtype=np.uint8), rank, GATHER_TAG)
-        received = Trace(rank)
-        received.events = [Event(**e) for e in json.loads(data.tobytes())]
-        traces.append(received)
-    return traces
+    return [trace if rank == root else Trace.from_bytes(data, rank) for rank, data in enumerate(gathered)]
 
 
 def plot_timeline(traces: list[Trace], path, labels: list[str] | None = None, title: str = "") -> None:

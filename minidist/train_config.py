@@ -1,0 +1,242 @@
+"""What a training run is: :class:`TrainConfig`, the command line that fills it, and the checks.
+
+A bad configuration is found from the config and the world size alone, so every rank reaches the
+same verdict before any communication, and ``python -m minidist.train`` prints one clear message
+listing every problem (:class:`ConfigError`) instead of hanging halfway through a collective.
+"""
+import argparse
+import dataclasses
+
+from minidist.amp import COMPUTE_DTYPES
+from minidist.parallel.param_server import check_parameter_server
+from minidist.parallel.pipeline import SCHEDULES
+from minidist.parallel.zero import check_zero_layout
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything a run depends on. The defaults train visibly in about a minute on one CPU core."""
+    steps: int = 800
+    batch_size: int = 16
+    seed: int = 0
+    dtype: str = "float32"
+    loss_scale: str = "dynamic"
+    loss_scale_window: int = 2000
+    # optimizer and schedule
+    optimizer: str = "adamw"
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup: int = 20
+    momentum: float = 0.9
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    # model
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+    block_size: int = 64
+    # data, evaluation, output
+    data: str | None = None
+    data_dir: str | None = None
+    eval_every: int = 100
+    eval_iters: int = 8
+    sample_tokens: int = 200
+    out: str | None = None
+    # parallelism (world size = dp * pp * tp; --mode ps: servers + workers) and what it writes
+    mode: str = "collective"
+    servers: int = 1
+    staleness: int = -1
+    straggler: float = 0.0
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    sequence_parallel: bool = False
+    micro_batches: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    zero: int = 0
+    recompute: bool = False
+    bucket_mb: float = 1.0
+    export: str | None = None
+    trace: str | None = None
+    explain: bool = False
+    # checkpoints, restarts, and a crash on purpose to test them
+    ckpt_dir: str | None = None
+    save_every: int = 0
+    keep: int = 2
+    resume: bool = False
+    async_save: bool = False
+    fail_at_step: int = -1
+    fail_rank: int = 0
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run. Found from the config alone, identically on every rank,
+    before any communication."""
+
+
+def check_config(cfg, world_size: int) -> None:
+    """Raise :class:`ConfigError` listing everything wrong with running ``cfg`` on ``world_size`` ranks."""
+    problems = []
+    for name in ("dp", "pp", "tp", "micro_batches", "virtual_stages"):
+        if getattr(cfg, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    if problems:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+    axes = ("dp", "pp", "tp") if cfg.pp > 1 else ("dp", "tp")
+    n = cfg.dp * cfg.pp * cfg.tp
+    if cfg.mode == "ps":
+        problems += parameter_server_problems(cfg, world_size)
+    elif world_size != n:
+        problems.append(f"world size {world_size} != {' * '.join(axes)} = "
+                        f"{' * '.join(str(getattr(cfg, a)) for a in axes)} = {n} (start {n} ranks: mpiexec -n {n} ...)")
+    if cfg.n_embd % cfg.n_head:
+        problems.append(f"n_embd {cfg.n_embd} is not divisible by n_head {cfg.n_head}")
+    if cfg.n_head % cfg.tp:
+        problems.append(f"n_head {cfg.n_head} is not divisible by tp {cfg.tp} (each tp rank holds whole heads)")
+    if cfg.batch_size % (cfg.dp * cfg.micro_batches):
+        problems.append(f"batch_size {cfg.batch_size} is not divisible by dp * micro_batches = "
+                        f"{cfg.dp} * {cfg.micro_batches} (every micro-batch of every dp rank has equal rows)")
+    if cfg.sequence_parallel and cfg.tp == 1:
+        problems.append("--sequence-parallel needs --tp > 1")
+    if cfg.sequence_parallel and cfg.block_size % cfg.tp:
+        problems.append(f"block_size {cfg.block_size} is not divisible by tp {cfg.tp} (sequence parallelism "
+                        f"splits the sequence over the tp ranks)")
+    if cfg.bucket_mb <= 0:
+        problems.append(f"--bucket-mb must be positive, got {cfg.bucket_mb}")
+    if cfg.schedule not in SCHEDULES:
+        problems.append(f"--schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
+    if cfg.pp * cfg.virtual_stages > cfg.n_layer:
+        problems.append(f"pp * virtual_stages = {cfg.pp} * {cfg.virtual_stages} pipeline stages need at least "
+                        f"as many blocks, n_layer is {cfg.n_layer}")
+    if cfg.virtual_stages > 1 and cfg.schedule != "interleaved":
+        problems.append(f"--virtual-stages {cfg.virtual_stages} needs --schedule interleaved")
+    if cfg.schedule == "interleaved" and cfg.micro_batches % cfg.pp:
+        problems.append(f"the interleaved schedule needs micro_batches ({cfg.micro_batches}) to be a multiple "
+                        f"of pp ({cfg.pp})")
+    try:
+        check_zero_layout(cfg.zero, cfg.pp)
+    except ValueError as e:
+        problems.append(str(e))
+    if cfg.zero >= 2 and cfg.sequence_parallel:
+        problems.append(f"--zero {cfg.zero} with --sequence-parallel is not supported: the sequence-parallel "
+                        "gradient sync adds up full gradients, which ZeRO stages 2 and 3 do not keep (use --zero 1)")
+    if cfg.zero == 3 and cfg.recompute:
+        problems.append("--recompute with --zero 3 is redundant: ZeRO-3 already recomputes every block in backward")
+    problems += checkpoint_problems(cfg, world_size) + mixed_precision_problems(cfg)
+    if problems:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+def parameter_server_problems(cfg, world_size: int) -> list[str]:
+    """What is wrong with running ``cfg`` in ``--mode ps`` on ``world_size`` ranks (servers + workers,
+    whole models: the collective layouts' flags do not apply)."""
+    staleness = None if cfg.staleness < 0 else cfg.staleness
+    try:
+        check_parameter_server(world_size, cfg.servers, staleness, cfg.straggler, cfg.batch_size)
+    except ValueError as e:
+        problems = [str(e)]
+    else:
+        problems = []
+    collective = [f"--{name.replace('_', '-')}" for name in ("dp", "pp", "tp", "micro_batches", "zero", "ckpt_dir",
+                                                             "explain", "sequence_parallel", "recompute")
+                  if getattr(cfg, name) not in (1, 0, None, False)]
+    if collective:
+        problems.append(f"--mode ps trains whole models on its workers: {', '.join(collective)} do not apply")
+    return problems
+
+
+def mixed_precision_problems(cfg) -> list[str]:
+    """What mixed precision (--dtype float16 / bfloat16) cannot be combined with, yet."""
+    if cfg.dtype not in COMPUTE_DTYPES:
+        return []
+    problems = []
+    if cfg.loss_scale != "dynamic":
+        try:
+            if not float(cfg.loss_scale) > 0:
+                problems.append(f"--loss-scale must be 'dynamic' or a positive number, got {cfg.loss_scale}")
+        except ValueError:
+            problems.append(f"--loss-scale must be 'dynamic' or a positive number, got {cfg.loss_scale!r}")
+    if cfg.zero:
+        problems.append(f"--dtype {cfg.dtype} with --zero {cfg.zero} is not supported: ZeRO shards the model's "
+                        "own parameters, not float32 master copies")
+    if cfg.dtype == "float16" and cfg.tp > 1:
+        problems.append("--dtype float16 with --tp > 1 is not supported (use --dtype bfloat16)")
+    if cfg.pp > 1:
+        problems.append(f"--dtype {cfg.dtype} with --pp > 1 is not supported: the pipeline engine seeds its own "
+                        "backward, without the loss scale")
+    if cfg.ckpt_dir is not None:
+        problems.append(f"--ckpt-dir with --dtype {cfg.dtype} is not supported yet: checkpoints do not save the "
+                        "float32 masters and the loss scaler")
+    return problems
+
+
+def checkpoint_problems(cfg, world_size: int) -> list[str]:
+    """What is wrong with the checkpoint and fault-injection flags of ``cfg``."""
+    problems = []
+    if (cfg.save_every or cfg.resume) and cfg.ckpt_dir is None:
+        problems.append("--save-every and --resume need --ckpt-dir (where the checkpoints live)")
+    if cfg.save_every < 0:
+        problems.append(f"--save-every must be >= 0 (0: never), got {cfg.save_every}")
+    if cfg.keep < 1:
+        problems.append(f"--keep must be >= 1, got {cfg.keep}")
+    if cfg.fail_at_step >= 0 and not 0 <= cfg.fail_rank < world_size:
+        problems.append(f"--fail-rank {cfg.fail_rank} is not a rank of the {world_size}-rank world")
+    return problems
+
+
+def parse_args(argv=None):
+    """The command line as a :class:`TrainConfig` (flags are the field names with dashes)."""
+    defaults = TrainConfig()
+    p = argparse.ArgumentParser(prog="python -m minidist.train", description="Train a GPT: ``python -m minidist.train``.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    choices = {"mode": ["collective", "ps"], "dtype": ["float32", "float64", "float16", "bfloat16"], "optimizer": ["sgd", "adamw"], "schedule": list(SCHEDULES),
+               "zero": [0, 1, 2, 3]}
+    helps = {
+        "steps": "optimizer steps", "batch_size": "sequences per step (the global batch)",
+        "seed": "seeds the weights and the batches",
+        "dtype": "parameter and activation dtype; float16 / bfloat16 (emulated): mixed precision, float32 masters",
+        "loss_scale": "mixed precision: 'dynamic' (float16) or a fixed scale", "loss_scale_window":
+        "dynamic loss scaling: clean steps before the scale doubles",
+        "optimizer": "update rule",
+        "lr": "peak learning rate", "min_lr": "learning rate at the end of the cosine decay",
+        "warmup": "linear warmup steps", "momentum": "SGD momentum",
+        "weight_decay": "decay of >= 2-D parameters", "grad_clip": "max global grad norm (0: off)",
+        "data": "a text file to train on (default: the generated corpus)",
+        "data_dir": "cache folder of the generated corpus (None: ~/.cache/minidist)",
+        "eval_every": "steps between validation-loss estimates",
+        "eval_iters": "validation batches per estimate", "sample_tokens": "tokens sampled at the end",
+        "out": "directory for metrics.jsonl",
+        "n_layer": "transformer blocks", "n_head": "attention heads", "n_embd": "embedding width",
+        "block_size": "context length T",
+        "mode": "collective (all-reduce and friends) or ps (parameter servers: ranks 0..K-1 serve, the rest work)",
+        "servers": "--mode ps: parameter-server ranks", "staleness": "--mode ps: asynchronous with this "
+        "staleness bound (-1: synchronous)", "straggler": "--mode ps: seconds of sleep added to every step of worker 0",
+        "dp": "data-parallel replicas", "pp": "pipeline stages per replica",
+        "tp": "tensor-parallel ranks per pipeline stage",
+        "sequence_parallel": "also split LayerNorm/dropout activations along the sequence over tp",
+        "micro_batches": "micro-batches per step and dp rank (gradient accumulation; the pipeline's units)",
+        "schedule": "pipeline schedule", "virtual_stages": "model chunks per pipeline rank (interleaved schedule)",
+        "zero": "ZeRO stage: shard optimizer states (1), + gradients (2), + parameters (3) over dp",
+        "recompute": "recompute each block's activations in backward instead of keeping them",
+        "bucket_mb": "data-parallel gradient bucket size in MiB",
+        "export": "write the consolidated full-model state_dict here (.npz) at the end",
+        "trace": "run directory for python -m minidist.inspect: DIR/trace/rank<r>.jsonl, DIR/memory/rank<r>.json",
+        "explain": "print each rank's first step: what it holds, what it sends to whom",
+        "ckpt_dir": "directory of sharded checkpoints (step-<n>/ folders)",
+        "save_every": "steps between checkpoints (0: none)", "keep": "newest checkpoints kept",
+        "resume": "continue from the newest valid checkpoint in --ckpt-dir (in any layout)",
+        "async_save": "write checkpoints in a background thread while training goes on",
+        "fail_at_step": "fault injection: rank --fail-rank kills itself at the start of this step (-1: never; "
+                        "not when resuming)",
+        "fail_rank": "the rank --fail-at-step kills",
+    }
+    for field in dataclasses.fields(TrainConfig):
+        default = getattr(defaults, field.name)
+        flag = "--" + field.name.replace("_", "-")
+        if isinstance(default, bool):
+            p.add_argument(flag, action="store_true", help=helps[field.name])
+            continue
+        kind = type(default) if default is not None else str
+        p.add_argument(flag, type=kind, default=default, choices=choices.get(field.name), help=helps[field.name])
+    return TrainConfig(**vars(p.parse_args(argv)))

@@ -1,0 +1,31 @@
+"""``python -m minidist.train --mode ps``: the same model, data and outputs as the collective
+trainer, trained by parameter servers (minidist/parallel/param_server.py) instead of all-reduce.
+"""
+import json
+
+from minidist.parallel.consolidate import consolidated_state_dict
+from minidist.parallel.mesh import DeviceMesh
+from minidist.parallel.param_server import train_parameter_server
+from minidist.train_build import build_model, load_data, world_of_one
+from minidist.train_config import check_config
+from minidist.train_outputs import estimate_val_loss, export, open_metrics
+
+
+def train_ps(cfg, world):
+    """``--mode ps``: train with parameter servers (minidist/parallel/param_server.py) on ``world``.
+    Returns (model, history); on rank 0 the model holds the final weights and history one row per
+    step (synchronous) or per applied update (asynchronous: with worker and staleness), the last
+    row with val_loss; rank 0 writes ``cfg.out`` and ``cfg.export``."""
+    check_config(cfg, world.size)
+    train_tokens, val_tokens = load_data(cfg)
+    model = build_model(cfg)
+    history = train_parameter_server(world, model, cfg, train_tokens, servers=cfg.servers,
+                                     staleness=None if cfg.staleness < 0 else cfg.staleness, straggler=cfg.straggler)
+    if world.rank == 0:
+        history[-1]["val_loss"] = estimate_val_loss(model, val_tokens, cfg)
+        with open_metrics(cfg.out) as metrics_file:
+            for record in history if metrics_file is not None else []:
+                metrics_file.write(json.dumps(record) + "\n")
+        if cfg.export is not None:  # the whole model is on rank 0: a mesh of one consolidates it
+            export(consolidated_state_dict(model, DeviceMesh(world_of_one(), dp=1, pp=1, tp=1)), cfg.export)
+    return model, history
