@@ -166,6 +166,8 @@ def main() -> None:
     p.add_argument("--budget", default="64M", help="bytes moved per repeat: iters = budget / size, 1..200")
     p.add_argument("--collectives", default=",".join(COLLECTIVES))
     p.add_argument("--segment-bytes", help="the ring's segment size (default: the library's)")
+    p.add_argument("--threshold-bytes", help="all-reduce size from which the ring replaces recursive "
+                                             "doubling (default: the library's)")
     p.add_argument("--quick", action="store_true", help="smoke test: 1K..64K, 2 repeats, small budget")
     p.add_argument("--json", help="write the rows and the machine description to this JSON file")
     p.add_argument("--plot", help="write a PNG of busbw against size to this path")
@@ -190,6 +192,8 @@ def main() -> None:
     groups = {name: minidist.init(backend=name, timeout=120.0, trace=False) for name in BACKENDS}
     if args.segment_bytes:
         groups["ring"].segment_bytes = parse_size(args.segment_bytes)
+    if args.threshold_bytes:
+        groups["ring"].threshold_bytes = parse_size(args.threshold_bytes)
     n, rank = MPI.COMM_WORLD.size, MPI.COMM_WORLD.rank
     sizes, size = [], parse_size(args.min_bytes)
     while size <= parse_size(args.max_bytes):
@@ -199,6 +203,7 @@ def main() -> None:
                    python=platform.python_version(), numpy=np.__version__,
                    mpi=MPI.Get_library_version().splitlines()[0].strip())
     machine["ring_segment_bytes"] = groups["ring"].segment_bytes
+    machine["doubling_below_bytes"] = groups["ring"].threshold_bytes
     if rank == 0:
         print(f"# {n} ranks, {machine['mpi']}, numpy {machine['numpy']}, python {machine['python']}, "
               f"ring segment {machine['ring_segment_bytes']} B")
