@@ -73,10 +73,22 @@ def _partners(e, members, me: int) -> str:
     return f"on {e.group}" + (f" with rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}" if others else "")
 
 
+def _what(e, members, me: int, span) -> str:
+    """What an activation-sized call carries. A message to a later pipeline stage (or from an earlier
+    one) is an activation, the other way a gradient; a collective inside a backward span moves
+    activation gradients, elsewhere activations."""
+    ranks = members.get(e.group)
+    if e.kind == "p2p" and ranks and me in ranks:
+        downstream = (e.peer > ranks.index(me)) == ("send" in e.op)
+        return "activation" if downstream else "gradient"
+    return "gradient" if span is not None and span.op == "backward" else "activation"
+
+
 def step_story(events, members: dict[str, list[int]], me: int, activation_shape=None, itemsize: int = 4) -> list[str]:
     """The events of one step as lines, in start order: a compute span as a heading, each call made
     inside it (or under ``after <span>:``, once it ended) as ``op bytes [shape] group partners
-    (algorithm)``; consecutive identical calls fold into ``k x``. A call of exactly ``activation_shape`` x ``itemsize`` bytes is labelled with that shape."""
+    (algorithm)``; consecutive identical calls fold into ``k x``. A call of exactly ``activation_shape``
+    x ``itemsize`` bytes is labelled with that shape and with what it carries (:func:`_what`)."""
     act_bytes = int(np.prod(activation_shape)) * itemsize if activation_shape is not None else None
     lines, last, repeat, span = [], None, 0, None  # span: the last compute event, while not yet left
 
@@ -101,7 +113,7 @@ def step_story(events, members: dict[str, list[int]], me: int, activation_shape=
             else:
                 lines.append(f"after {span.op}:")
             span = None
-        shape = f" {tuple(activation_shape)} activation" if e.nbytes == act_bytes else ""
+        shape = f" {tuple(activation_shape)} {_what(e, members, me, span)}" if e.nbytes == act_bytes else ""
         algorithm = f" ({e.algorithm})" if e.algorithm else ""
         text = f"{e.op} {_bytes(e.nbytes)}{shape} {_partners(e, members, me)}{algorithm}"
         if text == last:

@@ -61,11 +61,12 @@ def test_data_and_tensor_parallel_step():
     assert re.search(r"holds transformer\.wte\.weight +\(128, 32\) +vocab shard of \(256, 32\)", rank3)
     # Megatron: per block 2 all-reduces of activations forward (g) and 2 backward (f), plus the
     # vocab-parallel embedding's forward and the head's f backward
-    act = "5 x all_reduce 8.0 KiB (4, 16, 32) activation on tp[dp1,pp0] with rank 2"
+    act = "5 x all_reduce 8.0 KiB (4, 16, 32) {} on tp[dp1,pp0] with rank 2"
     lines = story[3]
     forward = next(i for i, line in enumerate(lines) if line.startswith("forward"))
     backward = next(i for i, line in enumerate(lines) if line.startswith("backward"))
-    assert lines[forward + 1].strip().startswith(act) and lines[backward + 1].strip().startswith(act)
+    assert lines[forward + 1].strip().startswith(act.format("activation"))
+    assert lines[backward + 1].strip().startswith(act.format("gradient"))
     after = lines.index("after backward:")
     assert lines[after + 1].strip().startswith(f"all_reduce {param_bytes / 1024:.1f} KiB on dp[pp0,tp1] with rank 1")
 
@@ -92,3 +93,5 @@ def test_pipeline_step_names_the_activations_sent_between_stages():
     assert re.search(r"forward micro-batch 0 of stage 0 .* ms, then:\n  isend 1.0 KiB \(2, 8, 16\) activation to rank 1 "
                      r"\(pp\[dp0,tp0\] rank 1\)", first)
     assert re.search(r"irecv 1.0 KiB \(2, 8, 16\) activation from rank 0", last)
+    assert re.search(r"isend 1.0 KiB \(2, 8, 16\) gradient to rank 0", last)  # backward flows upstream
+    assert re.search(r"irecv 1.0 KiB \(2, 8, 16\) gradient from rank 1", first)

@@ -42,7 +42,7 @@ def test_a_pipeline_explains_its_activation_sends_and_inspect_reads_its_trace(tm
     assert blocks(run.stdout) == [0, 1, 2, 3], run.output
     rank0 = run.stdout[run.stdout.index("=== rank 0:"):run.stdout.index("=== rank 1:")]
     assert rank0.count("isend 2.0 KiB (2, 16, 16) activation to rank 1 (pp[dp0,tp0] rank 1)") == 2  # 2 micro-batches
-    assert rank0.count("irecv 2.0 KiB (2, 16, 16) activation from rank 1 (pp[dp0,tp0] rank 1)") == 2  # their grads
+    assert rank0.count("irecv 2.0 KiB (2, 16, 16) gradient from rank 1 (pp[dp0,tp0] rank 1)") == 2  # their grads
     done = subprocess.run([sys.executable, "-m", "minidist.inspect", str(tmp_path)], capture_output=True, text=True,
                           timeout=120, cwd=REPO)
     assert done.returncode == 0, done.stderr

@@ -75,3 +75,13 @@ def test_tutorial_in_one_process(script, args, expected):
 
 def test_every_tutorial_is_listed():
     assert sorted(p.name for p in TUTORIALS.glob("[0-9][0-9]_*.py")) == sorted(s for s, *_ in LESSONS)
+
+
+def test_the_pipeline_lesson_explains_its_first_step_per_rank():
+    done = subprocess.run([sys.executable, str(TUTORIALS / "04_pipeline.py"), "--local", "2", "--explain"],
+                          capture_output=True, text=True, timeout=2 * SECONDS, cwd=REPO,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    rank0, rank1 = done.stdout.split("=== rank 0:")[1].split("=== rank 1:")
+    assert rank0.count("activation to rank 1") == 8 and rank0.count("gradient from rank 1") == 8  # m = 8
+    assert rank1.count("activation from rank 0") == 8 and rank1.count("gradient to rank 0") == 8

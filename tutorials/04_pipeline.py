@@ -21,10 +21,12 @@ before anything is sent. This lesson prints schedules, shows the validator catch
 trains a small GPT with 1F1B and checks it against one process on the whole batch.
 """
 import argparse
+import contextlib
 
 import numpy as np
 
 import minidist
+from minidist.explain import explaining
 from minidist.data import get_batch, inputs_and_targets
 from minidist.model import GPT, GPTConfig
 from minidist.optim import AdamW
@@ -60,7 +62,7 @@ def schedules_as_data(p):
         print(f"ScheduleError: {e}")
 
 
-def lesson(world, png=None):
+def lesson(world, png=None, explain=False):
     p = world.size
     if world.rank == 0:
         schedules_as_data(p)
@@ -75,7 +77,10 @@ def lesson(world, png=None):
     for step in range(STEPS):
         world.trace.clear()
         optimizer.zero_grad()
-        losses.append(engine.forward_backward(split_micro_batches(get_batch(TOKENS, step, BATCH, 16), MICRO)))
+        told = explaining(mesh, stage, activation_shape=(BATCH // MICRO, 16, CONFIG.n_embd)) \
+            if explain and step == 0 else contextlib.nullcontext()
+        with told:  # --explain: each rank's account of the first step, what it holds and sends to whom
+            losses.append(engine.forward_backward(split_micro_batches(get_batch(TOKENS, step, BATCH, 16), MICRO)))
         engine.all_reduce_tied_grads()  # wte on stage 0 and lm_head on stage p-1 are one tied matrix
         optimizer.step()
     spans = gather_spans(world, compute_spans(world.trace))  # the last step's F and B boxes, on rank 0
@@ -111,13 +116,14 @@ def main():
     ap = argparse.ArgumentParser(description="Lesson 4: pipeline parallelism.")
     ap.add_argument("--local", type=int, metavar="N", help="run N ranks as threads in this process")
     ap.add_argument("--png", help="draw the executed and ideal timelines into this PNG")
+    ap.add_argument("--explain", action="store_true", help="print each rank's account of the first step")
     args = ap.parse_args()
     if args.local is not None and args.local < 2:
         ap.error("the lesson needs at least 2 ranks")
     if args.local:
-        minidist.run_local(lambda world: lesson(world, args.png), args.local)
+        minidist.run_local(lambda world: lesson(world, args.png, args.explain), args.local)
     else:
-        lesson(minidist.init(), args.png)
+        lesson(minidist.init(), args.png, args.explain)
 
 
 if __name__ == "__main__":
