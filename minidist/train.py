@@ -80,7 +80,8 @@ def train(cfg, progress=True, world=None):
     start = ckpts.resume(model, optimizer)[0] if cfg.resume else 0
     history = []
     with open_metrics(cfg.out if lead else None, start) as metrics_file:
-        bar = tqdm(range(start, cfg.steps), disable=not (progress and lead), dynamic_ncols=True)
+        # the bar only on a terminal (disable=None): piped into a log, the step lines below tell the story
+        bar = tqdm(range(start, cfg.steps), disable=None if progress and lead else True, dynamic_ncols=True)
         for step in bar:
             if step == cfg.fail_at_step and not cfg.resume and mesh.rank == cfg.fail_rank:
                 crash_here()
