@@ -1,5 +1,7 @@
 """The flight recorder: on a timeout each rank shows its last calls, the failed one marked, so the
 rank that stopped early (or called something else) can be found by reading the dumps side by side."""
+import re
+
 import numpy as np
 import pytest
 
@@ -42,8 +44,8 @@ def test_empty_trace_and_no_error():
 
 def test_hung_peer_under_mpi_times_out_and_every_other_rank_dumps_its_record(tmp_path):
     run = run_mpi(3, "flight.py", tmp_path, timeout=60)
-    assert sorted(line for line in run.stdout.splitlines() if line.startswith("DUMPED")) == \
-        ["DUMPED rank=0", "DUMPED rank=1"]
+    # mpiexec forwards each rank's output as it comes, so two ranks' lines may arrive glued together
+    assert sorted(re.findall(r"DUMPED rank=\d", run.stdout)) == ["DUMPED rank=0", "DUMPED rank=1"]
     for r in (0, 1):
         rows = (tmp_path / f"flight_rank{r}.txt").read_text().splitlines()
         assert "all_reduce #3 on group 'world'" in rows[0]
