@@ -1,29 +1,13 @@
-"""Which array module (NumPy or CuPy) holds an array.
+"""Which array module (NumPy or CuPy) holds an array, and the one op that differs between them.
 
-Autograd code never imports CuPy itself: it asks the data. ``get_array_module(a)`` returns ``cupy``
-only when ``a`` already is a CuPy array (so CuPy is installed and imported); otherwise ``numpy``.
+Autograd code never imports CuPy itself: it asks the data (``get_array_module``, from
+``minidist.device``), so the same code runs on NumPy and on CuPy arrays.
 """
 import numpy as np
 
+from minidist.device import get_array_module, is_cupy, to_numpy
 
-def is_cupy(a) -> bool:
-    """True when ``a`` is a CuPy array (checked by its type's module, without importing CuPy)."""
-    return type(a).__module__.startswith("cupy")
-
-
-def get_array_module(a):
-    """The module of ``a``'s array type: ``cupy`` for CuPy arrays, ``numpy`` for everything else."""
-    if is_cupy(a):
-        import cupy
-        return cupy
-    return np
-
-
-def to_numpy(a) -> np.ndarray:
-    """``a`` as a NumPy array: copied from the GPU for CuPy, returned as is when already NumPy."""
-    if is_cupy(a):
-        return a.get()
-    return np.asarray(a)
+__all__ = ["get_array_module", "is_cupy", "to_numpy", "matmul"]
 
 
 def matmul(a, b):

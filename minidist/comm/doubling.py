@@ -16,7 +16,7 @@ where an op is not bitwise commutative (``maximum(-0.0, 0.0)``).
 """
 from __future__ import annotations
 
-from minidist.comm.ops import COLLECTIVE_TAG_BASE, REDUCE_OPS, Workspace
+from minidist.comm.ops import COLLECTIVE_TAG_BASE, Workspace, reduce_ufunc
 
 TAG = COLLECTIVE_TAG_BASE + 3
 
@@ -30,8 +30,8 @@ def all_reduce(t, buf, op, *, workspace=None) -> None:
     n, r = t.size, t.rank
     if n == 1:
         return
-    ufunc = REDUCE_OPS[op]
-    incoming = (workspace if workspace is not None else Workspace()).get("doubling", buf.dtype, buf.size)
+    ufunc = reduce_ufunc(op, buf)
+    incoming = (workspace if workspace is not None else Workspace()).get("doubling", buf.dtype, buf.size, like=buf)
     p = 1 << (n.bit_length() - 1)  # the largest power of two <= n
     extra = n - p
     if r < 2 * extra:

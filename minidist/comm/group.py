@@ -28,6 +28,7 @@ from minidist.comm.ops import (COLLECTIVE_TAG_BASE, DTYPES, GROUP_OPS, Workspace
 from minidist.comm.trace import Trace
 from minidist.comm.transport import CollectiveMismatchError, CommTimeoutError, PeerTimeout, Request
 from minidist.comm.work import CommStream
+from minidist.device import get_array_module, is_cupy
 
 DEFAULT_THRESHOLD_BYTES = 256 * 1024
 """All-reduces smaller than this use recursive doubling, larger ones the ring. In the usual cost
@@ -115,12 +116,12 @@ class ProcessGroup:
         self._check_op(op)
         rows = split_counts(x.shape[0], self.size)  # rows of x per rank
         row = math.prod(x.shape[1:])  # elements per row
-        out = self._out(out, (rows[self.rank],) + x.shape[1:], x.dtype)
+        out = self._out(out, (rows[self.rank],) + x.shape[1:], x.dtype, like=x)
 
         def run():
             with self._collective("reduce_scatter", self._algorithm("ring"), x.nbytes, op=op, dtype=x.dtype,
                                   count=x.size):
-                scratch = self._workspace.get("reduce_scatter_input", x.dtype, x.size)  # the algorithm clobbers it
+                scratch = self._workspace.get("reduce_scatter_input", x.dtype, x.size, like=x)  # the algorithm clobbers it
                 scratch[...] = x.reshape(-1)
                 counts = [c * row for c in rows]
                 if self._native:
@@ -151,7 +152,7 @@ class ProcessGroup:
                 raise ValueError(f"rank {self.rank}: with count={count} over {self.size} ranks the shard must "
                                  f"have {rows[self.rank]} rows (numpy.array_split), got {shard.shape[0]}")
         row = math.prod(shard.shape[1:])
-        out = self._out(out, (sum(rows),) + shard.shape[1:], shard.dtype)
+        out = self._out(out, (sum(rows),) + shard.shape[1:], shard.dtype, like=shard)
 
         def run():
             with self._collective("all_gather", self._algorithm("ring"), out.nbytes, dtype=shard.dtype,
@@ -342,15 +343,21 @@ class ProcessGroup:
                              f"while rank 0 called {_call_text(first, fields)}")
             raise CollectiveMismatchError(f"{first['op']} #{first['seq']} on group '{self.name}': " + "; ".join(lines))
 
-    def _check_array(self, x, what, *, writeable=True, min_ndim=0, any_dtype=False) -> None:
-        if not isinstance(x, np.ndarray):
-            raise ValueError(f"rank {self.rank}: {what} must be a numpy array, got {type(x).__name__}")
+    def _check_array(self, x, what, *, writeable=True, min_ndim=0, any_dtype=False, like=None) -> None:
+        """``x`` is a NumPy or CuPy array the collectives can take (``like``: in the same memory as
+        ``like``, host or GPU)."""
+        if not isinstance(x, np.ndarray) and not is_cupy(x):
+            raise ValueError(f"rank {self.rank}: {what} must be a numpy or cupy array, got {type(x).__name__}")
+        if like is not None and is_cupy(x) != is_cupy(like):
+            where = {True: "GPU (cupy)", False: "host (numpy)"}
+            raise ValueError(f"rank {self.rank}: {what} is in {where[is_cupy(x)]} memory but the input is in "
+                             f"{where[is_cupy(like)]} memory; keep both on one side")
         if not any_dtype and x.dtype not in DTYPES:
             raise ValueError(f"rank {self.rank}: {what} has dtype {x.dtype}; collectives take "
                              f"{', '.join(map(str, DTYPES))}")
         if not x.flags.c_contiguous:
             raise ValueError(f"rank {self.rank}: {what} must be C-contiguous (see numpy.ascontiguousarray)")
-        if writeable and not x.flags.writeable:
+        if writeable and not is_cupy(x) and not x.flags.writeable:
             raise ValueError(f"rank {self.rank}: {what} must be writeable")
         if x.ndim < min_ndim:
             raise ValueError(f"rank {self.rank}: {what} needs an axis 0 to split along, got shape {x.shape}")
@@ -371,11 +378,12 @@ class ProcessGroup:
             raise ValueError(f"rank {self.rank}: tag must be an int in 0..{COLLECTIVE_TAG_BASE - 1} "
                              f"(higher tags belong to collectives), got {tag!r}")
 
-    def _out(self, out, shape, dtype):
-        """``out`` checked to hold ``shape`` of ``dtype``, or a new array if it is None."""
+    def _out(self, out, shape, dtype, like):
+        """``out`` checked to hold ``shape`` of ``dtype`` in the memory of ``like`` (host or GPU), or
+        a new such array if it is None."""
         if out is None:
-            return np.empty(shape, dtype)
-        self._check_array(out, "out")
+            return get_array_module(like).empty(shape, dtype)
+        self._check_array(out, "out", like=like)
         if out.dtype != dtype or out.size != math.prod(shape):
             raise ValueError(f"rank {self.rank}: out must hold {math.prod(shape)} x {np.dtype(dtype)} "
                              f"(shape {shape}), got {out.size} x {out.dtype}")

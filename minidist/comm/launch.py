@@ -20,16 +20,18 @@ from minidist.comm.trace import Trace
 
 def init(backend: str = "ring", *, timeout: float = 300.0, debug: bool = False, trace: bool = True,
          threshold_bytes: int | None = None, segment_bytes: int | None = None,
-         flight_dir=None) -> ProcessGroup:
+         flight_dir=None, cuda_aware: bool | None = None) -> ProcessGroup:
     """The world group of an ``mpiexec`` job (this starts MPI).
 
     ``backend="ring"`` runs the hand-written collectives over MPI point-to-point messages, ``"mpi"``
     MPI's own collectives. An uncaught exception on any rank aborts the whole job. ``trace=False``
     turns recording off; ``threshold_bytes`` overrides where all-reduce switches to the ring and
     ``segment_bytes`` the ring's segment size. When a call times out, the flight recorder prints this
-    rank's last recorded calls to stderr (and to ``flight_dir/flight_rank<r>.txt`` if given)."""
+    rank's last recorded calls to stderr (and to ``flight_dir/flight_rank<r>.txt`` if given).
+    GPU (CuPy) buffers go to MPI as they are when it is CUDA-aware and through pinned host memory
+    when not; ``cuda_aware=None`` asks the MPI library, True or False overrides it."""
     from minidist.comm.mpi_transport import MPITransport  # here, so `import minidist` never starts MPI
-    transport = MPITransport.world(timeout)
+    transport = MPITransport.world(timeout, cuda_aware=cuda_aware)
     settings = {k: v for k, v in (("threshold_bytes", threshold_bytes), ("segment_bytes", segment_bytes))
                 if v is not None}
     return ProcessGroup(transport, backend=backend, trace=Trace(transport.rank, enabled=trace), debug=debug,

@@ -11,16 +11,25 @@ slower with 4 ranks on 2 cores; sleeping from the start cost ~60 us a message (t
 After a few milliseconds the peer is evidently busy, so polls are spaced by growing sleeps. Past the
 deadline the wait raises :class:`~minidist.comm.transport.PeerTimeout` naming the peer.
 
+GPU (CuPy) buffers: a CUDA-aware MPI reads and writes device memory itself, so the buffer is handed
+over as it is, once the current stream is synchronised (the kernels that produce or read it are
+done). The pip ``mpich`` wheel is not CUDA-aware: then each message is staged through a page-locked
+host buffer, copied off the GPU before the send and onto it when the receive completes. Which one
+applies is asked of the MPI library at start-up (:func:`query_cuda_aware`) and can be overridden.
+
 ``import minidist`` must not start MPI, so mpi4py is imported only inside :meth:`MPITransport.world`.
 """
 from __future__ import annotations
 
+import ctypes
 import os
+import re
 import sys
 import time
 import traceback
 
 from minidist.comm.transport import PeerTimeout, Request, Transport
+from minidist.device import copy_to_device, copy_to_host, is_cupy, pinned_empty, synchronize
 
 YIELD_SECONDS = 5e-3   # poll, offering the core to others (sched_yield) between polls, this long;
 FIRST_SLEEP = 50e-6    # then sleep between polls, doubling each time ...
@@ -32,10 +41,15 @@ class MPIRequest(Request):
 
     For a receive, the message length is checked against the buffer, so a sender and receiver that
     disagree about a size fail loudly instead of leaving stale bytes in the buffer.
+
+    A staged message keeps its host buffer ``staging`` alive until done; a staged receive then copies
+    it onto the GPU, into ``device``.
     """
 
-    def __init__(self, transport: "MPITransport", request, peer: int, kind: str, nbytes: int):
+    def __init__(self, transport: "MPITransport", request, peer: int, kind: str, nbytes: int,
+                 staging=None, device=None):
         self.transport, self.request, self.peer, self.kind, self.nbytes = transport, request, peer, kind, nbytes
+        self.staging, self.device = staging, device
         self.status = transport.MPI.Status() if kind == "recv" else None
         self.done = False
 
@@ -47,6 +61,9 @@ class MPIRequest(Request):
                 if got != self.nbytes:
                     raise ValueError(f"rank {self.transport.rank}: received {got} bytes from rank "
                                      f"{self.peer} into a buffer of {self.nbytes} bytes")
+            if self.device is not None:
+                copy_to_device(self.staging, self.device)
+            self.staging = self.device = None
         return self.done
 
     def wait(self) -> None:
@@ -72,9 +89,11 @@ class MPITransport(Transport):
     """Point-to-point over an mpi4py communicator ``comm`` (its ranks are this transport's ranks).
 
     ``comm`` is also exposed for ``native.py``, which calls MPI's own collectives on it.
+    ``cuda_aware``: hand GPU buffers to MPI as they are (True) or stage them through pinned host
+    memory (False).
     """
 
-    def __init__(self, comm, timeout: float = 300.0, name: str = "world"):
+    def __init__(self, comm, timeout: float = 300.0, name: str = "world", cuda_aware: bool = False):
         from mpi4py import MPI
         self.MPI = MPI
         self.comm = comm
@@ -82,40 +101,80 @@ class MPITransport(Transport):
         self.size = comm.Get_size()
         self.timeout = timeout
         self.name = name
+        self.cuda_aware = cuda_aware
 
     @classmethod
-    def world(cls, timeout: float = 300.0) -> "MPITransport":
+    def world(cls, timeout: float = 300.0, cuda_aware: bool | None = None) -> "MPITransport":
         """Start MPI (if needed) and wrap a duplicate of ``COMM_WORLD``.
 
         The duplicate has its own message space, so a user's MPI messages never match ours. Also
         installs an exception hook: an uncaught exception on any rank prints its traceback tagged
         with the rank, then aborts the whole job, instead of leaving the other ranks waiting forever.
+        ``cuda_aware=None`` asks the MPI library (:func:`query_cuda_aware`).
         """
         from mpi4py import MPI
-        transport = cls(MPI.COMM_WORLD.Dup(), timeout)
+        if cuda_aware is None:
+            cuda_aware = query_cuda_aware()
+        transport = cls(MPI.COMM_WORLD.Dup(), timeout, cuda_aware=cuda_aware)
         sys.excepthook = _abort_on_uncaught_exception(transport)
         return transport
 
     def isend(self, buf, peer: int, tag: int = 0) -> MPIRequest:
-        """Start sending the bytes of ``buf`` to ``peer``."""
-        request = self.comm.Isend([buf, self.MPI.BYTE], dest=peer, tag=tag)
-        return MPIRequest(self, request, peer, "send", buf.nbytes)
+        """Start sending the bytes of ``buf`` to ``peer``. A GPU buffer goes as it is to a CUDA-aware
+        MPI (after its stream is synchronised), else it is first copied into a pinned host buffer."""
+        staging = None
+        if is_cupy(buf):
+            if self.cuda_aware:
+                synchronize(buf)
+            else:
+                staging = pinned_empty(buf.size, buf.dtype)
+                copy_to_host(buf, staging)  # waits for the kernels queued before it
+        request = self.comm.Isend([buf if staging is None else staging, self.MPI.BYTE], dest=peer, tag=tag)
+        return MPIRequest(self, request, peer, "send", buf.nbytes, staging=staging)
 
     def irecv(self, buf, peer: int, tag: int = 0) -> MPIRequest:
-        """Start receiving ``buf.nbytes`` bytes from ``peer`` into ``buf``."""
-        request = self.comm.Irecv([buf, self.MPI.BYTE], source=peer, tag=tag)
-        return MPIRequest(self, request, peer, "recv", buf.nbytes)
+        """Start receiving ``buf.nbytes`` bytes from ``peer`` into ``buf``. A GPU buffer is written by a
+        CUDA-aware MPI directly (once the kernels still using it are done), else the bytes land in a
+        pinned host buffer and are copied onto the GPU when the receive completes."""
+        staging = None
+        if is_cupy(buf):
+            synchronize(buf)  # no queued kernel may still read the buffer MPI is about to fill
+            if not self.cuda_aware:
+                staging = pinned_empty(buf.size, buf.dtype)
+        request = self.comm.Irecv([buf if staging is None else staging, self.MPI.BYTE], source=peer, tag=tag)
+        return MPIRequest(self, request, peer, "recv", buf.nbytes, staging=staging,
+                          device=buf if staging is not None else None)
 
     def split(self, color: int, key: int) -> "MPITransport | None":
         """``MPI_Comm_split``: a collective over this communicator. Negative ``color`` -> ``None``."""
         comm = self.comm.Split(color if color >= 0 else self.MPI.UNDEFINED, key)
         if comm == self.MPI.COMM_NULL:
             return None
-        return MPITransport(comm, self.timeout, f"{self.name}/{color}")
+        return MPITransport(comm, self.timeout, f"{self.name}/{color}", cuda_aware=self.cuda_aware)
 
     def abort(self, code: int = 1) -> None:
         """End every process of the job (``MPI_Abort``)."""
         self.comm.Abort(code)
+
+
+def query_cuda_aware() -> bool:
+    """Whether the MPI library in this process reads and writes GPU memory itself.
+
+    Asks ``MPIX_Query_cuda_support()``, an extension that both Open MPI and MPICH export, of the
+    ``libmpi`` this process has loaded (call after MPI started). A library without it, or one that
+    cannot be found, counts as not CUDA-aware: staging is always correct, only slower. The pip
+    ``mpich`` wheel answers 0.
+    """
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted(set(re.findall(r"(/\S*libmpi\S*\.so[.\d]*)", maps.read())))
+        for path in paths:
+            query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None)
+            if query is not None:
+                return bool(query())
+    except OSError:
+        pass
+    return False
 
 
 def _abort_on_uncaught_exception(transport: MPITransport):

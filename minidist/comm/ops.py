@@ -1,17 +1,21 @@
 """What every collective algorithm shares: reduction operators, accepted dtypes, uneven counts, tags
 and a scratch workspace.
 
-The algorithms in ``ring.py``, ``doubling.py`` and ``rooted.py`` reduce with NumPy ufuncs written
-``ufunc(a, b, out=a)``: in place, no temporary array. Whatever scratch memory they need (a segment
-being received, an accumulator) comes from a :class:`Workspace` that the group keeps across calls, so
-the hot loops allocate nothing.
+The algorithms in ``ring.py``, ``doubling.py`` and ``rooted.py`` reduce with ufuncs written
+``ufunc(a, b, out=a)``: in place, no temporary array, and on the buffer's own device (NumPy's ufunc
+for host arrays, CuPy's kernel for GPU arrays). Whatever scratch memory they need (a segment being
+received, an accumulator) comes from a :class:`Workspace` that the group keeps across calls, so the
+hot loops allocate nothing.
 """
 from __future__ import annotations
 
 import numpy as np
 
-REDUCE_OPS = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
-"""The reductions the algorithms perform. ``"avg"`` is the group's: a sum, then a division."""
+from minidist.device import data_pointer, get_array_module, is_cupy
+
+REDUCE_OPS = {"sum": "add", "prod": "multiply", "max": "maximum", "min": "minimum"}
+"""The reductions the algorithms perform, by ufunc name. ``"avg"`` is the group's: a sum, then a
+division."""
 
 GROUP_OPS = (*REDUCE_OPS, "avg")
 
@@ -20,6 +24,12 @@ DTYPES = tuple(np.dtype(d) for d in ("float16", "float32", "float64", "int32", "
 COLLECTIVE_TAG_BASE = 32000
 """Tags at or above this belong to collectives; user point-to-point tags stay below it, so a
 user's message can never match a collective's (MPI guarantees tags up to at least 32767)."""
+
+
+def reduce_ufunc(op: str, like):
+    """The ufunc that performs ``op`` on arrays like ``like``: ``numpy.add`` for a NumPy array,
+    ``cupy.add`` (a GPU kernel) for a CuPy one."""
+    return getattr(get_array_module(like), REDUCE_OPS[op])
 
 
 def split_counts(total: int, n: int) -> list[int]:
@@ -40,35 +50,38 @@ def offsets(counts: list[int]) -> list[int]:
 def same_memory(a, b) -> bool:
     """True when ``a`` and ``b`` are the same contiguous block (then copying one into the other is a
     no-op worth skipping)."""
-    return a.size == b.size and (a.size == 0 or a.__array_interface__["data"][0] == b.__array_interface__["data"][0])
+    return a.size == b.size and (a.size == 0 or (is_cupy(a) == is_cupy(b) and data_pointer(a) == data_pointer(b)))
 
 
 def divide_by_size(x, n: int) -> None:
     """Turn a sum into an average, in place. Floats divide; integers truncate toward zero, as NCCL's
     ``ncclAvg`` does (``-7 // 2`` would give -4; truncation gives -3)."""
+    xp = get_array_module(x)
     if x.dtype.kind == "f":
-        np.divide(x, n, out=x)
+        xp.divide(x, n, out=x)
     else:
-        x -= np.fmod(x, n)  # now an exact multiple of n, so floor division truncates too
-        np.floor_divide(x, n, out=x)
+        x -= xp.fmod(x, n)  # now an exact multiple of n, so floor division truncates too
+        xp.floor_divide(x, n, out=x)
 
 
 class Workspace:
-    """Scratch buffers that grow but are never freed, one per (purpose, dtype).
+    """Scratch buffers that grow but are never freed, one per (purpose, dtype, array module).
 
     ``get`` hands out a view of the first ``count`` elements; two different purposes never share
     memory, and a purpose must not be used by two calls at once (each rank's group owns one).
     """
 
     def __init__(self):
-        self._buffers: dict[tuple[str, np.dtype], np.ndarray] = {}
+        self._buffers: dict[tuple[str, np.dtype, str], object] = {}
 
-    def get(self, purpose: str, dtype, count: int) -> np.ndarray:
-        """A 1-D array of ``count`` elements of ``dtype`` for ``purpose``, reused across calls."""
-        key = (purpose, np.dtype(dtype))
+    def get(self, purpose: str, dtype, count: int, like=None):
+        """A 1-D array of ``count`` elements of ``dtype`` for ``purpose``, reused across calls, in
+        the memory of ``like`` (host when None, the GPU when ``like`` is a CuPy array)."""
+        xp = get_array_module(like)
+        key = (purpose, np.dtype(dtype), xp.__name__)
         buf = self._buffers.get(key)
         if buf is None or buf.size < count:
-            buf = self._buffers[key] = np.empty(count, dtype)
+            buf = self._buffers[key] = xp.empty(count, dtype)
         return buf[:count]
 
 

@@ -19,7 +19,7 @@ rank ends with bitwise identical results.
 """
 from __future__ import annotations
 
-from minidist.comm.ops import COLLECTIVE_TAG_BASE, REDUCE_OPS, Workspace, offsets, same_memory, split_counts
+from minidist.comm.ops import COLLECTIVE_TAG_BASE, Workspace, offsets, reduce_ufunc, same_memory, split_counts
 from minidist.comm.transport import wait_all
 
 SEGMENT_BYTES = 1024 * 1024  # measured: 1 MiB beat 256 KiB at 4 MiB-64 MiB on 2 and 4 ranks
@@ -45,11 +45,11 @@ def reduce_scatter(t, buf, counts, op, out, *, segment_bytes=SEGMENT_BYTES, work
             out[...] = buf
         return
     seg = max(1, segment_bytes // buf.itemsize)
-    scratch = (workspace if workspace is not None else Workspace()).get("ring", buf.dtype, 2 * seg)
+    scratch = (workspace if workspace is not None else Workspace()).get("ring", buf.dtype, 2 * seg, like=buf)
     slots = (scratch[:seg], scratch[seg:])  # double buffer: receive into one while reducing the other
     for s in range(n - 1):
         acc = chunk(r - s - 2)
-        _reduce_step(t, chunk(r - s - 1), acc, out if s == n - 2 else acc, REDUCE_OPS[op], slots, seg)
+        _reduce_step(t, chunk(r - s - 1), acc, out if s == n - 2 else acc, reduce_ufunc(op, buf), slots, seg)
 
 
 def _reduce_step(t, send, acc, dst, ufunc, slots, seg) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.comm.ops import COLLECTIVE_TAG_BASE, REDUCE_OPS, Workspace
+from minidist.comm.ops import COLLECTIVE_TAG_BASE, Workspace, reduce_ufunc
 from minidist.comm.transport import wait_all
 
 TAG_BROADCAST = COLLECTIVE_TAG_BASE + 4
@@ -47,7 +47,7 @@ def reduce(t, buf, root, op, *, workspace=None) -> None:
     """
     n, r = t.size, t.rank
     v = (r - root) % n
-    ufunc = REDUCE_OPS[op]
+    ufunc = reduce_ufunc(op, buf)
     workspace = workspace if workspace is not None else Workspace()
     acc = buf if v == 0 else None  # a non-root rank copies buf only once it has a child to add
     mask = 1
@@ -57,9 +57,9 @@ def reduce(t, buf, root, op, *, workspace=None) -> None:
             return
         if v + mask < n:  # the child v + mask holds the subtree v+mask .. v+2*mask-1
             if acc is None:
-                acc = workspace.get("reduce_acc", buf.dtype, buf.size)
+                acc = workspace.get("reduce_acc", buf.dtype, buf.size, like=buf)
                 acc[...] = buf
-            incoming = workspace.get("reduce_in", buf.dtype, buf.size)
+            incoming = workspace.get("reduce_in", buf.dtype, buf.size, like=buf)
             t.recv(incoming, (r + mask) % n, TAG_REDUCE)
             ufunc(acc, incoming, out=acc)
         mask <<= 1
