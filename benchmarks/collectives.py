@@ -2,6 +2,12 @@
 
     mpiexec -n 4 python benchmarks/collectives.py --json out/collectives.json --plot out/busbw.png
     mpiexec -n 2 python benchmarks/collectives.py --quick
+    mpiexec -n 2 python benchmarks/collectives.py --device cuda     # GPU buffers: ring vs NCCL
+
+``--device cuda`` puts every buffer on the GPU (CuPy) and compares backend "ring" (over MPI, staged
+through pinned host memory unless MPI is CUDA-aware) with backend "nccl" (NCCL's own collectives);
+"mpi" joins only when MPI is CUDA-aware. NCCL needs one GPU per rank. Each timed repeat ends by
+synchronising the GPU, so kernels still queued are counted.
 
 For each collective (all_reduce, reduce_scatter, all_gather) and each size (bytes of the full,
 unsharded float32 buffer), the two backends are timed ALTERNATELY within one run, so a noisy
@@ -30,9 +36,10 @@ from mpi4py import MPI
 
 import minidist
 from minidist.comm.ops import bus_factor
+from minidist.device import synchronize, to_numpy
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
-BACKENDS = ("ring", "mpi")
+STYLES = {"ring": ("o-", "ring (minidist)"), "mpi": ("s--", "mpi (MPI's own)"), "nccl": ("^--", "nccl (NCCL's own)")}
 
 
 def parse_size(text: str) -> int:
@@ -41,61 +48,66 @@ def parse_size(text: str) -> int:
     return int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
 
 
-def make_call(group, collective: str, count: int, seed: int | None):
+def make_call(group, collective: str, count: int, seed: int | None, xp=np):
     """A zero-argument function running ``collective`` on ``group`` over a float32 buffer of ``count``
-    elements, and a function returning its result. ``seed``: integer-valued data, else zeros."""
+    elements in ``xp``'s memory (NumPy: host, CuPy: GPU), and a function returning its result.
+    ``seed``: integer-valued data, else zeros."""
     n, r = group.size, group.rank
     full = (np.random.default_rng([seed, r]).integers(-8, 8, count) if seed is not None
             else np.zeros(count)).astype(np.float32)  # (count,)
     if collective == "all_reduce":
-        buf = full.copy()
+        buf = xp.asarray(full.copy())
         return (lambda: group.all_reduce(buf)), (lambda: buf)
     if collective == "reduce_scatter":
-        scratch = full.copy()
-        out = np.empty(np.array_split(full, n)[r].size, np.float32)  # (count/n,)
+        scratch = xp.asarray(full.copy())
+        out = xp.empty(np.array_split(full, n)[r].size, np.float32)  # (count/n,)
         return (lambda: group.reduce_scatter(scratch, out=out)), (lambda: out)
-    shard = np.ascontiguousarray(np.array_split(full, n)[r])  # (count/n,)
-    out = np.empty(count, np.float32)  # (count,)
+    shard = xp.asarray(np.ascontiguousarray(np.array_split(full, n)[r]))  # (count/n,)
+    out = xp.empty(count, np.float32)  # (count,)
     return (lambda: group.all_gather(shard, count=count, out=out)), (lambda: out)
 
 
-def count_wrong(groups, collective: str, count: int) -> int:
-    """Elements (summed over ranks) where backend "ring" and backend "mpi" disagree."""
+def count_wrong(groups, collective: str, count: int, xp) -> int:
+    """Elements (summed over ranks) where backend "ring" and the reference backend (the last one:
+    "mpi" on the host, "nccl" on the GPU) disagree."""
     results = {}
     for name, group in groups.items():
-        call, result = make_call(group, collective, count, seed=count)
+        call, result = make_call(group, collective, count, seed=count, xp=xp)
         call()
-        results[name] = result()
-    return MPI.COMM_WORLD.allreduce(int(np.count_nonzero(results["ring"] != results["mpi"])))
+        results[name] = to_numpy(result())
+    reference = list(groups)[-1]
+    return MPI.COMM_WORLD.allreduce(int(np.count_nonzero(results["ring"] != results[reference])))
 
 
-def time_calls(call, iters: int) -> float:
-    """Seconds per call of the slowest rank, over ``iters`` calls started together."""
+def time_calls(call, iters: int, buf) -> float:
+    """Seconds per call of the slowest rank, over ``iters`` calls started together (on the GPU: until
+    the kernels they queued have finished)."""
     MPI.COMM_WORLD.Barrier()
     start = time.perf_counter()
     for _ in range(iters):
         call()
+    synchronize(buf)
     return MPI.COMM_WORLD.allreduce((time.perf_counter() - start) / iters, op=MPI.MAX)
 
 
-def measure(groups, collective: str, nbytes: int, repeats: int, budget_bytes: int) -> list[dict]:
+def measure(groups, collective: str, nbytes: int, repeats: int, budget_bytes: int, xp=np) -> list[dict]:
     """One table row per backend for ``collective`` on ``nbytes``, timed alternately."""
     n = MPI.COMM_WORLD.size
     count = nbytes // 4
-    wrong = count_wrong(groups, collective, count)
-    calls = {name: make_call(g, collective, count, seed=None)[0] for name, g in groups.items()}
+    wrong = count_wrong(groups, collective, count, xp)
+    calls = {name: make_call(g, collective, count, seed=None, xp=xp) for name, g in groups.items()}
     iters = max(1, min(200, budget_bytes // nbytes))
-    for call in calls.values():
+    for call, _ in calls.values():
         call()  # warm up: workspaces, MPI connections
     times = {name: [] for name in groups}
     for _ in range(repeats):
-        for name, call in calls.items():
-            times[name].append(time_calls(call, iters))
+        for name, (call, result) in calls.items():
+            times[name].append(time_calls(call, iters, result()))
     rows = []
     for name in groups:
         seconds = statistics.median(times[name])
         algbw = nbytes / seconds / 1e9
-        rows.append(dict(collective=collective, backend=name, size=nbytes, count=count, type="float",
+        rows.append(dict(collective=collective, backend=name, device=xp.__name__, size=nbytes, count=count, type="float",
                          redop="sum" if collective != "all_gather" else "none", time_us=seconds * 1e6,
                          algbw=algbw, busbw=algbw * bus_factor(collective, n), wrong=wrong,
                          iters=iters, repeats=repeats))
@@ -122,12 +134,13 @@ def plot(runs: list[tuple[int, list[dict]]], path: str) -> None:
                              squeeze=False)
     for (n, rows), row_axes in zip(runs, axes):
         for ax, collective in zip(row_axes, COLLECTIVES):
-            for backend, style, label in zip(BACKENDS, ("o-", "s--"), ("ring (minidist)", "mpi (MPI's own)")):
+            for backend, (style, label) in STYLES.items():
                 pts = [(r["size"], r["busbw"]) for r in rows
                        if r["collective"] == collective and r["backend"] == backend]
                 if pts:
                     ax.plot(*zip(*pts), style, label=label)
-            ax.set(xscale="log", title=f"{collective}, {n} ranks", xlabel="size (bytes, float32)",
+            on = " (GPU buffers)" if rows and rows[0].get("device") == "cupy" else ""
+            ax.set(xscale="log", title=f"{collective}, {n} ranks{on}", xlabel="size (bytes, float32)",
                    ylabel="busbw (GB/s)")
             ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend()
@@ -136,23 +149,27 @@ def plot(runs: list[tuple[int, list[dict]]], path: str) -> None:
 
 
 def markdown(runs: list[tuple[int, list[dict]]]) -> str:
-    """The ring against MPI's own, one Markdown table per (collective, world size): the tables of
-    benchmarks/RESULTS.md. ``ring / mpi`` is the busbw ratio: above 1 the hand-written ring is faster."""
+    """The ring against the reference backend (MPI's own on the host, NCCL on the GPU), one Markdown
+    table per (collective, world size): the tables of benchmarks/RESULTS.md. ``ring / ref`` is the
+    busbw ratio: above 1 the hand-written ring is faster."""
     out = []
     for n, rows in runs:
+        ref = "nccl" if any(r["backend"] == "nccl" for r in rows) else "mpi"
         for collective in COLLECTIVES:
             by = {(r["backend"], r["size"]): r for r in rows if r["collective"] == collective}
             sizes = sorted({size for _, size in by})
             if not sizes:
                 continue
             out += [f"### {collective}, {n} ranks", "",
-                    "| size | ring time (us) | mpi time (us) | ring busbw (GB/s) | mpi busbw (GB/s) | ring / mpi | #wrong |",
+                    f"| size | ring time (us) | {ref} time (us) | ring busbw (GB/s) | {ref} busbw (GB/s) | "
+                    f"ring / {ref} | #wrong |",
                     "|---:|---:|---:|---:|---:|---:|---:|"]
             for size in sizes:
-                ring, mpi = by[("ring", size)], by[("mpi", size)]
+                ring, other = by[("ring", size)], by[(ref, size)]
                 label = f"{size // 2**20} MiB" if size >= 2**20 else f"{size // 2**10} KiB"
-                out.append(f"| {label} | {ring['time_us']:.1f} | {mpi['time_us']:.1f} | {ring['busbw']:.3f} | "
-                           f"{mpi['busbw']:.3f} | {ring['busbw'] / mpi['busbw']:.2f} | {ring['wrong'] + mpi['wrong']} |")
+                out.append(f"| {label} | {ring['time_us']:.1f} | {other['time_us']:.1f} | {ring['busbw']:.3f} | "
+                           f"{other['busbw']:.3f} | {ring['busbw'] / other['busbw']:.2f} | "
+                           f"{ring['wrong'] + other['wrong']} |")
             out.append("")
     return "\n".join(out)
 
@@ -168,6 +185,8 @@ def main() -> None:
     p.add_argument("--segment-bytes", help="the ring's segment size (default: the library's)")
     p.add_argument("--threshold-bytes", help="all-reduce size from which the ring replaces recursive "
                                              "doubling (default: the library's)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the buffers live: host memory (ring vs MPI's own) or the GPU (ring vs NCCL)")
     p.add_argument("--quick", action="store_true", help="smoke test: 1K..64K, 2 repeats, small budget")
     p.add_argument("--json", help="write the rows and the machine description to this JSON file")
     p.add_argument("--plot", help="write a PNG of busbw against size to this path")
@@ -189,7 +208,18 @@ def main() -> None:
     if args.quick:
         args.max_bytes, args.repeats, args.budget = "64K", 2, "1M"
 
-    groups = {name: minidist.init(backend=name, timeout=120.0, trace=False) for name in BACKENDS}
+    def group(backend):
+        return minidist.init(backend=backend, timeout=120.0, trace=False)
+    xp = np
+    if args.device == "cuda":
+        import cupy as xp
+        nccl = group("nccl")  # first: it picks this rank's GPU
+        groups = {"ring": group("ring")}
+        if groups["ring"].transport.cuda_aware:
+            groups["mpi"] = group("mpi")
+        groups["nccl"] = nccl  # last: the reference the ring is checked against
+    else:
+        groups = {"ring": group("ring"), "mpi": group("mpi")}
     if args.segment_bytes:
         groups["ring"].segment_bytes = parse_size(args.segment_bytes)
     if args.threshold_bytes:
@@ -201,17 +231,20 @@ def main() -> None:
         size *= args.factor
     machine = dict(ranks=n, host=platform.node(), cpu=platform.processor() or platform.machine(),
                    python=platform.python_version(), numpy=np.__version__,
-                   mpi=MPI.Get_library_version().splitlines()[0].strip())
+                   mpi=MPI.Get_library_version().splitlines()[0].strip(), device=args.device)
+    if args.device == "cuda":
+        machine["gpu"] = xp.cuda.runtime.getDeviceProperties(xp.cuda.Device().id)["name"].decode()
+        machine["cuda_aware_mpi"] = groups["ring"].transport.cuda_aware
     machine["ring_segment_bytes"] = groups["ring"].segment_bytes
     machine["doubling_below_bytes"] = groups["ring"].threshold_bytes
     if rank == 0:
         print(f"# {n} ranks, {machine['mpi']}, numpy {machine['numpy']}, python {machine['python']}, "
-              f"ring segment {machine['ring_segment_bytes']} B")
+              f"ring segment {machine['ring_segment_bytes']} B, buffers on {machine.get('gpu', 'the host')}")
         print(HEADER, flush=True)
     rows = []
     for collective in args.collectives.split(","):
         for size in sizes:
-            for row in measure(groups, collective, size, args.repeats, parse_size(args.budget)):
+            for row in measure(groups, collective, size, args.repeats, parse_size(args.budget), xp):
                 rows.append(row)
                 if rank == 0:
                     print(format_row(row), flush=True)

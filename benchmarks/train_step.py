@@ -1,6 +1,7 @@
-"""Training-step benchmark: minidist vs the same GPT in PyTorch eager, one CPU thread each.
+"""Training-step benchmark: minidist vs the same GPT in PyTorch eager, one CPU thread each (or one GPU).
 
     OMP_NUM_THREADS=1 python benchmarks/train_step.py [--repeats 15] [--quick]
+    python benchmarks/train_step.py --device cuda      # both on the GPU: minidist on CuPy, PyTorch on CUDA
 
 A step is what ``python -m minidist.train`` does per step: zero_grad, forward, backward, global-norm
 clipping, AdamW update. For every model size both frameworks start from identical weights (the
@@ -14,7 +15,11 @@ almost nothing (B = T = 1, n_embd = n_head, one element per head) runs the same 
 order, whose kernels take ~0 time. Kernel time ~= step time - that "overhead" step. The same split is
 made for PyTorch. cProfile's top functions (by own time) for the default size are saved for diagnosis.
 
-Writes benchmarks/results/train_step.json and benchmarks/figures/train_step.png.
+On ``--device cuda`` a step's time runs until the GPU has finished it (both step functions return the
+loss as a Python float, which waits for the GPU).
+
+Writes benchmarks/results/train_step.json and benchmarks/figures/train_step.png (with ``--device
+cuda``: train_step_cuda.json and train_step_cuda.png).
 """
 import os
 
@@ -33,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from minidist.data import default_corpus, get_batch, load_tokens, train_val_split
+from minidist.device import to_device
 from minidist.parallel.step import train_step
 from minidist.train_build import build_model, build_optimizer
 from minidist.train_config import TrainConfig
@@ -62,10 +68,11 @@ class MinidistStep:
     def __init__(self, cfg, tokens):
         self.cfg, self.model = cfg, build_model(cfg)
         self.optimizer = build_optimizer(self.model, cfg)
-        self.batch = get_batch(tokens, 0, cfg.batch_size, cfg.block_size, cfg.seed)   # (B, T+1)
+        self.batch = get_batch(tokens, 0, cfg.batch_size, cfg.block_size, cfg.seed)   # (B, T+1), host
+        self.device_batch = to_device(self.batch, cfg.device)
 
     def __call__(self):
-        return train_step(self.model, self.optimizer, self.batch, self.cfg.lr, self.cfg.grad_clip)[0]
+        return float(train_step(self.model, self.optimizer, self.device_batch, self.cfg.lr, self.cfg.grad_clip)[0])
 
 
 class TorchStep:
@@ -75,12 +82,13 @@ class TorchStep:
         import torch
         from torch_gpt import TorchGPT     # benchmarks/torch_gpt.py, next to this script
         self.torch, self.cfg = torch, cfg
-        self.model = TorchGPT.from_minidist(minidist_model, getattr(torch, cfg.dtype))
+        self.model = TorchGPT.from_minidist(minidist_model, getattr(torch, cfg.dtype)).to(cfg.device)
         params = list(self.model.parameters())
         groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
         self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
-        self.idx, self.targets = torch.from_numpy(batch[:, :-1].copy()), torch.from_numpy(batch[:, 1:].copy())
+        self.idx = torch.from_numpy(batch[:, :-1].copy()).to(cfg.device)        # (B, T)
+        self.targets = torch.from_numpy(batch[:, 1:].copy()).to(cfg.device)     # (B, T)
 
     def __call__(self):
         self.optimizer.zero_grad(set_to_none=True)
@@ -135,9 +143,14 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--quick", action="store_true", help="default size only, 5 repeats")
-    p.add_argument("--out", default=str(HERE / "results" / "train_step.json"))
-    p.add_argument("--figure", default=str(HERE / "figures" / "train_step.png"))
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: one thread each; cuda: minidist on CuPy and PyTorch on CUDA, same GPU")
+    p.add_argument("--out", help="JSON results (default benchmarks/results/train_step[_cuda].json)")
+    p.add_argument("--figure", help="PNG (default benchmarks/figures/train_step[_cuda].png)")
     args = p.parse_args()
+    suffix = "_cuda" if args.device == "cuda" else ""
+    args.out = args.out or str(HERE / "results" / f"train_step{suffix}.json")
+    args.figure = args.figure or str(HERE / "figures" / f"train_step{suffix}.png")
     sizes = {"default": SIZES["default"]} if args.quick else SIZES
     repeats = 5 if args.quick else args.repeats
     try:
@@ -148,7 +161,7 @@ def main():
     tokens, _ = train_val_split(load_tokens(default_corpus()))
     results = []
     for name, size in sizes.items():
-        cfg = config(size)
+        cfg = config(size, device=args.device)
         row = {"size": name, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd,
                "block_size": cfg.block_size, "batch_size": cfg.batch_size, "dtype": cfg.dtype}
         ours = MinidistStep(cfg, tokens)
@@ -172,17 +185,25 @@ def main():
             row["ratio"] = medians[0] / medians[2]
         print(json.dumps(row))
         results.append(row)
-    report = {"machine": platform.processor() or platform.machine(), "numpy": np.__version__,
+    report = {"machine": machine(args.device), "numpy": np.__version__, "device": args.device,
               "torch": torch.__version__ if torch is not None else None, "threads": 1,
               "repeats": repeats, "results": results,
-              "profile_default": profile_minidist(config(SIZES["default"]), tokens)}
+              "profile_default": profile_minidist(config(SIZES["default"], device=args.device), tokens)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
-    plot(results, args.figure)
+    plot(results, args.figure, report["machine"] if args.device == "cuda" else "one CPU thread")
     print(f"wrote {args.out} and {args.figure}")
 
 
-def plot(results, path):
+def machine(device):
+    """The CPU, or the GPU's name for ``device == "cuda"``."""
+    if device == "cuda":
+        import cupy
+        return cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+    return platform.processor() or platform.machine()
+
+
+def plot(results, path, where):
     """One panel per model size: step time of each framework, split into per-op overhead (hatched)
     and array kernels, with the minidist / PyTorch ratio in the title."""
     import matplotlib
@@ -210,7 +231,7 @@ def plot(results, path):
     fig.legend(handles=[Patch(facecolor="0.6", alpha=0.4, hatch="//", label="per-op overhead (Python, dispatch)"),
                         Patch(facecolor="0.6", label="array kernels")],
                loc="lower center", ncol=2, fontsize=8, frameon=False)
-    fig.suptitle("Training step on one CPU thread: forward + backward + clip + AdamW", fontsize=10)
+    fig.suptitle(f"Training step on {where}: forward + backward + clip + AdamW", fontsize=10)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

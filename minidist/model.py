@@ -140,12 +140,14 @@ class GPT(nn.Module):
         """Append ``max_new_tokens`` sampled tokens to ``idx`` (B, T); returns a NumPy array
         (B, T + max_new_tokens). Each step feeds the last block_size tokens, divides the last logits
         by ``temperature``, keeps the ``top_k`` largest, and samples with ``rng`` (a NumPy Generator;
-        a fresh unseeded one if None)."""
+        a fresh unseeded one if None). The model runs where its parameters are; sampling runs on
+        the host, on a copy of the last position's (B, V) logits."""
         rng = np.random.default_rng() if rng is None else rng
-        idx = np.asarray(idx)
+        idx = to_numpy(idx)
+        xp = get_array_module(self.transformer.wte.weight.data)  # the model's memory: feed it there
         with no_grad():
             for _ in range(max_new_tokens):
-                logits, _ = self(idx[:, -self.config.block_size:])
+                logits, _ = self(xp.asarray(idx[:, -self.config.block_size:]))
                 logits = to_numpy(logits.data[:, -1, :]).astype(np.float64) / temperature  # (B, V)
                 if top_k is not None:
                     kth = np.sort(logits, axis=-1)[:, [-min(top_k, logits.shape[-1])]]  # (B, 1)

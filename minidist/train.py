@@ -25,6 +25,9 @@ or 8 ranks in 3D: 2 replicas of a 2-stage pipeline (1F1B over 8 micro-batches) w
 Every layout trains to the same numbers as one process on the full batch (tests/test_train_parallel*.py,
 tests/test_train_zero.py, tests/test_train_pipeline.py).
 
+``--device cuda`` keeps parameters, gradients, optimizer states and batches on the GPU (CuPy arrays,
+one GPU per rank); everything else, and every number, stays as it is (tests/test_device_training.py).
+
 Also: ``--ckpt-dir D --save-every N`` saves sharded checkpoints and ``--resume`` continues from the
 newest valid one in any layout (minidist/checkpoint/training.py; ``python -m minidist.run`` restarts
 a failed job with it); ``--mode ps --servers K`` trains with parameter servers instead of
@@ -46,11 +49,12 @@ from tqdm import tqdm
 
 from minidist.checkpoint.training import TrainingCheckpoints, crash_here
 from minidist.comm import init
+from minidist.device import to_device
 from minidist.optim import lr_at
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.sampler import DistributedSampler
 from minidist.parallel.step import train_step
-from minidist.train_build import build_parallel, describe_layout, load_data, memory_table, world_of_one
+from minidist.train_build import build_parallel, describe_layout, load_data, memory_table, select_device, world_of_one
 from minidist.train_config import ConfigError, check_config, parse_args
 from minidist.train_outputs import estimate_val_loss, explain_step, open_metrics, sample, write_outputs
 from minidist.train_ps import train_ps
@@ -63,6 +67,7 @@ def train(cfg, progress=True, world=None):
     prints. With ``cfg.ckpt_dir`` it saves checkpoints and ``cfg.resume`` continues from the newest."""
     world = world if world is not None else world_of_one()
     check_config(cfg, world.size)
+    select_device(cfg, world)
     lead = world.rank == 0
     mesh = DeviceMesh(world, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp)
     train_tokens, val_tokens = load_data(cfg)
@@ -88,7 +93,7 @@ def train(cfg, progress=True, world=None):
             lr = lr_at(step, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr)
             t0 = time.perf_counter()
             first_event = len(world.trace.events)
-            batch = sampler.batch(step)   # (B/dp, T+1): this rank's rows of the global batch
+            batch = to_device(sampler.batch(step), cfg.device)  # (B/dp, T+1): this rank's rows of the global batch
             loss_scale = amp.scaler.scale if amp else None  # the scale this step's backward uses
             loss, grad_norm = train_step(model, optimizer, batch, lr, cfg.grad_clip, dp=dp, engine=engine,
                                          mesh=mesh, n_micro=cfg.micro_batches,
@@ -123,7 +128,13 @@ def main(argv=None):
     cfg = parse_args(argv)
     # the MPI world: under mpiexec, its ranks; run alone, a world of one. A timeout's flight record
     # lands in the run directory.
-    world = init(flight_dir=cfg.out or cfg.trace)
+    try:
+        world = init(cfg.backend, flight_dir=cfg.out or cfg.trace)
+    except (ImportError, RuntimeError) as e:
+        if cfg.backend != "nccl":
+            raise
+        print(f"python -m minidist.train: {e}", file=sys.stderr)  # no CuPy, no GPU, fewer GPUs than ranks
+        sys.exit(2)
     try:
         model, history = (train_ps if cfg.mode == "ps" else train)(cfg, world=world)
     except ConfigError as e:

@@ -1,12 +1,15 @@
-"""Build what a training run needs, from its :class:`~minidist.train_config.TrainConfig`: the data,
-the model (or this rank's shard / pipeline stage of it), the optimizer, the gradient sync, the
-pipeline engine and mixed precision; and describe the layout that results.
+"""Build what a training run needs, from its :class:`~minidist.train_config.TrainConfig`: the
+device, the data, the model (or this rank's shard / pipeline stage of it), the optimizer, the
+gradient sync, the pipeline engine and mixed precision; and describe the layout that results.
 """
+import socket
+
 import numpy as np
 
 from minidist.amp import COMPUTE_DTYPES, DynamicLossScaler, MixedPrecision
 from minidist.comm import LocalTransport, ProcessGroup
 from minidist.data import ByteTokenizer, default_corpus, load_tokens, train_val_split
+from minidist.device import require_cupy, use_gpu
 from minidist.model import GPT, GPTConfig
 from minidist.optim import SGD, AdamW
 from minidist.parallel.accounting import format_memory_table
@@ -15,6 +18,7 @@ from minidist.parallel.pipeline import PipelineEngine, PipelineStage
 from minidist.parallel.recompute import recompute_blocks
 from minidist.parallel.tp_model import build_tp_gpt
 from minidist.parallel.zero import ZeroOptimizer
+from minidist.train_config import ConfigError
 
 ADAMW_BETAS = (0.9, 0.95)
 
@@ -22,6 +26,35 @@ ADAMW_BETAS = (0.9, 0.95)
 def world_of_one(timeout: float = 60.0) -> ProcessGroup:
     """A one-rank world without MPI: what ``train`` runs on when it is given no world."""
     return ProcessGroup(LocalTransport.world(1, timeout)[0])
+
+
+def select_device(cfg, world) -> None:
+    """``--device cuda``: CuPy and a GPU must be there (else a :class:`ConfigError` saying so, on
+    every rank, before anything is sent), and this rank takes GPU ``local_rank % gpu_count`` of its
+    machine (with ``--backend nccl`` the NCCL group has chosen it already). Nothing for ``cpu``."""
+    if cfg.device != "cuda":
+        return
+    try:
+        require_cupy("--device cuda")
+    except (ImportError, RuntimeError) as e:
+        raise ConfigError(str(e)) from e
+    if cfg.backend != "nccl":
+        use_gpu(local_rank(world))
+
+
+def local_rank(world) -> int:
+    """This rank's index among the ranks of ``world`` that run on its machine, in global rank order.
+    Collective over ``world``: one ``gather_bytes`` of every host name to rank 0, one broadcast of
+    every rank's local index (int64) from it."""
+    hosts = world.gather_bytes(socket.gethostname().encode(), dst=0)
+    local = np.zeros(world.size, dtype=np.int64)  # (world,)
+    if hosts is not None:
+        count = {}
+        for rank, host in enumerate(hosts):
+            local[rank] = count.get(host, 0)
+            count[host] = local[rank] + 1
+    world.broadcast(local, src=0)
+    return int(local[world.rank])
 
 
 def load_data(cfg):
@@ -33,13 +66,14 @@ def load_data(cfg):
 
 def build_model(cfg, tp_group=None):
     """A byte-level GPT (vocab 256) of the configured size, initialised from ``cfg.seed``; with
-    ``cfg.tp > 1`` this rank's tensor-parallel shard of it over ``tp_group``."""
+    ``cfg.tp > 1`` this rank's tensor-parallel shard of it over ``tp_group``. Initialised on the host
+    (the same values on any device), then moved to ``cfg.device``."""
     config = GPTConfig(vocab_size=ByteTokenizer.vocab_size, block_size=cfg.block_size,
                        n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd)
     dtype = np.dtype(COMPUTE_DTYPES.get(cfg.dtype, cfg.dtype)).name  # mixed precision: how the weights are stored
     if cfg.tp == 1:
-        return GPT(config, seed=cfg.seed, dtype=dtype)
-    return build_tp_gpt(config, cfg.seed, dtype, tp_group, sequence_parallel=cfg.sequence_parallel)
+        return GPT(config, seed=cfg.seed, dtype=dtype).to(cfg.device)
+    return build_tp_gpt(config, cfg.seed, dtype, tp_group, sequence_parallel=cfg.sequence_parallel).to(cfg.device)
 
 
 def build_optimizer(model, cfg, named_parameters=None):

@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 
 from minidist.amp import COMPUTE_DTYPES
+from minidist.device import DEVICES
 from minidist.parallel.param_server import check_parameter_server
 from minidist.parallel.pipeline import SCHEDULES
 from minidist.parallel.zero import check_zero_layout
@@ -20,6 +21,7 @@ class TrainConfig:
     batch_size: int = 16
     seed: int = 0
     dtype: str = "float32"
+    device: str = "cpu"
     loss_scale: str = "dynamic"
     loss_scale_window: int = 2000
     # optimizer and schedule
@@ -44,6 +46,7 @@ class TrainConfig:
     out: str | None = None
     # parallelism (world size = dp * pp * tp; --mode ps: servers + workers) and what it writes
     mode: str = "collective"
+    backend: str = "ring"
     servers: int = 1
     staleness: int = -1
     straggler: float = 0.0
@@ -123,7 +126,7 @@ def check_config(cfg, world_size: int) -> None:
                         "gradient sync adds up full gradients, which ZeRO stages 2 and 3 do not keep (use --zero 1)")
     if cfg.zero == 3 and cfg.recompute:
         problems.append("--recompute with --zero 3 is redundant: ZeRO-3 already recomputes every block in backward")
-    problems += checkpoint_problems(cfg, world_size) + mixed_precision_problems(cfg)
+    problems += checkpoint_problems(cfg, world_size) + mixed_precision_problems(cfg) + device_problems(cfg)
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
 
@@ -171,6 +174,26 @@ def mixed_precision_problems(cfg) -> list[str]:
     return problems
 
 
+def device_problems(cfg) -> list[str]:
+    """What --device and --backend cannot be combined with. (Whether CuPy and a GPU are there is
+    asked when the run starts: :func:`minidist.train_build.select_device`.)"""
+    problems = []
+    if cfg.backend == "nccl" and cfg.device != "cuda":
+        problems.append("--backend nccl moves GPU buffers only: it needs --device cuda")
+    if cfg.device == "cuda" and cfg.backend == "mpi":
+        problems.append("--device cuda with --backend mpi is not supported: MPI's own collectives would be handed "
+                        "GPU buffers, which only a CUDA-aware MPI reads (use --backend ring, which stages them "
+                        "through host memory, or --backend nccl)")
+    if cfg.backend == "nccl" and cfg.schedule == "interleaved" and cfg.pp > 1:
+        problems.append("--schedule interleaved with --backend nccl is not supported: NCCL runs one rank's sends "
+                        "and receives in order on one stream, and the interleaved schedule has a rank wait for a "
+                        "receive whose peer sends it only after a later receive (a deadlock); use --schedule "
+                        "1f1b or gpipe, or --backend ring")
+    if cfg.device == "cuda" and cfg.mode == "ps":
+        problems.append("--device cuda with --mode ps is not supported: the parameter servers keep NumPy shards")
+    return problems
+
+
 def checkpoint_problems(cfg, world_size: int) -> list[str]:
     """What is wrong with the checkpoint and fault-injection flags of ``cfg``."""
     problems = []
@@ -191,11 +214,15 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m minidist.train", description="Train a GPT: ``python -m minidist.train``.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     choices = {"mode": ["collective", "ps"], "dtype": ["float32", "float64", "float16", "bfloat16"], "optimizer": ["sgd", "adamw"], "schedule": list(SCHEDULES),
-               "zero": [0, 1, 2, 3]}
+               "zero": [0, 1, 2, 3], "device": list(DEVICES), "backend": ["ring", "mpi", "nccl"]}
     helps = {
         "steps": "optimizer steps", "batch_size": "sequences per step (the global batch)",
         "seed": "seeds the weights and the batches",
         "dtype": "parameter and activation dtype; float16 / bfloat16 (emulated): mixed precision, float32 masters",
+        "device": "where parameters, gradients, optimizer states and batches live: cpu (NumPy) or cuda (CuPy, "
+                  "one GPU per rank: local rank modulo the GPUs of its machine)",
+        "backend": "collectives: ring (hand-written, over MPI point-to-point), mpi (MPI's own), nccl (GPU buffers, "
+                   "--device cuda)",
         "loss_scale": "mixed precision: 'dynamic' (float16) or a fixed scale", "loss_scale_window":
         "dynamic loss scaling: clean steps before the scale doubles",
         "optimizer": "update rule",

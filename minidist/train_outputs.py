@@ -10,6 +10,7 @@ import numpy as np
 from minidist.autograd import no_grad
 from minidist.checkpoint import save_state_dict
 from minidist.data import ByteTokenizer, get_batch, inputs_and_targets
+from minidist.device import to_device
 from minidist.explain import print_explanation
 from minidist.inspect.write import model_state_bytes, write_memory_report, write_trace
 from minidist.parallel.consolidate import full_state_dict
@@ -38,7 +39,7 @@ def estimate_val_loss(model, val_tokens, cfg, engine=None):
     with no_grad():
         losses = []
         for i in range(cfg.eval_iters):
-            batch = get_batch(val_tokens, i, cfg.batch_size, cfg.block_size, cfg.seed)  # (B, T+1)
+            batch = to_device(get_batch(val_tokens, i, cfg.batch_size, cfg.block_size, cfg.seed), cfg.device)  # (B, T+1)
             if engine is not None:
                 losses.append(engine.evaluate(micro_batches(batch, cfg.micro_batches)))
             else:

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from minidist.device import gpu_count
 from tests.mpi.harness import REPO, find_mpiexec, run_mpi
 
 TUTORIALS = REPO / "tutorials"
@@ -39,6 +40,9 @@ LESSONS = [
     ("05_zero.py", 4, [], [r"stages 1 and 2 send what stage 0 \(plain data parallelism\) sends"]),
     ("06_checkpoint_and_restart.py", None, [], [r"5\. exported \d+ parameters"]),
     ("07_parameter_server.py", 4, ["--local", "4"], [r"ring all-reduce over 3 ranks"]),
+    # without a GPU the lesson says what it needs and stops; tests/test_gpu.py runs it on 2 ranks
+    ("08_gpu.py", None, [], [r"Every GPU result equals the host ring's" if gpu_count()
+                             else r"Lesson 8 needs CuPy and an NVIDIA GPU"]),
 ]
 SECONDS = 60
 

@@ -21,11 +21,15 @@ NaN is kept a (quiet) NaN: its carry could otherwise turn it into infinity.
 """
 import numpy as np
 
+from minidist.device import get_array_module
+
 
 def round_to_bfloat16(x) -> np.ndarray:
-    """A float32 array of ``x`` rounded to the nearest bfloat16 value (ties to even); NaN stays NaN."""
-    x = np.asarray(x, dtype=np.float32)
+    """A float32 array of ``x`` rounded to the nearest bfloat16 value (ties to even); NaN stays NaN.
+    A CuPy array is rounded on the GPU (the result is a CuPy array)."""
+    xp = get_array_module(x)
+    x = xp.asarray(x, dtype=np.float32)
     bits = x.view(np.uint32)
     rounded = (bits + (np.uint32(0x7FFF) + ((bits >> 16) & 1))) & np.uint32(0xFFFF0000)
-    rounded = np.where(np.isnan(x), (bits | np.uint32(0x00400000)) & np.uint32(0xFFFF0000), rounded)
+    rounded = xp.where(xp.isnan(x), (bits | np.uint32(0x00400000)) & np.uint32(0xFFFF0000), rounded)
     return rounded.astype(np.uint32).view(np.float32).reshape(x.shape)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from minidist.device import get_array_module
+
 DEFAULT_GROWTH_INTERVAL = 2000  # PyTorch GradScaler's default: a scale that survived 2000 steps may grow
 
 
@@ -56,8 +58,13 @@ class DynamicLossScaler:
 
     def found_inf(self, grads) -> bool:
         """True if any element of any of ``grads`` (arrays; None skipped) on ANY rank of ``group`` is
-        inf or NaN. Sends one all-reduce (op "max") of a one-element flag over ``group``."""
-        flag = np.array([0.0 if all(np.isfinite(g).all() for g in grads if g is not None) else 1.0])
+        inf or NaN. Sends one all-reduce (op "max") of a one-element flag over ``group``, in the
+        gradients' memory (host or GPU); one number crosses to the host, at the end."""
+        grads = [g for g in grads if g is not None]
+        xp = get_array_module(grads[0]) if grads else np
+        flag = xp.zeros(1)  # (1,) how many gradients here hold an inf or NaN
+        for g in grads:
+            flag += ~xp.isfinite(g).all()
         if self.group is not None:
             self.group.all_reduce(flag, op="max")
         return bool(flag[0])

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from minidist.amp.bfloat16 import round_to_bfloat16
+from minidist.device import get_array_module
 from minidist.nn.parameter import Parameter
 from minidist.optim import clip_grad_norm
 from minidist.parallel.clip import clip_grad_norm_parallel
@@ -83,7 +84,7 @@ class MixedPrecision:
         """Backward of ``weight * scale * loss`` (``weight``: 1/micro_batches under accumulation).
         The loss must be float32 (cross-entropy returns float32 for float16 logits): 2**16 is not a
         float16 number."""
-        loss.backward(np.full_like(loss.data, weight * self.scaler.scale))
+        loss.backward(get_array_module(loss.data).full_like(loss.data, weight * self.scaler.scale))
 
     def step(self, optimizer, max_norm: float = math.inf, mesh=None) -> StepResult:
         """Steps 1-5 of the module docstring. ``optimizer`` is built over :meth:`master_parameters`;

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 
-from minidist.autograd import to_numpy
+from minidist.autograd import get_array_module, to_numpy
 from minidist.checkpoint.regions import Flat, Piece, full_box
 from minidist.parallel.tensor_parallel import padded_vocab_size, tp_layout
 from minidist.parallel.tp_model import full_shape
@@ -155,7 +155,7 @@ def _load_boxes(ckpt, model, state: dict, mesh) -> None:
         for global_name, local in targets:
             local[...] = 0
             for r0, r1, box in tp_regions(stored, shape, mesh.tp_rank, mesh.tp_group.size):
-                local[r0:r1] = ckpt.read(global_name, box)
+                local[r0:r1] = get_array_module(local).asarray(ckpt.read(global_name, box))  # host -> its memory
 
 
 def _load_zero(ckpt, model, optimizer, mesh) -> None:
@@ -167,4 +167,4 @@ def _load_zero(ckpt, model, optimizer, mesh) -> None:
         for stored, _, shape, a, b, flat in zero_regions(s.unit, model.config, mesh.tp_rank, mesh.tp_group.size):
             _check_shape(ckpt, stored, shape)
             for prefix, array in arrays:
-                array[a:b] = ckpt.read(prefix + stored, flat)
+                array[a:b] = get_array_module(array).asarray(ckpt.read(prefix + stored, flat))

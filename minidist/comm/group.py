@@ -13,7 +13,10 @@ queued collectives run in issue order, and a blocking collective waits for them 
 
 ``backend="ring"`` runs the hand-written algorithms (``ring``, ``doubling``, ``rooted``) over the
 transport; ``backend="mpi"`` hands the collectives to MPI's own (``native``), which needs an
-``MPITransport``. ``algorithm="ring"`` or ``"doubling"`` forces a hand-written all-reduce on either.
+``MPITransport``; ``backend="nccl"`` hands collectives and point-to-point calls on GPU (CuPy) arrays
+to NCCL (``nccl``), one communicator per group, while host (NumPy) arrays, such as a flag or a
+gathered log line, still go over the transport with the hand-written algorithms. ``algorithm="ring"``
+or ``"doubling"`` forces a hand-written all-reduce on any.
 """
 from __future__ import annotations
 
@@ -56,8 +59,8 @@ class ProcessGroup:
     def __init__(self, transport, *, backend: str = "ring", trace: Trace | None = None, debug: bool = False,
                  threshold_bytes: int = DEFAULT_THRESHOLD_BYTES, name: str = "world",
                  segment_bytes: int = ring.SEGMENT_BYTES, flight_recorder=None):
-        if backend not in ("ring", "mpi"):
-            raise ValueError(f"backend must be 'ring' or 'mpi', got {backend!r}")
+        if backend not in ("ring", "mpi", "nccl"):
+            raise ValueError(f"backend must be 'ring', 'mpi' or 'nccl', got {backend!r}")
         self.transport = transport
         self.rank, self.size = transport.rank, transport.size
         self.backend, self.debug, self.name = backend, debug, name
@@ -68,11 +71,14 @@ class ProcessGroup:
         self.p2p_seq = 0  # point-to-point calls so far: differs between ranks
         self._splits = 0
         self._workspace = Workspace()
-        self._native = None
+        self._native = None  # MPI's or NCCL's own collectives (backends "mpi", "nccl")
         self._stream = CommStream(name)  # where async_op collectives queue, in issue order
         if backend == "mpi":
-            from minidist.comm import native  # only here: `import minidist` never imports mpi4py
-            self._native = native
+            from minidist.comm.native import MPICollectives  # only here: `import minidist` never imports mpi4py
+            self._native = MPICollectives(transport)
+        elif backend == "nccl":  # collective: rank 0's NCCL id is broadcast over the transport
+            from minidist.comm.nccl import NCCLCollectives
+            self._native = NCCLCollectives(transport)
 
     def __repr__(self) -> str:
         return f"ProcessGroup(name={self.name!r}, rank={self.rank}, size={self.size}, backend={self.backend!r})"
@@ -83,25 +89,25 @@ class ProcessGroup:
         """Every rank's ``x`` becomes the elementwise ``op`` over all ranks, in place; returns ``x``
         (with ``async_op``: a Work whose ``wait()`` returns ``x``; leave ``x`` alone until then).
 
-        ``algorithm``: "auto" (doubling below ``threshold_bytes``, else the ring; MPI's own on backend
-        "mpi"), "ring" or "doubling"."""
+        ``algorithm``: "auto" (doubling below ``threshold_bytes``, else the ring; MPI's or NCCL's own
+        on backend "mpi" or "nccl"), "ring" or "doubling"."""
         self._check_array(x, "x")
         self._check_op(op)
         if algorithm not in ("auto", "ring", "doubling"):
             raise ValueError(f"rank {self.rank}: algorithm must be 'auto', 'ring' or 'doubling', got {algorithm!r}")
         if algorithm == "auto":
-            algorithm = "mpi" if self._native else "doubling" if x.nbytes < self.threshold_bytes else "ring"
+            algorithm = self._algorithm("doubling" if x.nbytes < self.threshold_bytes else "ring", x)
         flat = x.reshape(-1)  # (N,) view
 
         def run():
             with self._collective("all_reduce", algorithm, x.nbytes, op=op, dtype=x.dtype, count=x.size):
-                if algorithm == "mpi":
-                    self._native.all_reduce(self.transport, flat, _summed(op))
-                elif algorithm == "ring":
+                if algorithm == "ring":
                     ring.all_reduce(self.transport, flat, _summed(op), segment_bytes=self.segment_bytes,
                                     workspace=self._workspace)
-                else:
+                elif algorithm == "doubling":
                     doubling.all_reduce(self.transport, flat, _summed(op), workspace=self._workspace)
+                else:  # the backend's own
+                    self._native_for(x).all_reduce(flat, _summed(op))
                 if op == "avg":
                     divide_by_size(flat, self.size)
             return x
@@ -119,13 +125,14 @@ class ProcessGroup:
         out = self._out(out, (rows[self.rank],) + x.shape[1:], x.dtype, like=x)
 
         def run():
-            with self._collective("reduce_scatter", self._algorithm("ring"), x.nbytes, op=op, dtype=x.dtype,
+            native = self._native_for(x)
+            with self._collective("reduce_scatter", self._algorithm("ring", x), x.nbytes, op=op, dtype=x.dtype,
                                   count=x.size):
                 scratch = self._workspace.get("reduce_scatter_input", x.dtype, x.size, like=x)  # the algorithm clobbers it
                 scratch[...] = x.reshape(-1)
                 counts = [c * row for c in rows]
-                if self._native:
-                    self._native.reduce_scatter(self.transport, scratch, counts, _summed(op), out.reshape(-1))
+                if native:
+                    native.reduce_scatter(scratch, counts, _summed(op), out.reshape(-1))
                 else:
                     ring.reduce_scatter(self.transport, scratch, counts, _summed(op), out.reshape(-1),
                                         segment_bytes=self.segment_bytes, workspace=self._workspace)
@@ -155,10 +162,14 @@ class ProcessGroup:
         out = self._out(out, (sum(rows),) + shard.shape[1:], shard.dtype, like=shard)
 
         def run():
-            with self._collective("all_gather", self._algorithm("ring"), out.nbytes, dtype=shard.dtype,
+            native = self._native_for(shard)
+            with self._collective("all_gather", self._algorithm("ring", shard), out.nbytes, dtype=shard.dtype,
                                   count=out.size):
-                algorithms = self._native or ring
-                algorithms.all_gather(self.transport, shard.reshape(-1), [c * row for c in rows], out.reshape(-1))
+                counts = [c * row for c in rows]
+                if native:
+                    native.all_gather(shard.reshape(-1), counts, out.reshape(-1))
+                else:
+                    ring.all_gather(self.transport, shard.reshape(-1), counts, out.reshape(-1))
             return out
         return self._launch(run, "all_gather", async_op)
 
@@ -167,9 +178,13 @@ class ProcessGroup:
         self._check_array(x, "x")
         self._check_rank(src, "src")
         self._stream.synchronize()
-        with self._collective("broadcast", self._algorithm("binomial"), x.nbytes, dtype=x.dtype, count=x.size,
+        native = self._native_for(x)
+        with self._collective("broadcast", self._algorithm("binomial", x), x.nbytes, dtype=x.dtype, count=x.size,
                               root=src):
-            (self._native or rooted).broadcast(self.transport, x.reshape(-1), src)
+            if native:
+                native.broadcast(x.reshape(-1), src)
+            else:
+                rooted.broadcast(self.transport, x.reshape(-1), src)
         return x
 
     def reduce(self, x, dst: int = 0, op: str = "sum"):
@@ -180,10 +195,11 @@ class ProcessGroup:
         self._check_rank(dst, "dst")
         self._stream.synchronize()
         flat = x.reshape(-1)
-        with self._collective("reduce", self._algorithm("binomial"), x.nbytes, op=op, dtype=x.dtype,
+        native = self._native_for(x)
+        with self._collective("reduce", self._algorithm("binomial", x), x.nbytes, op=op, dtype=x.dtype,
                               count=x.size, root=dst):
-            if self._native:
-                self._native.reduce(self.transport, flat, dst, _summed(op))
+            if native:
+                native.reduce(flat, dst, _summed(op))
             else:
                 rooted.reduce(self.transport, flat, dst, _summed(op), workspace=self._workspace)
             if op == "avg" and self.rank == dst:
@@ -193,8 +209,11 @@ class ProcessGroup:
     def barrier(self) -> None:
         """Return only once every rank of the group has called ``barrier``."""
         self._stream.synchronize()
-        with self._collective("barrier", self._algorithm("binomial"), 0):
-            (self._native or rooted).barrier(self.transport)
+        with self._collective("barrier", self.backend if self._native else "binomial", 0):
+            if self._native:
+                self._native.barrier()
+            else:
+                rooted.barrier(self.transport)
 
     def gather_bytes(self, data: bytes, dst: int = 0) -> list[bytes] | None:
         """Every rank's ``data`` (any length, 0 included) on rank ``dst``, as a list in rank order;
@@ -237,7 +256,7 @@ class ProcessGroup:
                 raise ValueError(f"rank {self.rank}: {what} must be an int, got {v!r}")
         self._splits += 1
         self._stream.synchronize()
-        with self._collective("split", self._algorithm("allgather"), 0):
+        with self._collective("split", "allgather", 0):
             sub = self.transport.split(int(color), int(key))
         if sub is None:
             return None
@@ -251,13 +270,13 @@ class ProcessGroup:
         """Send ``x`` to rank ``dst``; returns once ``x`` may be reused."""
         self._check_p2p(x, dst, tag, writeable=False)
         with self._p2p("send", dst, x.nbytes):
-            self.transport.send(x, dst, tag)
+            self._links_for(x).send(x, dst, tag)
 
     def recv(self, x, src: int, tag: int = 0):
         """Receive ``src``'s message (same dtype and size as ``x``) into ``x``; returns ``x``."""
         self._check_p2p(x, src, tag)
         with self._p2p("recv", src, x.nbytes):
-            self.transport.recv(x, src, tag)
+            self._links_for(x).recv(x, src, tag)
         return x
 
     def isend(self, x, dst: int, tag: int = 0) -> Request:
@@ -265,21 +284,21 @@ class ProcessGroup:
         (The trace times the posting; the transfer overlaps whatever runs until ``wait``.)"""
         self._check_p2p(x, dst, tag, writeable=False)
         with self._p2p("isend", dst, x.nbytes) as seq:
-            return _GroupRequest(self.transport.isend(x, dst, tag), self, "isend", seq)
+            return _GroupRequest(self._links_for(x).isend(x, dst, tag), self, "isend", seq)
 
     def irecv(self, x, src: int, tag: int = 0) -> Request:
         """Start receiving ``src``'s message into ``x``; it is there once ``wait()`` returns."""
         self._check_p2p(x, src, tag)
         with self._p2p("irecv", src, x.nbytes) as seq:
-            return _GroupRequest(self.transport.irecv(x, src, tag), self, "irecv", seq)
+            return _GroupRequest(self._links_for(x).irecv(x, src, tag), self, "irecv", seq)
 
     def sendrecv(self, sendbuf, dst: int, recvbuf, src: int, tag: int = 0):
         """Send ``sendbuf`` to ``dst`` while receiving ``recvbuf`` from ``src`` (deadlock-free even
         when two ranks exchange with each other). Returns ``recvbuf``."""
         self._check_p2p(sendbuf, dst, tag, writeable=False)
-        self._check_p2p(recvbuf, src, tag)
+        self._check_p2p(recvbuf, src, tag, like=sendbuf)
         with self._p2p("sendrecv", dst, sendbuf.nbytes + recvbuf.nbytes):
-            self.transport.sendrecv(sendbuf, dst, recvbuf, src, tag)
+            self._links_for(sendbuf).sendrecv(sendbuf, dst, recvbuf, src, tag)
         return recvbuf
 
     # ---- bookkeeping ------------------------------------------------------------------------------
@@ -292,8 +311,21 @@ class ProcessGroup:
         self._stream.synchronize()
         return run()
 
-    def _algorithm(self, hand_written: str) -> str:
-        return "mpi" if self._native else hand_written
+    def _native_for(self, x):
+        """The backend's own collectives for ``x``, or None for the hand-written ones: backend "nccl"
+        takes GPU arrays only, so host arrays on an NCCL group go over the transport."""
+        if self.backend == "nccl" and not is_cupy(x):
+            return None
+        return self._native
+
+    def _links_for(self, x):
+        """Where a point-to-point message with buffer ``x`` goes: NCCL for a GPU buffer on backend
+        "nccl", else the transport."""
+        return self._native.p2p if self._native_for(x) is not None and self.backend == "nccl" else self.transport
+
+    def _algorithm(self, hand_written: str, x) -> str:
+        """The name the trace records: the backend's ("mpi", "nccl") when it runs the call."""
+        return self.backend if self._native_for(x) else hand_written
 
     @contextmanager
     def _collective(self, name, algorithm, nbytes, *, op=None, dtype=None, count=0, root=-1):
@@ -348,6 +380,10 @@ class ProcessGroup:
         ``like``, host or GPU)."""
         if not isinstance(x, np.ndarray) and not is_cupy(x):
             raise ValueError(f"rank {self.rank}: {what} must be a numpy or cupy array, got {type(x).__name__}")
+        if self.backend == "mpi" and is_cupy(x) and not getattr(self.transport, "cuda_aware", False):
+            raise ValueError(f"rank {self.rank}: backend 'mpi' hands {what} to MPI as it is, and this MPI is "
+                             f"not CUDA-aware: use backend 'ring' (it stages GPU buffers through pinned host "
+                             f"memory) or 'nccl'")
         if like is not None and is_cupy(x) != is_cupy(like):
             where = {True: "GPU (cupy)", False: "host (numpy)"}
             raise ValueError(f"rank {self.rank}: {what} is in {where[is_cupy(x)]} memory but the input is in "
@@ -371,8 +407,8 @@ class ProcessGroup:
             raise ValueError(f"rank {self.rank}: {what} must be a rank of group '{self.name}' "
                              f"(0..{self.size - 1}), got {r!r}")
 
-    def _check_p2p(self, x, peer, tag, *, writeable=True) -> None:
-        self._check_array(x, "buffer", writeable=writeable, any_dtype=True)
+    def _check_p2p(self, x, peer, tag, *, writeable=True, like=None) -> None:
+        self._check_array(x, "buffer", writeable=writeable, any_dtype=True, like=like)
         self._check_rank(peer, "peer")
         if not isinstance(tag, (int, np.integer)) or not 0 <= tag < COLLECTIVE_TAG_BASE:
             raise ValueError(f"rank {self.rank}: tag must be an int in 0..{COLLECTIVE_TAG_BASE - 1} "

@@ -24,14 +24,20 @@ def init(backend: str = "ring", *, timeout: float = 300.0, debug: bool = False, 
     """The world group of an ``mpiexec`` job (this starts MPI).
 
     ``backend="ring"`` runs the hand-written collectives over MPI point-to-point messages, ``"mpi"``
-    MPI's own collectives. An uncaught exception on any rank aborts the whole job. ``trace=False``
-    turns recording off; ``threshold_bytes`` overrides where all-reduce switches to the ring and
+    MPI's own collectives, ``"nccl"`` NCCL's on GPU (CuPy) arrays, with one GPU per rank: rank i of
+    a node takes GPU i (see ``nccl.select_device``). An uncaught exception on any rank aborts the
+    whole job. ``trace=False`` turns recording off; ``threshold_bytes`` overrides where all-reduce switches to the ring and
     ``segment_bytes`` the ring's segment size. When a call times out, the flight recorder prints this
     rank's last recorded calls to stderr (and to ``flight_dir/flight_rank<r>.txt`` if given).
     GPU (CuPy) buffers go to MPI as they are when it is CUDA-aware and through pinned host memory
     when not; ``cuda_aware=None`` asks the MPI library, True or False overrides it."""
     from minidist.comm.mpi_transport import MPITransport  # here, so `import minidist` never starts MPI
     transport = MPITransport.world(timeout, cuda_aware=cuda_aware)
+    if backend == "nccl":  # the GPU first: arrays and NCCL communicators belong to the current one
+        from minidist.comm.nccl import select_device
+        node = transport.comm.Split_type(transport.MPI.COMM_TYPE_SHARED)  # the ranks of this machine
+        select_device(node.Get_rank(), node.Get_size())
+        node.Free()
     settings = {k: v for k, v in (("threshold_bytes", threshold_bytes), ("segment_bytes", segment_bytes))
                 if v is not None}
     return ProcessGroup(transport, backend=backend, trace=Trace(transport.rank, enabled=trace), debug=debug,
@@ -47,9 +53,10 @@ def run_local(fn, world_size: int, backend: str = "ring", *, timeout: float = 60
     at once with a message naming it, so one rank's failure never leaves the others hanging.
     ``group_kwargs`` go to :class:`ProcessGroup` (``threshold_bytes``, ``segment_bytes``, ...).
     """
-    if backend == "mpi":
-        raise ValueError("backend 'mpi' needs MPI processes: run under mpiexec and call minidist.init(), "
-                         "or use backend='ring' here")
+    if backend in ("mpi", "nccl"):
+        why = "one process per GPU" if backend == "nccl" else "MPI processes"
+        raise ValueError(f"backend {backend!r} needs {why}: run under mpiexec and call "
+                         f"minidist.init(backend={backend!r}), or use backend='ring' here (it takes cupy arrays too)")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     transports = LocalTransport.world(world_size, timeout)

@@ -1,14 +1,15 @@
-"""backend="mpi": MPI's own collectives, behind the same signatures as the hand-written algorithms.
+"""backend="mpi": MPI's own collectives, with the meaning of the hand-written algorithms.
 
 ``ring.py``, ``doubling.py`` and ``rooted.py`` build every collective from point-to-point messages.
 This file hands the same calls to the MPI library instead (``MPI_Allreduce``, ``MPI_Reduce_scatter``,
 ``MPI_Allgatherv``, ...), which picks its own algorithm. It is the reference the hand-written ring is
 tested against and the peer the benchmark measures it against.
 
-Every function takes an :class:`~minidist.comm.mpi_transport.MPITransport` ``t`` (it uses ``t.comm``)
-and flat, contiguous 1-D arrays. Reductions are typed: float16, float32, float64, int32 and int64.
-float16 uses MPI's ``MPI_FLOAT16_T`` (MPICH: ``MPIX_C_FLOAT16``, with every reduction op); an MPI
-library without it gets a clear error rather than a silent fallback.
+:class:`MPICollectives` is bound to one :class:`~minidist.comm.mpi_transport.MPITransport` (it uses
+its ``comm``); its methods take flat, contiguous 1-D arrays and have the names and meaning of
+``nccl.NCCLCollectives``' (a group holds either as its ``_native``). Reductions are typed: float16,
+float32, float64, int32 and int64. float16 uses MPI's ``MPI_FLOAT16_T`` (MPICH: ``MPIX_C_FLOAT16``,
+with every reduction op); an MPI library without it gets a clear error rather than a silent fallback.
 
 MPI's collectives block inside the library, with no deadline: a rank that skips one leaves the
 others waiting until the job is killed. The timeout that names op, rank and peer is backend "ring"'s.
@@ -24,58 +25,56 @@ _DTYPES = {np.dtype(np.float16): "FLOAT16_T", np.dtype(np.float32): "FLOAT",
            np.dtype(np.float64): "DOUBLE", np.dtype(np.int32): "INT32_T", np.dtype(np.int64): "INT64_T"}
 
 
-def _mpi_type(t, dtype):
-    """The MPI datatype for a NumPy dtype, or a clear error."""
-    MPI = t.MPI
-    name = _DTYPES.get(np.dtype(dtype))
-    mpi_type = getattr(MPI, name, MPI.DATATYPE_NULL) if name else MPI.DATATYPE_NULL
-    if mpi_type == MPI.DATATYPE_NULL:
-        raise TypeError(f"backend 'mpi': this MPI library has no datatype for {np.dtype(dtype)}; "
-                        f"backend 'ring' has none to need (it sends bytes)")
-    return mpi_type
+class MPICollectives:
+    """MPI's own collectives on the communicator of ``transport`` (an MPITransport)."""
 
+    def __init__(self, transport):
+        self.MPI, self.comm, self.rank = transport.MPI, transport.comm, transport.rank
 
-def _mpi_op(t, op: str):
-    if op not in _OPS:
-        raise ValueError(f"op must be one of {list(_OPS)}, got {op!r}")
-    return getattr(t.MPI, _OPS[op])
+    def all_reduce(self, buf, op: str = "sum") -> None:
+        """Every rank's ``buf`` becomes the elementwise ``op`` of all ranks' ``buf`` (``MPI_Allreduce``,
+        in place)."""
+        self.comm.Allreduce(self.MPI.IN_PLACE, [buf, self._type(buf.dtype)], op=self._op(op))
 
+    def reduce_scatter(self, buf, counts, op, out) -> None:
+        """Reduce ``buf`` (``sum(counts)`` elements on every rank) over all ranks and leave rank r's
+        part, the ``counts[r]`` elements at ``sum(counts[:r])``, in ``out`` (``MPI_Reduce_scatter``)."""
+        mpi_type = self._type(buf.dtype)
+        self.comm.Reduce_scatter([buf, mpi_type], [out, mpi_type], recvcounts=list(counts), op=self._op(op))
 
-def all_reduce(t, buf, op: str = "sum") -> None:
-    """Every rank's ``buf`` becomes the elementwise ``op`` of all ranks' ``buf`` (``MPI_Allreduce``,
-    in place)."""
-    t.comm.Allreduce(t.MPI.IN_PLACE, [buf, _mpi_type(t, buf.dtype)], op=_mpi_op(t, op))
+    def all_gather(self, shard, counts, out) -> None:
+        """Concatenate every rank's ``shard`` (rank r sends ``counts[r]`` elements) into ``out`` on
+        every rank, in rank order (``MPI_Allgatherv``)."""
+        mpi_type = self._type(shard.dtype)
+        self.comm.Allgatherv([shard, mpi_type], [out, (list(counts), offsets(counts)), mpi_type])
 
+    def broadcast(self, buf, root: int) -> None:
+        """Copy ``root``'s ``buf`` into every rank's ``buf`` (``MPI_Bcast``)."""
+        self.comm.Bcast([buf, self._type(buf.dtype)], root=root)
 
-def reduce_scatter(t, buf, counts, op, out) -> None:
-    """Reduce ``buf`` (``sum(counts)`` elements on every rank) over all ranks and leave rank r's part,
-    the ``counts[r]`` elements at ``sum(counts[:r])``, in ``out`` (``MPI_Reduce_scatter``)."""
-    mpi_type = _mpi_type(t, buf.dtype)
-    t.comm.Reduce_scatter([buf, mpi_type], [out, mpi_type], recvcounts=list(counts), op=_mpi_op(t, op))
+    def reduce(self, buf, root: int, op: str = "sum") -> None:
+        """``root``'s ``buf`` becomes the elementwise ``op`` of all ranks' ``buf`` (``MPI_Reduce``, in
+        place at the root); other ranks' ``buf`` is unchanged."""
+        mpi_type, mpi_op = self._type(buf.dtype), self._op(op)
+        if self.rank == root:
+            self.comm.Reduce(self.MPI.IN_PLACE, [buf, mpi_type], op=mpi_op, root=root)
+        else:
+            self.comm.Reduce([buf, mpi_type], None, op=mpi_op, root=root)
 
+    def barrier(self) -> None:
+        """Return only once every rank has entered the barrier (``MPI_Barrier``)."""
+        self.comm.Barrier()
 
-def all_gather(t, shard, counts, out) -> None:
-    """Concatenate every rank's ``shard`` (rank r sends ``counts[r]`` elements) into ``out`` on every
-    rank, in rank order (``MPI_Allgatherv``)."""
-    mpi_type = _mpi_type(t, shard.dtype)
-    t.comm.Allgatherv([shard, mpi_type], [out, (list(counts), offsets(counts)), mpi_type])
+    def _type(self, dtype):
+        """The MPI datatype for a NumPy dtype, or a clear error."""
+        name = _DTYPES.get(np.dtype(dtype))
+        mpi_type = getattr(self.MPI, name, self.MPI.DATATYPE_NULL) if name else self.MPI.DATATYPE_NULL
+        if mpi_type == self.MPI.DATATYPE_NULL:
+            raise TypeError(f"backend 'mpi': this MPI library has no datatype for {np.dtype(dtype)}; "
+                            f"backend 'ring' has none to need (it sends bytes)")
+        return mpi_type
 
-
-def broadcast(t, buf, root: int) -> None:
-    """Copy ``root``'s ``buf`` into every rank's ``buf`` (``MPI_Bcast``)."""
-    t.comm.Bcast([buf, _mpi_type(t, buf.dtype)], root=root)
-
-
-def reduce(t, buf, root: int, op: str = "sum") -> None:
-    """``root``'s ``buf`` becomes the elementwise ``op`` of all ranks' ``buf`` (``MPI_Reduce``, in
-    place at the root); other ranks' ``buf`` is unchanged."""
-    mpi_type, mpi_op = _mpi_type(t, buf.dtype), _mpi_op(t, op)
-    if t.rank == root:
-        t.comm.Reduce(t.MPI.IN_PLACE, [buf, mpi_type], op=mpi_op, root=root)
-    else:
-        t.comm.Reduce([buf, mpi_type], None, op=mpi_op, root=root)
-
-
-def barrier(t) -> None:
-    """Return only once every rank has entered the barrier (``MPI_Barrier``)."""
-    t.comm.Barrier()
+    def _op(self, op: str):
+        if op not in _OPS:
+            raise ValueError(f"op must be one of {list(_OPS)}, got {op!r}")
+        return getattr(self.MPI, _OPS[op])

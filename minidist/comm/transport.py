@@ -32,8 +32,9 @@ class CommTimeoutError(TimeoutError):
 
     def __init__(self, op: str, seq: int, rank: int, peer: int, waited: float, group: str = "world"):
         self.op, self.seq, self.rank, self.peer, self.waited, self.group = op, seq, rank, peer, waited, group
+        who = "a peer" if peer < 0 else f"rank {peer}"  # peer -1: the library can't say which (NCCL)
         super().__init__(
-            f"{op} #{seq} on group '{group}': rank {rank} waited {waited:.1f}s for rank {peer}, "
+            f"{op} #{seq} on group '{group}': rank {rank} waited {waited:.1f}s for {who}, "
             f"which never answered (did it skip this call, crash, or hang?)")
 
 

@@ -7,6 +7,7 @@ Assigning a Parameter or a Module as an attribute registers it, in assignment or
 import numpy as np
 
 from minidist.autograd.backend import get_array_module, to_numpy
+from minidist.device import to_device
 from minidist.nn.parameter import Parameter
 
 
@@ -74,6 +75,17 @@ class Module:
                 p.grad = None
             elif p.grad is not None:
                 p.grad[...] = 0
+
+    def to(self, device: str):
+        """Move every parameter (and its gradient, if any) to ``device``: ``"cpu"`` (NumPy arrays) or
+        ``"cuda"`` (CuPy arrays on the current GPU). In place: the Parameters stay the same objects,
+        so tied weights stay one. Call it before anything keeps views of the parameters (data
+        parallelism's buckets, ZeRO's flat buffers, mixed precision's masters). Returns self."""
+        for p in self.parameters():
+            p.data = to_device(p.data, device)
+            if p.grad is not None:
+                p.grad = to_device(p.grad, device)
+        return self
 
     # ---- state -------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

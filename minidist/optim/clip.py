@@ -8,8 +8,14 @@ scales its own gradients by :func:`clip_coef` of the square root.
 
 
 def grad_norm_sq(grads):
-    """Sum of squares of all elements of all ``grads`` (arrays; None entries are skipped), as a float."""
-    return sum(float((g * g).sum()) for g in grads if g is not None)
+    """Sum of squares of all elements of all ``grads`` (arrays; None entries are skipped), as a float.
+    Each gradient's sum is added in float64 where the gradient lives (on the GPU for CuPy arrays);
+    only the total crosses to the host: one synchronisation, not one per gradient."""
+    total = 0.0
+    for g in grads:
+        if g is not None:
+            total = total + (g * g).sum().astype("float64")
+    return float(total)
 
 
 def clip_coef(total_norm, max_norm, eps=1e-6):

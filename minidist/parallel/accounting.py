@@ -12,13 +12,18 @@ from __future__ import annotations
 import numpy as np
 
 from minidist.comm.ops import bus_factor
+from minidist.device import is_cupy
 
 SHARDING_OPS = ("all_reduce", "reduce_scatter", "all_gather")  # what data parallelism and ZeRO send
 
 
+def _is_array(a) -> bool:
+    return isinstance(a, np.ndarray) or is_cupy(a)
+
+
 def _buffer(a: np.ndarray) -> np.ndarray:
-    """The array that owns the memory ``a`` views."""
-    while isinstance(a.base, np.ndarray):
+    """The array that owns the memory ``a`` views (NumPy or CuPy: a view's ``base`` is its owner)."""
+    while _is_array(a.base):
         a = a.base
     return a
 
@@ -41,7 +46,7 @@ def activation_bytes(loss, exclude=()) -> int:
         seen.add(id(node))
         for v in vars(node).values():
             for a in v if isinstance(v, tuple) else (v,):
-                if isinstance(a, np.ndarray) and id(_buffer(a)) not in excluded:
+                if _is_array(a) and id(_buffer(a)) not in excluded:
                     saved.append(a)
         stack.extend(t._node for t in node.inputs if t is not None and t._node is not None)
     return unique_nbytes(saved)

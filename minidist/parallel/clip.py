@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from minidist.device import get_array_module
 from minidist.optim import clip_coef, grad_norm_sq
 
 
@@ -32,9 +33,11 @@ def local_grad_norm_sq(params, tp_rank: int) -> float:
 def clip_grad_norm_parallel(params, max_norm: float, mesh) -> float:
     """Scale the gradients of this rank's ``params`` so that the global L2 norm over the whole model
     (tp shards and pp stages of ``mesh``) is at most ``max_norm``. Returns the norm before clipping,
-    the same on every rank. Sends one 8-byte all-reduce on the tp group and one on the pp group."""
+    the same on every rank. Sends one 8-byte all-reduce on the tp group and one on the pp group, in
+    the gradients' memory (host or GPU)."""
     params = [p for p in params if p.grad is not None]
-    total = np.array([local_grad_norm_sq(params, mesh.tp_rank)])  # (1,) float64
+    xp = get_array_module(params[0].grad) if params else np
+    total = xp.array([local_grad_norm_sq(params, mesh.tp_rank)])  # (1,) float64
     mesh.tp_group.all_reduce(total)
     mesh.pp_group.all_reduce(total)
     total_norm = float(total[0]) ** 0.5

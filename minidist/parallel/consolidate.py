@@ -22,15 +22,16 @@ def consolidated_state_dict(model, mesh) -> dict:
     """{GPT-2 name: full NumPy array} for every parameter name of ``model`` (a GPT, a tensor-parallel
     GPT or a PipelineStage, with ``config``; tied weights under each name). Collective over
     ``mesh.tp_group``: each tensor-parallel parameter costs one all-gather of its shard (shards of one
-    parameter have the same shape on every tp rank)."""
+    parameter have the same shape on every tp rank), in the parameter's memory (host or GPU); the
+    result is copied to the host."""
     full = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        value = to_numpy(p.data)
+        value = p.data
         if getattr(p, "tensor_parallel", False):
-            gathered = mesh.tp_group.all_gather(value.reshape(-1).copy())  # (tp * shard size,)
+            gathered = to_numpy(mesh.tp_group.all_gather(value.reshape(-1).copy()))  # (tp * shard size,)
             shards = [s.reshape(value.shape) for s in gathered.reshape(mesh.tp_group.size, -1)]
             value = unshard(name, shards, vocab_size=model.config.vocab_size)
-        full[name] = value.copy()
+        full[name] = to_numpy(value).copy()
     return full
 
 

@@ -24,19 +24,21 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-import numpy as np
+from minidist.device import get_array_module
 
 DEFAULT_BUCKET_BYTES = 1 << 20  # 1 MiB; PyTorch DDP uses 25 MiB for models a thousand times larger
 
 
 class Bucket:
-    """A flat gradient buffer and the parameters whose ``.grad`` are views into it."""
+    """A flat gradient buffer and the parameters whose ``.grad`` are views into it (in the
+    parameters' memory: host or GPU)."""
 
     def __init__(self, index: int, named_params: list, dtype):
         self.index = index
         self.names = [name for name, _ in named_params]
         self.params = [p for _, p in named_params]
-        self.buffer = np.zeros(sum(p.data.size for p in self.params), dtype=dtype)  # (N,)
+        xp = get_array_module(self.params[0].data)
+        self.buffer = xp.zeros(sum(p.data.size for p in self.params), dtype=dtype)  # (N,)
         self.views, offset = [], 0
         for p in self.params:
             self.views.append(self.buffer[offset:offset + p.data.size].reshape(p.data.shape))

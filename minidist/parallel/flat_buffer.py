@@ -22,6 +22,7 @@ import math
 import numpy as np
 
 from minidist.comm.ops import offsets, split_counts
+from minidist.device import get_array_module
 from minidist.optim import decays
 
 
@@ -30,7 +31,8 @@ class FlatUnit:
 
     ``params`` is a list of (name, Parameter), all of one dtype; ``starts[i]`` is where parameter i
     begins in the flat vector; ``counts`` / ``lo`` / ``hi`` are every rank's shard length and this
-    rank's bounds (``numpy.array_split`` of ``numel`` over ``dp_size``).
+    rank's bounds (``numpy.array_split`` of ``numel`` over ``dp_size``). Every array it makes lives
+    where the parameters do (``xp``: NumPy, or CuPy on the GPU).
     """
 
     def __init__(self, name: str, params, dp_rank: int, dp_size: int):
@@ -40,6 +42,7 @@ class FlatUnit:
         if len(dtypes) != 1:
             raise ValueError(f"unit {name}: parameters of one unit must share a dtype, got {sorted(map(str, dtypes))}")
         self.dtype = dtypes.pop()
+        self.xp = get_array_module(self.params[0][1].data) if self.params else np
         self.shapes = [p.data.shape for _, p in self.params]
         sizes = [math.prod(s) for s in self.shapes]
         self.starts = offsets(sizes) if sizes else []
@@ -54,7 +57,7 @@ class FlatUnit:
     def flatten(self, arrays) -> np.ndarray:
         """One new flat array (numel,) holding ``arrays`` (one per parameter, in order) end to end;
         a ``None`` entry (a parameter that got no gradient) contributes zeros."""
-        flat = np.zeros(self.numel, dtype=self.dtype)  # (numel,)
+        flat = self.xp.zeros(self.numel, dtype=self.dtype)  # (numel,)
         for a, start, shape in zip(arrays, self.starts, self.shapes):
             if a is not None:
                 flat[start:start + math.prod(shape)] = a.reshape(-1)
@@ -73,12 +76,12 @@ class FlatUnit:
     def release(self) -> None:
         """Drop the parameters' full values: ``.data`` becomes an empty array (ZeRO-3 between uses)."""
         for _, p in self.params:
-            p.data = np.empty(0, dtype=self.dtype)
+            p.data = self.xp.empty(0, dtype=self.dtype)
 
     def shard_mask(self, predicate) -> np.ndarray:
         """A 0/1 mask (hi - lo,) of this rank's shard: 1 where the element belongs to a parameter
         ``p`` (named ``name``) with ``predicate(name, p)`` true."""
-        mask = np.zeros(self.numel, dtype=self.dtype)  # (numel,)
+        mask = self.xp.zeros(self.numel, dtype=self.dtype)  # (numel,)
         for (name, p), start, shape in zip(self.params, self.starts, self.shapes):
             if predicate(name, p):
                 mask[start:start + math.prod(shape)] = 1

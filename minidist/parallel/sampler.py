@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from minidist.data.dataset import window_starts
+from minidist.device import get_array_module
 
 
 def dp_rows(batch_size: int, dp_rank: int, dp_size: int) -> np.ndarray:
@@ -36,7 +37,8 @@ class DistributedSampler:
 
 
 def micro_batches(batch: np.ndarray, n: int) -> list[np.ndarray]:
-    """``batch`` (b, T+1) cut into ``n`` consecutive micro-batches of b/n rows (b % n must be 0)."""
+    """``batch`` (b, T+1) cut into ``n`` consecutive micro-batches of b/n rows (b % n must be 0):
+    views, in the batch's memory (host or GPU)."""
     if len(batch) % n:
         raise ValueError(f"{len(batch)} rows cannot be cut into {n} equal micro-batches")
-    return np.split(batch, n)
+    return get_array_module(batch).split(batch, n)

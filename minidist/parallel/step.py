@@ -21,6 +21,7 @@ import numpy as np
 
 from minidist.comm import Trace
 from minidist.data import inputs_and_targets
+from minidist.device import get_array_module
 from minidist.optim import clip_grad_norm
 from minidist.parallel.clip import clip_grad_norm_parallel
 from minidist.parallel.sampler import micro_batches
@@ -43,7 +44,7 @@ def forward_backward(model, batches, no_sync=contextlib.nullcontext, trace=None,
             with trace.record("forward", kind="compute"):
                 _, loss = model(idx, targets)
             with trace.record("backward", kind="compute"):
-                loss.backward(np.full_like(loss.data, loss_scale / m))
+                loss.backward(get_array_module(loss.data).full_like(loss.data, loss_scale / m))
         losses.append(loss.item())
     return float(np.mean(losses))
 
@@ -72,8 +73,9 @@ def train_step(model, optimizer, batch, lr, grad_clip, *, dp=None, engine=None, 
                                 loss_scale=amp.scaler.scale if amp else 1.0)
     if dp:
         dp.finish()
-    if mesh:
-        loss = float(mesh.dp_group.all_reduce(np.array([loss]), op="avg")[0])
+    if mesh:  # one number, sent in the model's memory (NCCL takes GPU buffers only)
+        xp = get_array_module(next(iter(model.parameters())).data)
+        loss = float(mesh.dp_group.all_reduce(xp.array([loss]), op="avg")[0])
     if sequence_parallel:
         sync_sequence_parallel_grads(model, mesh.tp_group)
     if engine is not None:

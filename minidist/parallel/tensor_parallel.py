@@ -28,7 +28,7 @@ Which rank holds what is in :func:`shard_for` / :func:`unshard`, by GPT-2 parame
 import numpy as np
 
 from minidist import nn
-from minidist.autograd import Function, linear
+from minidist.autograd import Function, get_array_module, linear
 
 # ---- the communication operators (autograd Functions) ---------------------------------------------
 
@@ -60,7 +60,7 @@ class ReduceFromTensorParallelRegion(Function):
 
 def _sequence_first(x):
     """(B, T, C) -> contiguous (T, B, C): the collectives split and join along axis 0."""
-    return np.ascontiguousarray(x.swapaxes(0, 1))
+    return get_array_module(x).ascontiguousarray(x.swapaxes(0, 1))
 
 
 class GatherFromSequenceParallelRegion(Function):
@@ -187,7 +187,7 @@ def sync_sequence_parallel_grads(model, tp_group) -> None:
     grads = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
     if not grads:
         return
-    flat = np.concatenate([g.reshape(-1) for g in grads])  # (sum of sizes,)
+    flat = get_array_module(grads[0]).concatenate([g.reshape(-1) for g in grads])  # (sum of sizes,)
     tp_group.all_reduce(flat)
     offset = 0
     for g in grads:

@@ -35,7 +35,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, idx):  # (B, T) ints -> (B, T, C), or (B, T/n, C) under sequence parallelism
         mine = (idx >= self.vocab_start) & (idx < self.vocab_end)  # (B, T)
-        local_idx = np.where(mine, idx - self.vocab_start, 0)  # others look up row 0, then get zeroed
+        local_idx = get_array_module(idx).where(mine, idx - self.vocab_start, 0)  # others look up row 0, then get zeroed
         partial = embedding(local_idx, self.weight) * mine[..., None].astype(self.weight.dtype)  # (B, T, C)
         return exit_tensor_parallel_region(partial, self.tp_group, self.sequence_parallel)
 

@@ -101,8 +101,8 @@ class ZeroOptimizer:
         else:
             unit.bind(flat)  # parameters become views of the flat vector
             param = Tensor(flat[unit.lo:unit.hi])  # a view: updating it updates the parameters
-        state = {slot: np.zeros(unit.hi - unit.lo, dtype=unit.dtype) for slot in SLOTS[self.optimizer]}
-        grad_flat = np.zeros(unit.numel, dtype=unit.dtype) if self.stage < 2 else None  # (numel,)
+        state = {slot: unit.xp.zeros(unit.hi - unit.lo, dtype=unit.dtype) for slot in SLOTS[self.optimizer]}
+        grad_flat = unit.xp.zeros(unit.numel, dtype=unit.dtype) if self.stage < 2 else None  # (numel,)
         tied_copy = unit.shard_mask(lambda name, p: getattr(p, "tied_copy", False)).astype(bool)
         return Shard(unit, param, flat, state, unit.decay_mask(), unit.tensor_parallel_mask().astype(bool),
                      ~tied_copy, grad_flat)
@@ -166,18 +166,20 @@ class ZeroOptimizer:
         (tensor-parallel and replicated elements apart), all-reduces the two sums over dp (stages
         >= 1, where each element lives on one dp rank), the tensor-parallel sum over tp (replicated
         parameters are the same on every tp rank: counted once), and the total over pp (a last
-        stage's tied copy of the embedding, ``p.tied_copy``, is not counted: stage 0 counts it)."""
+        stage's tied copy of the embedding, ``p.tied_copy``, is not counted: stage 0 counts it).
+        The squares are summed (in float64) and sent where the shards live; one float crosses to the host."""
         self.reduce_gradients()
-        sums = np.zeros(2)  # [tensor-parallel elements, replicated elements]
+        xp = self.shards[0].unit.xp
+        sums = xp.zeros(2)  # [tensor-parallel elements, replicated elements]
         for s in self.shards:
             g = s.param.grad
-            sums += [float((g[s.tensor_parallel & s.counted] ** 2).sum()),
-                     float((g[~s.tensor_parallel & s.counted] ** 2).sum())]
+            sums[0] += (g[s.tensor_parallel & s.counted] ** 2).sum()
+            sums[1] += (g[~s.tensor_parallel & s.counted] ** 2).sum()
         if self.stage > 0:
             self.group.all_reduce(sums)
         if self.tp_group is not None:
             self.tp_group.all_reduce(sums[:1])
-        total = np.array([sums.sum()])
+        total = sums.sum(keepdims=True)  # (1,)
         if self.pp_group is not None:
             self.pp_group.all_reduce(total)
         norm = float(total[0]) ** 0.5

@@ -27,8 +27,6 @@ optimizer of this rank updates its shard with.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from minidist.autograd import Function, Tensor
 from minidist.parallel.recompute import rerun_backward, run_without_graph
 
@@ -84,7 +82,7 @@ class Gatherer:
     def _queue(self, index: int) -> list:
         queued = []
         for s in self.calls[index]:
-            full = np.empty(s.unit.numel, dtype=s.unit.dtype)  # (numel,)
+            full = s.unit.xp.empty(s.unit.numel, dtype=s.unit.dtype)  # (numel,)
             queued.append((s, full, self.group.all_gather(s.param.data, count=s.unit.numel, out=full, async_op=True)))
         return queued
 
@@ -94,7 +92,7 @@ def gather(shards, group) -> None:
     parameters to it (blocking; no prefetch). Sends this rank's shard to, and receives every other
     shard from, all dp ranks."""
     for s in shards:
-        full = np.empty(s.unit.numel, dtype=s.unit.dtype)  # (numel,)
+        full = s.unit.xp.empty(s.unit.numel, dtype=s.unit.dtype)  # (numel,)
         group.all_gather(s.param.data, count=s.unit.numel, out=full)
         s.unit.bind(full)
 

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import contextlib
 
-import numpy as np
-
-from minidist.autograd import Tensor, no_grad
+from minidist.autograd import Tensor, get_array_module, no_grad
 from minidist.data import inputs_and_targets
 from minidist.parallel.pipeline.actions import RECVS
 from minidist.parallel.pipeline.p2p import StageLink
@@ -27,10 +25,11 @@ from minidist.parallel.pipeline.validate import validate
 
 
 def split_micro_batches(batch, micro_batches: int) -> list:
-    """Cut a (B, T+1) batch into ``micro_batches`` arrays of (B/m, T+1) rows, in order."""
+    """Cut a (B, T+1) batch into ``micro_batches`` arrays of (B/m, T+1) rows, in order (views, in
+    the batch's memory)."""
     if batch.shape[0] % micro_batches:
         raise ValueError(f"batch of {batch.shape[0]} rows does not split into {micro_batches} micro-batches")
-    return np.split(batch, micro_batches)
+    return get_array_module(batch).split(batch, micro_batches)
 
 
 class PipelineEngine:
@@ -58,7 +57,8 @@ class PipelineEngine:
         validate(self.eval_schedule, p, micro_batches, virtual_stages, forward_only=True)
         self.no_sync = no_sync if no_sync is not None else contextlib.nullcontext
         self.embedding_group = stage.embedding_group(mesh.pp_group)
-        self.dtype = next(iter(stage.parameters())).dtype
+        first = next(iter(stage.parameters()))
+        self.dtype, self.xp = first.dtype, get_array_module(first.data)  # received activations go there
         self.peak_in_flight = 0
 
     def forward_backward(self, micro_batches) -> float:
@@ -86,7 +86,7 @@ class PipelineEngine:
         rows, T = micro_batches[0].shape[0], micro_batches[0].shape[1] - 1
         shape = stage.activation_shape(rows, T)  # (mb, T, C)
         last_backward = {a.stage: a for a in actions if a.op == "B"}  # data parallelism syncs there
-        link = StageLink(self.group)
+        link = StageLink(self.group, self.xp)
         inputs, outputs, grads = {}, {}, {}  # (stage, micro-batch) -> received input / output / its gradient
         loss_sum, held, peak = 0.0, 0, 0
         for a in actions:
@@ -119,7 +119,7 @@ class PipelineEngine:
             else:  # SEND_B: the gradient of this stage's input goes back to the previous stage
                 link.send(a, inputs.pop(key).grad)
         link.wait_sends()
-        loss = np.array([loss_sum])  # (1,) float64: known on the last stage
+        loss = self.xp.array([loss_sum])  # (1,) float64: known on the last stage
         self.group.broadcast(loss, src=self.group.size - 1)
         if training:
             self.peak_in_flight = peak

@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from minidist import nn
-from minidist.autograd import Tensor
+from minidist.autograd import Tensor, get_array_module
 
 _SHARED_ATTRIBUTES = ("config", "tp_group", "sequence_parallel")  # what the model's embed/head read
 
@@ -46,12 +46,13 @@ def measure_layer_costs(model, idx, targets, repeats: int = 3) -> tuple[float, l
         return min(times)
 
     x = model.embed(idx).data  # (B, T, C)
+    xp = get_array_module(x)
 
     def block_pass(block):
         y = block(Tensor(x, requires_grad=True))  # (B, T, C)
-        y.backward(np.ones_like(y.data))
+        y.backward(xp.ones_like(y.data))
 
-    embed = best(lambda: model.embed(idx).backward(np.ones_like(x)))
+    embed = best(lambda: model.embed(idx).backward(xp.ones_like(x)))
     blocks = [best(lambda b=b: block_pass(b)) for b in model.transformer.h]
     head = best(lambda: model.head(Tensor(x, requires_grad=True), targets)[1].backward())
     model.zero_grad()
@@ -173,5 +174,5 @@ class PipelineStage(nn.Module):
             return
         weight = self.transformer.wte.weight if self.holds_first else self.lm_head.weight
         if weight.grad is None:
-            weight.grad = np.zeros_like(weight.data)
+            weight.grad = get_array_module(weight.data).zeros_like(weight.data)
         embedding_group.all_reduce(weight.grad, op="sum")

@@ -1,0 +1,10 @@
+"""Session-wide: the test report's header says which GPU, if any, the GPU tests ran on."""
+
+
+def pytest_report_header(config):
+    from minidist.device import gpu_count
+    if gpu_count() == 0:
+        return "GPU: none (tests/test_gpu.py skips; the fake-CuPy tests cover the device code paths)"
+    import cupy
+    name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    return f"GPU: {gpu_count()} x {name}, CuPy {cupy.__version__}, CUDA runtime {cupy.cuda.runtime.runtimeGetVersion()}"

@@ -1,0 +1,354 @@
+"""backend="nccl": the rules of each collective and of point-to-point, on the CPU.
+
+fake_cupy gives "device" arrays in host memory and fake_nccl an NCCL whose ranks are threads: it
+really moves the bytes between them (through the arrays' addresses) and, like a GPU, runs a call only
+once every rank has launched it, so a missing peer leaves the event undone and the group times out.
+Ranks run as threads over LocalTransport (``run_nccl``), which carries the NCCL unique id; every rank
+takes its own fake GPU, as ``minidist.init(backend="nccl")`` does. Inputs are integer-valued, so
+results must equal NumPy's exactly. tests/test_gpu.py runs the real thing on GPUs.
+"""
+import sys
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from minidist import run_local
+from minidist.comm.group import ProcessGroup
+from minidist.comm.local_transport import LocalTransport
+from minidist.comm.nccl import select_device
+from minidist.comm.transport import CommTimeoutError
+from minidist.parallel.pipeline.actions import stage_rank
+from minidist.parallel.pipeline.schedules import build_schedule
+from tests.doubles import fake_cupy, fake_nccl
+from tests.test_collectives import SETTINGS, dtypes, expected, ops, rank_inputs, seeds
+
+worlds = st.integers(1, 5)
+
+
+@pytest.fixture(scope="module")
+def cp():
+    try:
+        yield fake_cupy.install(nccl=fake_nccl)
+    finally:
+        fake_cupy.uninstall()
+
+
+def run_nccl(fn, world_size, timeout=30.0, choose_gpu=True, **group_kwargs):
+    """``fn(group)`` on ``world_size`` threads, each with its own fake GPU and a backend "nccl" group
+    over LocalTransport; the results in rank order, or the first rank's error (others as notes)."""
+    transports = LocalTransport.world(world_size, timeout)
+    results, errors = [None] * world_size, {}
+
+    def main(rank):
+        try:
+            if choose_gpu:
+                select_device(rank, world_size)
+            results[rank] = fn(ProcessGroup(transports[rank], backend="nccl", **group_kwargs))
+        except BaseException as e:  # noqa: BLE001 -- re-raised below
+            errors[rank] = e
+        finally:
+            transports[rank].hub.mark_exited(rank, "ended")
+
+    threads = [threading.Thread(target=main, args=(r,), daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        first = errors[min(errors)]
+        for r, e in sorted(errors.items())[1:]:
+            first.add_note(f"rank {r} also failed: {type(e).__name__}: {e}")
+        raise first
+    return results
+
+
+def check(cp, results, want):
+    for got in results:
+        assert type(got) is cp.ndarray, f"the result left the device: {type(got)}"
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got.get(), want)
+    assert len({got.get().tobytes() for got in results}) == 1, "ranks differ bitwise"
+
+
+# ---- collectives against NumPy -------------------------------------------------------------------------
+
+@SETTINGS
+@given(worlds, st.lists(st.integers(0, 7), max_size=2), dtypes, ops, seeds)
+def test_all_reduce_leaves_every_rank_the_same_reduction(cp, n, shape, dtype, op, seed):
+    inputs = rank_inputs(n, tuple(shape), dtype, op, seed)
+
+    def body(g):
+        x = cp.asarray(inputs[g.rank])
+        assert g.all_reduce(x, op) is x
+        return x
+    check(cp, run_nccl(body, n), expected(inputs, op))
+
+
+@SETTINGS
+@given(worlds, st.integers(0, 40), st.integers(1, 3), dtypes, ops, st.booleans(), seeds)
+def test_reduce_scatter_and_all_gather_follow_array_split(cp, n, rows, width, dtype, op, give_out, seed):
+    """Uneven parts (rows not divisible by n, rows < n, rows 0) go through NCCL's equal parts padded."""
+    inputs = rank_inputs(n, (rows, width), dtype, op, seed)
+    want = expected(inputs, op)
+    parts = np.array_split(want, n)
+
+    def body(g):
+        x = cp.asarray(inputs[g.rank])
+        out = cp.empty(parts[g.rank].shape, dtype) if give_out else None
+        part = g.reduce_scatter(x, op, out=out)
+        assert out is None or part is out
+        np.testing.assert_array_equal(x.get(), inputs[g.rank])  # the input is left alone
+        whole = cp.empty(want.shape, dtype)
+        start = sum(p.shape[0] for p in parts[:g.rank])
+        whole[start:start + part.shape[0]] = part  # in place: the shard is a view of out
+        gathered = g.all_gather(whole[start:start + part.shape[0]], count=rows, out=whole)
+        return part, gathered
+    results = run_nccl(body, n)
+    for r, (part, _) in enumerate(results):
+        check(cp, [part], parts[r])
+    check(cp, [whole for _, whole in results], want)
+
+
+@SETTINGS
+@given(worlds, st.data(), st.integers(0, 30), dtypes, ops, seeds)
+def test_broadcast_and_reduce_reach_or_leave_the_root(cp, n, data, length, dtype, op, seed):
+    root = data.draw(st.integers(0, n - 1))
+    inputs = rank_inputs(n, (length,), dtype, op, seed)
+
+    def body(g):
+        reduced = g.reduce(cp.asarray(inputs[g.rank]), root, op)
+        return reduced, g.broadcast(cp.asarray(inputs[g.rank]), root)
+    results = run_nccl(body, n)
+    check(cp, [results[root][0]], expected(inputs, op))
+    for r, (reduced, _) in enumerate(results):
+        if r != root:
+            np.testing.assert_array_equal(reduced.get(), inputs[r])  # other ranks keep their input
+    check(cp, [b for _, b in results], inputs[root])
+
+
+def test_equal_counts_need_no_padding_and_the_trace_names_nccl(cp):
+    def body(g):
+        part = g.reduce_scatter(cp.arange(12.0))
+        whole = g.all_gather(part, count=12)
+        g.barrier()
+        return part, whole, [(e.op, e.algorithm) for e in g.trace.events], sorted(k[0] for k in g._native._workspace._buffers)
+    for r, (part, whole, events, scratch) in enumerate(run_nccl(body, 4)):
+        np.testing.assert_array_equal(part.get(), 4 * np.arange(12.0)[3 * r:3 * r + 3])
+        np.testing.assert_array_equal(whole.get(), 4 * np.arange(12.0))
+        assert events == [("reduce_scatter", "nccl"), ("all_gather", "nccl"), ("barrier", "nccl")]
+        assert scratch == []  # no padded copies
+
+
+def test_barrier_lets_no_rank_through_before_all_arrive(cp):
+    arrived = []
+
+    def body(g):
+        arrived.append(g.rank)
+        g.barrier()
+        return len(arrived)
+    assert run_nccl(body, 4) == [4] * 4
+
+
+def test_async_all_reduce_runs_on_the_groups_gpu_from_the_comm_thread(cp):
+    def body(g):
+        x = cp.full(5, float(g.rank))
+        work = g.all_reduce(x, op="avg", async_op=True)
+        return work.wait()
+    check(cp, run_nccl(body, 3), np.full(5, 1.0))
+
+
+def test_debug_mode_and_forced_ring_still_work_on_backend_nccl(cp):
+    def body(g):
+        return g.all_reduce(cp.full(3, g.rank + 1, dtype=np.int64), algorithm="ring")
+    check(cp, run_nccl(body, 3, debug=True), np.full(3, 6, dtype=np.int64))
+
+
+# ---- groups from split: their own communicators -----------------------------------------------------------
+
+def test_mesh_axes_from_split_get_their_own_communicators(cp):
+    """A 2 x 3 mesh: rows and columns reduce independently, each over its own NCCL communicator."""
+    def body(g):
+        row, col = g.split(g.rank // 3), g.split(g.rank % 3)
+        x = cp.full(4, float(g.rank))
+        row_sum = row.all_reduce(x.copy())
+        col_sum = col.all_reduce(x.copy())
+        col_parts = col.reduce_scatter(cp.arange(3.0))
+        return row_sum, col_sum, col_parts, {id(g._native.comm), id(row._native.comm), id(col._native.comm)}
+    results = run_nccl(body, 6)
+    for r, (row_sum, col_sum, col_parts, comms) in enumerate(results):
+        members_row = [q for q in range(6) if q // 3 == r // 3]
+        members_col = [q for q in range(6) if q % 3 == r % 3]
+        np.testing.assert_array_equal(row_sum.get(), np.full(4, float(sum(members_row))))
+        np.testing.assert_array_equal(col_sum.get(), np.full(4, float(sum(members_col))))
+        np.testing.assert_array_equal(col_parts.get(), np.array_split(2 * np.arange(3.0), 2)[r // 3])
+        assert len(comms) == 3
+
+
+# ---- point to point --------------------------------------------------------------------------------------
+
+def test_send_and_recv_deliver_in_posting_order(cp):
+    def body(g):
+        if g.rank == 0:
+            for i in range(3):
+                g.send(cp.full(4, i, dtype=np.int32), 1)
+            return None
+        return [g.recv(cp.empty(4, np.int32), 0).get() for _ in range(3)]
+    got = run_nccl(body, 2)[1]
+    np.testing.assert_array_equal(got, [[0] * 4, [1] * 4, [2] * 4])
+
+
+def test_two_ranks_exchanging_at_once_do_not_deadlock(cp):
+    """Both send to each other at the same time: isend/irecv are launched in one NCCL group."""
+    def body(g):
+        peer = 1 - g.rank
+        got_sendrecv = g.sendrecv(cp.full(3, 10.0 * g.rank), peer, cp.empty(3), peer)
+        mine, theirs = cp.arange(6, dtype=np.int64) + 100 * g.rank, cp.empty(6, np.int64)
+        send, recv = g.isend(mine, peer), g.irecv(theirs, peer)
+        while not recv.test():  # test() launches the batch too
+            pass
+        send.wait()
+        return got_sendrecv.get(), theirs.get()
+    for r, (a, b) in enumerate(run_nccl(body, 2)):
+        np.testing.assert_array_equal(a, np.full(3, 10.0 * (1 - r)))
+        np.testing.assert_array_equal(b, np.arange(6) + 100 * (1 - r))
+
+
+@pytest.mark.parametrize("n", [1, 3, 5])
+def test_sendrecv_shifts_a_ring_of_any_size(cp, n):
+    def body(g):
+        right, left = (g.rank + 1) % g.size, (g.rank - 1) % g.size
+        return g.sendrecv(cp.full(2, g.rank, dtype=np.float16), right, cp.empty(2, np.float16), left).get()
+    for r, got in enumerate(run_nccl(body, n)):
+        np.testing.assert_array_equal(got, np.full(2, (r - 1) % n, dtype=np.float16))
+
+
+def test_two_blocking_sends_at_each_other_time_out_as_on_real_nccl(cp):
+    """A lone send holds its stream until the peer receives: two ranks that both send first wait on
+    each other. The group says so at its timeout instead of hanging."""
+    def body(g):
+        g.send(cp.zeros(3), 1 - g.rank)
+        g.recv(cp.zeros(3), 1 - g.rank)
+    with pytest.raises(CommTimeoutError, match=r"send #1 on group 'world': rank \d waited .* for rank \d"):
+        run_nccl(body, 2, timeout=0.3)
+
+
+INTERLEAVED_DEADLOCKS = pytest.mark.xfail(
+    raises=CommTimeoutError, strict=True,
+    reason="interleaved 1F1B with more micro-batches than ranks: a wait launches the queued sends with its "
+           "receive and waits for all of them, and the peer receives one of those sends only after this "
+           "rank's next receive (see NCCLTransport)")
+
+
+@pytest.mark.parametrize("schedule, p, m, v", [
+    ("gpipe", 2, 3, 1), ("gpipe", 4, 5, 1), ("1f1b", 2, 8, 1), ("1f1b", 4, 6, 1), ("1f1b", 3, 1, 1),
+    ("interleaved", 2, 2, 3), ("interleaved", 4, 4, 2),
+    pytest.param("interleaved", 2, 4, 2, marks=INTERLEAVED_DEADLOCKS),
+    pytest.param("interleaved", 4, 8, 2, marks=INTERLEAVED_DEADLOCKS)])
+def test_pipeline_schedules_run_over_nccl_point_to_point(cp, schedule, p, m, v):
+    """The pipeline's pattern (sends queued with isend, each receive waited at once, all sends waited
+    at the end) over NCCL, which matches messages by order alone (no tags): every receive gets the
+    message its action pairs with, and nothing deadlocks."""
+    actions = build_schedule(schedule, p, m, v)
+
+    def label(a):  # what a SEND carries: its stage, micro-batch and direction
+        return 1000 * a.stage + 10 * a.microbatch + (a.op == "SEND_B")
+
+    def body(g):
+        pending, received = [], 0
+        for a in actions[g.rank]:
+            if a.op in ("SEND_F", "SEND_B"):
+                pending.append(g.isend(cp.full(4, label(a), dtype=np.int64), stage_rank(a.peer_stage(), p),
+                                       tag=a.channel_tag()))
+            elif a.op in ("RECV_F", "RECV_B"):
+                buf = cp.empty(4, np.int64)
+                g.irecv(buf, stage_rank(a.peer_stage(), p), tag=a.channel_tag()).wait()
+                assert (buf.get() == label(a.matching())).all(), f"{a} got {buf.get()}"
+                received += 1
+        for request in pending:
+            request.wait()
+        return received
+    assert sum(run_nccl(body, p, timeout=1.0)) == 2 * m * (p * v - 1)
+
+
+# ---- failing well ----------------------------------------------------------------------------------------
+
+def test_host_arrays_on_an_nccl_group_go_over_the_transport(cp):
+    """NCCL moves GPU memory only; a host array (a flag, a gathered log line) on an NCCL group runs
+    the hand-written algorithms over the transport instead, and the trace says so."""
+    def body(g):
+        flag = g.all_reduce(np.array([g.rank + 1.0]))
+        got = g.sendrecv(np.full(2, g.rank), 1 - g.rank, np.empty(2, np.int64), 1 - g.rank)
+        device = g.all_reduce(cp.ones(3))
+        return flag, got, device, [e.algorithm for e in g.trace.events if e.op == "all_reduce"]
+    for rank, (flag, got, device, algorithms) in enumerate(run_nccl(body, 2)):
+        assert type(flag) is np.ndarray and flag.tolist() == [3.0]
+        assert got.tolist() == [1 - rank] * 2
+        assert type(device) is cp.ndarray and device.get().tolist() == [2.0] * 3
+        assert algorithms == ["doubling", "nccl"]
+
+
+def test_mixed_host_and_device_buffers_are_refused_before_anything_is_sent(cp):
+    def body(g):
+        for call in (lambda: g.all_gather(cp.ones(1), out=np.ones(2)),
+                     lambda: g.sendrecv(cp.ones(2), 1 - g.rank, np.ones(2), 1 - g.rank)):
+            with pytest.raises(ValueError, match="memory but the input is in"):
+                call()
+        return g.seq, g.p2p_seq
+    assert run_nccl(body, 2) == [(0, 0), (0, 0)]
+
+
+def test_missing_cupy_or_nccl_is_a_clear_error(cp, monkeypatch):
+    transport = LocalTransport.world(1)[0]
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "cupy", None)  # `import cupy` fails, as without CuPy
+        with pytest.raises(ImportError, match="backend 'nccl' needs CuPy and an NVIDIA GPU"):
+            ProcessGroup(transport, backend="nccl")
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "cupy.cuda.nccl", None)  # CuPy without NCCL
+        m.delattr(sys.modules["cupy.cuda"], "nccl")
+        with pytest.raises(ImportError, match="backend 'nccl' needs CuPy with NCCL"):
+            ProcessGroup(transport, backend="nccl")
+    with pytest.raises(ValueError, match="backend 'nccl' needs one process per GPU: run under mpiexec"):
+        run_local(lambda g: None, 2, backend="nccl")
+
+
+def test_two_ranks_on_one_gpu_are_refused_with_the_way_out(cp, monkeypatch):
+    monkeypatch.setattr(sys.modules["cupy"].cuda.runtime, "getDeviceCount", lambda: 1)
+    for local_rank in range(2):  # every rank of the node says it
+        with pytest.raises(RuntimeError, match=r"2 ranks on this node but only 1 GPUs: NCCL does not allow two "
+                                               r"ranks of a communicator on one GPU .* run at most 1 ranks per "
+                                               r"node, or use backend 'ring'"):
+            select_device(local_rank, 2)
+
+
+def test_select_device_makes_the_local_rank_current(cp):
+    assert select_device(0, 2) == 0
+    assert run_nccl(lambda g: sys.modules["cupy"].cuda.Device().id, 3) == [0, 1, 2]
+    with pytest.raises(fake_nccl.NcclError, match="Duplicate GPU"):  # the double refuses it like NCCL
+        run_nccl(lambda g: None, 2, choose_gpu=False)
+
+
+def test_a_rank_that_skips_a_collective_ends_in_a_timeout_naming_op_and_rank(cp):
+    def body(g):
+        g.all_reduce(cp.ones(2))
+        if g.rank == 0:
+            return None  # skips the second all-reduce
+        with pytest.raises(CommTimeoutError, match=r"all_reduce #2 on group 'world': rank 1 waited 0\.\ds for a "
+                                                   r"peer, which never answered") as error:
+            g.all_reduce(cp.ones(2))
+        assert error.value.peer == -1
+        with pytest.raises(RuntimeError, match="NCCL communicator was aborted after all_reduce timed out"):
+            g.barrier()
+        return "timed out"
+    assert run_nccl(body, 2, timeout=0.3) == [None, "timed out"]
+
+
+def test_a_receive_nobody_sends_ends_in_a_timeout_naming_the_peer(cp):
+    def body(g):
+        if g.rank == 1:
+            with pytest.raises(CommTimeoutError, match=r"irecv #1 on group 'world': rank 1 waited .* for rank 0"):
+                g.irecv(cp.empty(3), 0).wait()
+    run_nccl(body, 2, timeout=0.3)
