@@ -97,3 +97,15 @@ def test_training_on_the_gpu_follows_the_cpu(tmp_path, layout):
     run_mpi(n, *TRAIN, *common, "--out", tmp_path / "cpu", timeout=300)
     run_mpi(n, *TRAIN, *common, "--device", "cuda", "--out", tmp_path / "gpu", timeout=300)
     np.testing.assert_allclose(losses(tmp_path / "gpu"), losses(tmp_path / "cpu"), rtol=1e-10)
+
+
+@needs_mpi
+@pytest.mark.skipif(gpu_count() < 2, reason="NCCL needs one GPU per rank: 2 GPUs")
+@pytest.mark.parametrize("layout", [["--dp", "2"], ["--dp", "2", "--zero", "3"], ["--tp", "2"],
+                                    ["--pp", "2", "--micro-batches", "4"]])
+def test_training_over_nccl_follows_the_cpu(tmp_path, layout):
+    """``--backend nccl``, one GPU per rank: the CPU run's losses (float64, SGD)."""
+    common = TINY + ["--data-dir", str(tmp_path / "data")] + layout
+    run_mpi(2, *TRAIN, *common, "--out", tmp_path / "cpu", timeout=300)
+    run_mpi(2, *TRAIN, *common, "--device", "cuda", "--backend", "nccl", "--out", tmp_path / "gpu", timeout=300)
+    np.testing.assert_allclose(losses(tmp_path / "gpu"), losses(tmp_path / "cpu"), rtol=1e-10)
