@@ -49,22 +49,22 @@ def synchronize(a) -> None:
         cupy.cuda.get_current_stream().synchronize()
 
 
-def pinned_empty(count: int, dtype) -> np.ndarray:
-    """An uninitialised host array of ``count`` elements in page-locked ("pinned") memory: the GPU
+def pinned_empty(shape, dtype) -> np.ndarray:
+    """An uninitialised host array of ``shape`` in page-locked ("pinned") memory: the GPU
     copies to and from it by DMA, without a bounce through pageable memory. CuPy's pinned-memory pool
     keeps freed blocks, so asking again for the same size is cheap."""
     import cupyx
-    return cupyx.empty_pinned((count,), dtype=dtype)
+    return cupyx.empty_pinned(shape, dtype=dtype)
 
 
 def copy_to_host(device_array, host: np.ndarray) -> None:
-    """Copy ``device_array`` into the host array ``host`` (same size and dtype); returns once done."""
+    """Copy ``device_array`` into the host array ``host`` (same shape and dtype); returns once done."""
     device_array.get(out=host)
 
 
 def copy_to_device(host: np.ndarray, device_array) -> None:
-    """Copy the host array ``host`` into ``device_array``; returns once done, so ``host`` may be
-    reused at once."""
+    """Copy the host array ``host`` into ``device_array`` (same shape and dtype); returns once done,
+    so ``host`` may be reused at once."""
     device_array.set(host)
     synchronize(device_array)
 

@@ -127,7 +127,7 @@ class MPITransport(Transport):
             if self.cuda_aware:
                 synchronize(buf)
             else:
-                staging = pinned_empty(buf.size, buf.dtype)
+                staging = pinned_empty(buf.shape, buf.dtype)
                 copy_to_host(buf, staging)  # waits for the kernels queued before it
         request = self.comm.Isend([buf if staging is None else staging, self.MPI.BYTE], dest=peer, tag=tag)
         return MPIRequest(self, request, peer, "send", buf.nbytes, staging=staging)
@@ -140,7 +140,7 @@ class MPITransport(Transport):
         if is_cupy(buf):
             synchronize(buf)  # no queued kernel may still read the buffer MPI is about to fill
             if not self.cuda_aware:
-                staging = pinned_empty(buf.size, buf.dtype)
+                staging = pinned_empty(buf.shape, buf.dtype)
         request = self.comm.Irecv([buf if staging is None else staging, self.MPI.BYTE], source=peer, tag=tag)
         return MPIRequest(self, request, peer, "recv", buf.nbytes, staging=staging,
                           device=buf if staging is not None else None)

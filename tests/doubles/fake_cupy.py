@@ -35,20 +35,24 @@ class ndarray(np.ndarray):  # noqa: N801 -- CuPy's name
     """A pretend device array: NumPy storage, CuPy's refusal to mix with host arrays."""
 
     def get(self, stream=None, order="C", out=None, blocking=True):
-        """A host copy (into ``out`` when given), like ``cupy.ndarray.get``."""
+        """A host copy (into ``out``, of the same shape, when given), like ``cupy.ndarray.get``."""
         host = self.view(np.ndarray)
         TRANSFERS["to_host"] += 1
         if out is None:
             return host.copy()
-        _host_view(out)[...] = host.reshape(out.shape)
+        if out.shape != self.shape:  # CuPy checks this too
+            raise ValueError(f"Shape mismatch: out has shape {out.shape}, the array {self.shape}")
+        _host_view(out)[...] = host
         return out
 
     def set(self, arr, stream=None):
-        """Copy the host array ``arr`` in, like ``cupy.ndarray.set``."""
+        """Copy the host array ``arr`` (of the same shape) in, like ``cupy.ndarray.set``."""
         if isinstance(arr, ndarray):
             raise TypeError("set() takes a host (NumPy) array")
+        if arr.shape != self.shape:  # CuPy checks this too
+            raise ValueError(f"Shape mismatch. Old shape: {self.shape}, new shape: {arr.shape}")
         TRANSFERS["to_device"] += 1
-        self.view(np.ndarray)[...] = np.asarray(arr).reshape(self.shape)
+        self.view(np.ndarray)[...] = arr
 
     @property
     def data(self):

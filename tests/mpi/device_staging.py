@@ -54,6 +54,10 @@ for dtype in (np.float16, np.float32, np.float64, np.int32, np.int64):
         same(group.broadcast(cp.asarray(host), 1), group.broadcast(host.copy(), 1), "broadcast")
         same(group.reduce(cp.asarray(host), 2, "min"), group.reduce(host.copy(), 2, "min"), "reduce")
 
+right, left = (rank + 1) % n, (rank - 1) % n  # point to point, a pipeline's (mb, T, C) activation
+got = group.sendrecv(cp.full((2, 3, 4), rank, cp.float32), right, cp.empty((2, 3, 4), cp.float32), left)
+same(got, np.full((2, 3, 4), left, np.float32), "sendrecv of a 3-D array")
+
 x = cp.asarray(np.full(10, rank, np.float64))
 fake_cupy.TRANSFERS.clear()
 group.all_reduce(x, algorithm="ring")  # 2(n-1) steps: one send and one receive each
