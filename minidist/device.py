@@ -11,6 +11,8 @@ stream; that is the rule the collectives follow.
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 
@@ -67,6 +69,24 @@ def copy_to_device(host: np.ndarray, device_array) -> None:
     so ``host`` may be reused at once."""
     device_array.set(host)
     synchronize(device_array)
+
+
+def copy_array(src, dst) -> None:
+    """``dst[...] = src`` for two arrays of the same size, wherever they live. On one GPU the copy
+    is a kernel of that GPU (made current for it); between two GPUs it goes through host memory,
+    which works whether or not the GPUs can reach each other's memory; host to GPU or back is
+    refused, as CuPy refuses it."""
+    if is_cupy(src) and is_cupy(dst) and src.device.id != dst.device.id:
+        copy_to_device(to_numpy(src).reshape(dst.shape), dst)
+        return
+    with device_of(dst):
+        dst[...] = src.reshape(dst.shape)
+
+
+def device_of(a):
+    """A context in which ``a``'s GPU is the current one (CuPy's ``with a.device:``); nothing for a
+    NumPy array."""
+    return a.device if is_cupy(a) else contextlib.nullcontext()
 
 
 def gpu_count() -> int:

@@ -1,5 +1,6 @@
 """The in-process transport keeps MPI's point-to-point rules: FIFO per (communicator, source, tag),
 rendezvous sends, exact sizes, a deadline on every wait, and split communicators that never cross."""
+import threading
 import time
 
 import numpy as np
@@ -63,6 +64,30 @@ def test_a_receive_that_does_not_fit_the_message_fails_on_both_sides(recv_buf):
     for message in on_transports(fn, 2):
         assert message == f"rank 0 sent 3 x float64 to rank 1 (tag 0), but rank 1 posted a receive for " \
                           f"{recv_buf.size} x {recv_buf.dtype}"
+
+
+def test_a_copy_that_fails_fails_both_sides_at_once(monkeypatch):
+    """Whatever the copy of a matched message raises (buffers in memories it cannot join, say)
+    reaches both ranks' waits at once: neither waits for a message that will never come."""
+    def refuse(src, dst):
+        raise TypeError("cannot copy between these buffers")
+    monkeypatch.setattr("minidist.comm.local_transport.copy_array", refuse)
+
+    def fn(t):
+        start = time.monotonic()
+        with pytest.raises(TypeError, match="cannot copy between these buffers"):
+            if t.rank == 0:
+                t.send(np.zeros(3), 1)
+            else:
+                t.recv(np.empty(3), 0)
+        return time.monotonic() - start
+
+    waited = []  # in a thread of its own, so that a regression fails here instead of hanging the suite
+    worker = threading.Thread(target=lambda: waited.extend(on_transports(fn, 2)), daemon=True)
+    worker.start()
+    worker.join(30)
+    assert not worker.is_alive(), "a rank still waits for the message whose copy failed"
+    assert len(waited) == 2 and max(waited) < 4  # at once, not at the transport's 5 s deadline
 
 
 def test_a_wait_past_the_deadline_raises_peer_timeout_and_withdraws_the_receive():

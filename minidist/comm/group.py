@@ -31,7 +31,7 @@ from minidist.comm.ops import (COLLECTIVE_TAG_BASE, DTYPES, GROUP_OPS, Workspace
 from minidist.comm.trace import Trace
 from minidist.comm.transport import CollectiveMismatchError, CommTimeoutError, PeerTimeout, Request
 from minidist.comm.work import CommStream
-from minidist.device import get_array_module, is_cupy
+from minidist.device import device_of, get_array_module, is_cupy
 
 DEFAULT_THRESHOLD_BYTES = 256 * 1024
 """All-reduces smaller than this use recursive doubling, larger ones the ring. In the usual cost
@@ -111,7 +111,7 @@ class ProcessGroup:
                 if op == "avg":
                     divide_by_size(flat, self.size)
             return x
-        return self._launch(run, "all_reduce", async_op)
+        return self._launch(run, "all_reduce", async_op, x)
 
     def reduce_scatter(self, x, op: str = "sum", out=None, async_op: bool = False):
         """Reduce ``x`` over all ranks and return this rank's part along axis 0, cut by
@@ -139,7 +139,7 @@ class ProcessGroup:
                 if op == "avg":
                     divide_by_size(out, self.size)
             return out
-        return self._launch(run, "reduce_scatter", async_op)
+        return self._launch(run, "reduce_scatter", async_op, x)
 
     def all_gather(self, shard, count: int | None = None, out=None, async_op: bool = False):
         """Every rank's ``shard`` concatenated along axis 0, in rank order, on every rank.
@@ -171,7 +171,7 @@ class ProcessGroup:
                 else:
                     ring.all_gather(self.transport, shard.reshape(-1), counts, out.reshape(-1))
             return out
-        return self._launch(run, "all_gather", async_op)
+        return self._launch(run, "all_gather", async_op, shard)
 
     def broadcast(self, x, src: int = 0):
         """Every rank's ``x`` becomes ``src``'s ``x``, in place; returns ``x``."""
@@ -303,11 +303,15 @@ class ProcessGroup:
 
     # ---- bookkeeping ------------------------------------------------------------------------------
 
-    def _launch(self, run, name: str, async_op: bool):
+    def _launch(self, run, name: str, async_op: bool, x):
         """Run a checked collective now, after any queued ones, or (``async_op``) queue it on the
-        group's communication thread and return its Work."""
+        group's communication thread and return its Work. A GPU array's kernels must run on its own
+        GPU, so the communication thread makes that GPU current for the call."""
         if async_op:
-            return self._stream.submit(run, f"{name} on group '{self.name}'")
+            def on_its_gpu():
+                with device_of(x):
+                    return run()
+            return self._stream.submit(on_its_gpu, f"{name} on group '{self.name}'")
         self._stream.synchronize()
         return run()
 

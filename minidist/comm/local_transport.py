@@ -22,6 +22,7 @@ import numpy as np
 
 from minidist.comm import ring
 from minidist.comm.transport import Deadline, PeerTimeout, Request, Transport
+from minidist.device import copy_array
 
 POLL_SECONDS = 0.05  # how often a waiting rank checks whether its peer has exited
 
@@ -78,16 +79,20 @@ class LocalHub:
 
 
 def _deliver(send: "LocalRequest", recv: "LocalRequest") -> None:
-    """Copy a matched message from the sender's buffer into the receiver's and complete both."""
+    """Copy a matched message from the sender's buffer into the receiver's and complete both. A copy
+    that fails (sizes that disagree, buffers the copy cannot join) fails both requests, so neither
+    rank waits for a message that will never come."""
     s, r = send.buf, recv.buf
-    if s.dtype == r.dtype and s.size == r.size:
-        r[...] = s
-    else:
-        what = (f"rank {send.rank} sent {s.size} x {s.dtype} to rank {recv.rank} (tag {send.tag}), "
-                f"but rank {recv.rank} posted a receive for {r.size} x {r.dtype}")
-        send.error, recv.error = ValueError(what), ValueError(what)
-    send.done.set()
-    recv.done.set()
+    try:
+        if s.dtype != r.dtype or s.size != r.size:
+            raise ValueError(f"rank {send.rank} sent {s.size} x {s.dtype} to rank {recv.rank} (tag {send.tag}), "
+                             f"but rank {recv.rank} posted a receive for {r.size} x {r.dtype}")
+        copy_array(s, r)
+    except Exception as e:  # noqa: BLE001 -- handed to both ranks' waits
+        send.error = recv.error = e
+    finally:
+        send.done.set()
+        recv.done.set()
 
 
 class LocalRequest(Request):

@@ -34,6 +34,16 @@ TRANSFERS = collections.Counter()
 class ndarray(np.ndarray):  # noqa: N801 -- CuPy's name
     """A pretend device array: NumPy storage, CuPy's refusal to mix with host arrays."""
 
+    def __array_finalize__(self, obj):
+        """A new array lives on the current device of the thread that made it; a view, on its base's."""
+        self._device_id = getattr(obj, "_device_id", None)
+        if self._device_id is None:
+            self._device_id = _current_device()
+
+    @property
+    def device(self):
+        return _Device(self._device_id)
+
     def get(self, stream=None, order="C", out=None, blocking=True):
         """A host copy (into ``out``, of the same shape, when given), like ``cupy.ndarray.get``."""
         host = self.view(np.ndarray)
@@ -68,10 +78,12 @@ class ndarray(np.ndarray):  # noqa: N801 -- CuPy's name
 
     def __setitem__(self, key, value):
         _refuse_host((value,))
+        _refuse_other_device((self, value))
         super().__setitem__(key, _unwrap(value))
 
     def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kwargs):
         _refuse_host(inputs + (out or ()))
+        _refuse_other_device(inputs + (out or ()))
         args = [_unwrap(a) for a in inputs]
         if out is not None:
             kwargs["out"] = tuple(_unwrap(o) for o in out)
@@ -82,6 +94,7 @@ class ndarray(np.ndarray):  # noqa: N801 -- CuPy's name
 
     def __array_function__(self, func, types_, args, kwargs):
         _refuse_host(_flatten(args) + _flatten(tuple(kwargs.values())))
+        _refuse_other_device(_flatten(args) + _flatten(tuple(kwargs.values())))
         return _wrap_result(func(*_unwrap_tree(args), **{k: _unwrap_tree(v) for k, v in kwargs.items()}))
 
     def __reduce__(self):
@@ -99,6 +112,15 @@ def _refuse_host(values) -> None:
     for v in values:
         if _is_host_array(v):
             raise TypeError(f"Unsupported type {type(v)}: a NumPy (host) array mixed with a device array")
+
+
+def _refuse_other_device(values) -> None:
+    """A kernel runs on the current device; like CuPy, refuse arrays that live on another one."""
+    current = _current_device()
+    for v in values:
+        if isinstance(v, ndarray) and v._device_id != current:
+            raise ValueError(f"Array device must be same as the current device: array device = "
+                             f"{v._device_id} while current = {current}")
 
 
 def _flatten(values) -> tuple:
