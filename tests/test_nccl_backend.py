@@ -7,6 +7,7 @@ Ranks run as threads over LocalTransport (``run_nccl``), which carries the NCCL 
 takes its own fake GPU, as ``minidist.init(backend="nccl")`` does. Inputs are integer-valued, so
 results must equal NumPy's exactly. tests/test_gpu.py runs the real thing on GPUs.
 """
+import dataclasses
 import sys
 import threading
 
@@ -22,7 +23,10 @@ from minidist.comm.nccl import select_device
 from minidist.comm.transport import CommTimeoutError
 from minidist.parallel.pipeline.actions import stage_rank
 from minidist.parallel.pipeline.schedules import build_schedule
+from minidist.train import train
+from minidist.train_config import TrainConfig
 from tests.doubles import fake_cupy, fake_nccl
+from tests.test_device_training import TINY, run
 from tests.test_collectives import SETTINGS, dtypes, expected, ops, rank_inputs, seeds
 
 worlds = st.integers(1, 5)
@@ -352,3 +356,21 @@ def test_a_receive_nobody_sends_ends_in_a_timeout_naming_the_peer(cp):
             with pytest.raises(CommTimeoutError, match=r"irecv #1 on group 'world': rank 1 waited .* for rank 0"):
                 g.irecv(cp.empty(3), 0).wait()
     run_nccl(body, 2, timeout=0.3)
+
+
+# ---- the trainer over NCCL -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", [dict(dp=2), dict(dp=2, zero=1), dict(dp=2, zero=3), dict(tp=2),
+                                    dict(pp=2, micro_batches=2)], ids=["dp", "zero1", "zero3", "tp", "pp"])
+def test_the_trainer_over_nccl_trains_bitwise_like_the_host_run(cp, tmp_path, layout):
+    """``--device cuda --backend nccl`` on 2 ranks (threads, a fake GPU each) against the same run on
+    NumPy over the ring. Two ranks' sums do not depend on the order of addition, so: bitwise."""
+    cfg = TrainConfig(**TINY, data_dir=str(tmp_path), optimizer="sgd", momentum=0.9, **layout)
+
+    def body(group):
+        model, history = train(dataclasses.replace(cfg, device="cuda", backend="nccl"), progress=False, world=group)
+        return [r["loss"] for r in history], model.state_dict(), {type(p.data) for p in model.parameters()}
+    for (losses, state, types), (ref_losses, _, ref_state, _) in zip(run_nccl(body, 2), run(cfg)):
+        assert types == {cp.ndarray} and losses == ref_losses
+        for name, value in ref_state.items():
+            np.testing.assert_array_equal(state[name], value, err_msg=name)

@@ -89,3 +89,12 @@ def test_the_pipeline_lesson_explains_its_first_step_per_rank():
     rank0, rank1 = done.stdout.split("=== rank 0:")[1].split("=== rank 1:")
     assert rank0.count("activation to rank 1") == 8 and rank0.count("gradient from rank 1") == 8  # m = 8
     assert rank1.count("activation from rank 0") == 8 and rank1.count("gradient to rank 0") == 8
+
+
+@pytest.mark.skipif(find_mpiexec() is None, reason="mpiexec not found")
+def test_the_gpu_lesson_runs_its_staged_ring_on_the_fake_gpu():
+    """Lesson 08's GPU path on the fake-CuPy double (one fake GPU, so no NCCL): the staged ring on
+    device arrays, checked by the lesson against the host ring. Its timings mean nothing here."""
+    run = run_mpi(2, "on_fake_gpu.py", 1, TUTORIALS / "08_gpu.py", timeout=2 * SECONDS)
+    assert "not CUDA-aware: each message is staged through pinned host memory" in run.stdout, run.output
+    assert "Every GPU result equals the host ring's" in run.stdout, run.output

@@ -51,10 +51,14 @@ def lesson(ring, nccl, cupy):
     assert type(x) is cupy.ndarray and (to_numpy(x) == want).all()
     say(f"  all_reduce of a cupy array: {to_numpy(x)[:5]} ... still a {type(x).__module__}.{type(x).__name__}")
     steps = 2 * (n - 1)
-    say(f"  the ring made {steps} steps; staged, each step is 1 GPU->host copy, 1 message, 1 host->GPU copy")
+    if aware:
+        say(f"  the ring made {steps} steps; in each, MPI read one GPU buffer and wrote another")
+    else:
+        say(f"  the ring made {steps} steps; in each: 1 GPU->host copy, 1 message, 1 host->GPU copy")
 
     say("\n=== 2. all-reduce time, median of 5 (float32)")
-    say(f"  {'size':>8} {'host ring':>11} {'GPU ring':>11} {'GPU nccl':>11}")
+    say(f"  {'size':>8} {'host ring':>11} {'GPU ring':>11}" + (f" {'GPU nccl':>11}" if nccl is not None else
+                                                              "   (NCCL: needs one GPU per rank)"))
     for count in SIZES:
         base = np.random.default_rng(rank).integers(-8, 8, count).astype(np.float32)  # exact sums
         host, device = base.copy(), cupy.asarray(base)
@@ -64,7 +68,7 @@ def lesson(ring, nccl, cupy):
             row.append(timed_all_reduce(nccl, on_nccl))
         for result in [device] + ([on_nccl] if nccl is not None else []):
             assert (to_numpy(result) == host).all(), "a GPU all-reduce differs from the host's"
-        cells = " ".join(f"{t * 1e3:9.2f}ms" for t in row) + ("" if nccl is not None else "   (no NCCL)")
+        cells = " ".join(f"{t * 1e3:9.2f}ms" for t in row)
         say(f"  {count * 4 // 1024:>6}KiB {cells}")
     say("\nEvery GPU result equals the host ring's, element for element.")
 
