@@ -121,7 +121,13 @@ def to_device(a, device: str):
     if device == "cpu":
         return to_numpy(a)
     if device == "cuda":
-        return a if is_cupy(a) else require_cupy("device 'cuda'").asarray(a)
+        if is_cupy(a):
+            return a
+        try:  # once per batch: no driver query here (the trainer checked for a GPU at start)
+            import cupy
+        except ImportError:
+            cupy = require_cupy("device 'cuda'")  # raises, saying how to get CuPy
+        return cupy.asarray(a)
     raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {device!r}")
 
 

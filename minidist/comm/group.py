@@ -325,7 +325,7 @@ class ProcessGroup:
     def _links_for(self, x):
         """Where a point-to-point message with buffer ``x`` goes: NCCL for a GPU buffer on backend
         "nccl", else the transport."""
-        return self._native.p2p if self._native_for(x) is not None and self.backend == "nccl" else self.transport
+        return self._native.p2p if self.backend == "nccl" and is_cupy(x) else self.transport
 
     def _algorithm(self, hand_written: str, x) -> str:
         """The name the trace records: the backend's ("mpi", "nccl") when it runs the call."""

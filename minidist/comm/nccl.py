@@ -38,7 +38,7 @@ import numpy as np
 from minidist.comm import rooted
 from minidist.comm.ops import Workspace, offsets
 from minidist.comm.transport import Deadline, PeerTimeout, Request, Transport
-from minidist.device import data_pointer, require_cupy
+from minidist.device import data_pointer, gpu_count, require_cupy, use_gpu
 
 _DTYPES = {"float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64",
            "int32": "NCCL_INT32", "int64": "NCCL_INT64"}
@@ -49,15 +49,14 @@ UNIQUE_ID_BYTES = 128
 def select_device(local_rank: int, local_size: int) -> int:
     """Make GPU ``local_rank`` this process's current device and return it; a clear RuntimeError
     (on every rank of the node) when the node has fewer GPUs than ranks, which NCCL refuses."""
-    cupy = require_cupy("backend 'nccl'")
-    gpus = cupy.cuda.runtime.getDeviceCount()
+    require_cupy("backend 'nccl'")
+    gpus = gpu_count()
     if gpus < local_size:
         raise RuntimeError(
             f"{local_size} ranks on this node but only {gpus} GPUs: NCCL does not allow two ranks of a "
             f"communicator on one GPU (NCCL >= 2.30 has an experimental switch for it); run at most {gpus} "
             f"ranks per node, or use backend 'ring', which stages GPU buffers through MPI")
-    cupy.cuda.Device(local_rank).use()
-    return local_rank
+    return use_gpu(local_rank)
 
 
 def _nccl_module():
