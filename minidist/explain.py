@@ -163,8 +163,8 @@ def print_explanation(mesh, model, events, *, file=None, **details) -> None:
 @contextmanager
 def explaining(mesh, model, *, file=None, **details):
     """Print the explanation of whatever the ``with`` block does (a tutorial's training step):
-    the events ``mesh.world.trace`` records inside it. Collective over ``mesh.world`` on exit."""
-    trace = mesh.world.trace
-    first = len(trace.events)
-    yield
-    print_explanation(mesh, model, trace.events[first:], file=file, **details)
+    every event ``mesh.world.trace`` records inside it, however few the trace keeps. Collective over
+    ``mesh.world`` on exit."""
+    with mesh.world.trace.capture() as events:
+        yield
+    print_explanation(mesh, model, events, file=file, **details)

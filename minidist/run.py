@@ -1,19 +1,28 @@
 """The restarting launcher: ``python -m minidist.run -n N [--max-restarts K] -- script args...``.
 
 It runs ``mpiexec -n N python script args...`` (the ``mpiexec`` installed beside this Python, e.g.
-by the pip ``mpich`` wheel, else the one on PATH) with ``OMP_NUM_THREADS=1`` and a time limit. When
-the job fails (a rank died: MPI then ends every rank, so mpiexec exits non-zero; or the time limit
-passed), it says so and starts the WHOLE job again with ``--resume`` added: the script continues from
-the latest valid checkpoint in its ``--ckpt-dir``. A job keeps no state outside its checkpoints, so
-restarting every rank is simpler and safer than patching a running job (torchrun's elastic agent
-does the same). ``--elastic-n M`` restarts on M ranks instead: the checkpoint reshards on load; write
-``{n}`` in the script's arguments where the rank count belongs (``--dp {n}``).
+by the pip ``mpich`` wheel, else the one on PATH) with ``OMP_NUM_THREADS=1`` and an optional time
+limit. When the job fails (a rank died or raised: MPI then ends every rank, so mpiexec exits
+non-zero; a collective timed out; or the time limit passed), it says why and starts the WHOLE job
+again: with ``--resume`` added when ``latest_valid`` finds a checkpoint in the script's
+``--ckpt-dir`` (the script continues from it), else from the start without ``--resume``. A job keeps
+no state outside its checkpoints, so restarting every rank is simpler and safer than patching a
+running job (torchrun's elastic agent does the same). ``--elastic-n M`` restarts on M ranks instead:
+the checkpoint reshards on load; write ``{n}`` in the script's arguments where the rank count
+belongs (``--dp {n}``).
+
+Two failures are never retried, since a restart would fail the same way: a configuration the job
+refused (exit status 2) and ranks calling different collectives (exit status 4, a bug). SIGTERM,
+SIGHUP and SIGINT (Ctrl-C) stop the launcher: it passes the signal to the whole job (mpiexec and
+every rank), kills what is left after ``--grace`` seconds, restarts nothing, and exits with
+128 + the signal's number, as a shell reports a process the signal ended.
 
     python -m minidist.run -n 4 --max-restarts 2 -- -m minidist.train --dp 4 --ckpt-dir ckpt --save-every 50
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import signal
@@ -23,6 +32,24 @@ import time
 from pathlib import Path
 
 from minidist.checkpoint.reader import latest_valid
+from minidist.comm.transport import EXIT_COMM_TIMEOUT, EXIT_CONFIG, EXIT_MISMATCH
+from minidist.process_tree import descendants, signal_processes, wait_gone
+
+TIME_LIMIT = 124
+"""What :func:`run_job` returns when the job ran past ``--timeout`` (the code of ``timeout(1)``)."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+NOT_RETRIED = {  # exit status -> what it means; a restart would end the same way
+    EXIT_CONFIG: "the job refused its configuration (bad flags or data)",
+    EXIT_MISMATCH: "the ranks called different collectives (a bug)",
+}
+
+
+class Stopped(Exception):
+    """The launcher received one of :data:`STOP_SIGNALS`: end the job, restart nothing."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 def find_mpiexec() -> str:
@@ -42,24 +69,68 @@ def job_command(mpiexec: str, n: int, script_args: list, resume: bool) -> list:
     return [mpiexec, "-n", str(n), sys.executable, *args]
 
 
-def run_job(cmd: list, timeout: float | None) -> int:
-    """Run ``cmd`` in its own process group and return its exit code; past ``timeout`` seconds the
-    whole group (mpiexec and every rank) is killed and 124 returned (the code of ``timeout(1)``).
-    The limit is also handed to MPICH's mpiexec (MPIEXEC_TIMEOUT)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    if timeout is not None:
-        env["MPIEXEC_TIMEOUT"] = str(int(timeout))
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+@contextlib.contextmanager
+def stop_signals():
+    """Inside: SIGTERM, SIGHUP and SIGINT raise :class:`Stopped` (in the main thread) instead of
+    ending or interrupting the launcher; the previous handlers come back on exit."""
+    def stop(signum, frame):
+        raise Stopped(signum)
+
+    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
     try:
-        return proc.wait(timeout=None if timeout is None else timeout + 5)
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def run_job(cmd: list, timeout: float | None, grace: float = 5.0) -> int:
+    """Run ``cmd`` (mpiexec) in its own process group and return its exit code. Past ``timeout``
+    seconds the whole job is ended (:func:`end_job` with SIGTERM) and :data:`TIME_LIMIT` returned.
+    On :class:`Stopped` (a signal to the launcher) the job is ended with that signal, then it is
+    raised again."""
+    proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+    try:
+        return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        return 124
-    except KeyboardInterrupt:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait()
+        end_job(proc, signal.SIGTERM, grace)
+        return TIME_LIMIT
+    except Stopped as stop:
+        end_job(proc, stop.signum, grace)
         raise
+
+
+def end_job(proc: subprocess.Popen, signum: int, grace: float) -> None:
+    """End the job of ``proc`` (mpiexec, leader of its process group): send ``signum`` to the group
+    and to every process descended from mpiexec (MPICH starts each rank in a session of its own, out
+    of the group's reach; mpiexec also forwards the signal to the ranks on other hosts), wait up to
+    ``grace`` seconds, then SIGKILL whatever still runs. Returns once mpiexec is reaped and none of
+    its descendants runs. The stop signals are held back meanwhile, so a second Ctrl-C cannot
+    interrupt the clean-up."""
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        job = signal_job(proc, [], signum)
+        deadline = time.monotonic() + grace
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace)
+        if wait_gone(job, max(0.0, deadline - time.monotonic())) or proc.poll() is None:
+            say(f"the job did not end within {grace:g}s of {signal.Signals(signum).name}: killing it (SIGKILL)")
+            job = signal_job(proc, job, signal.SIGKILL)
+            proc.wait()
+            wait_gone(job, 5.0)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+def signal_job(proc: subprocess.Popen, job: list, signum: int) -> list:
+    """Send ``signum`` to mpiexec's process group (while mpiexec runs: its pid is then still ours)
+    and to the processes of ``job`` plus every process now descended from mpiexec; returns them all."""
+    if proc.poll() is None:
+        job = job + descendants(proc.pid)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signum)
+    signal_processes(job, signum)
+    return job
 
 
 def checkpoint_dir(script_args: list) -> str | None:
@@ -74,8 +145,12 @@ def checkpoint_dir(script_args: list) -> str | None:
 
 def describe_exit(code: int, timeout: float | None) -> str:
     """Why a job ended, in words."""
-    if code == 124:
-        return f"hit the time limit of {timeout:g}s (a hang?)"
+    if code == TIME_LIMIT:
+        return f"hit the time limit of {timeout:g}s (--timeout) and was ended (a hang, or too short a limit?)"
+    if code == EXIT_COMM_TIMEOUT:
+        return f"exited with code {code}: a collective timed out: a rank hung or was lost"
+    if code in NOT_RETRIED:
+        return f"exited with code {code}: {NOT_RETRIED[code]}"
     if code < 0:
         return f"was killed by signal {signal.Signals(-code).name}"
     return f"exited with code {code} (a rank died or raised)"
@@ -87,6 +162,8 @@ def parse_args(argv=None):
     p.add_argument("-n", type=int, required=True, help="ranks (MPI processes)")
     p.add_argument("--max-restarts", type=int, default=0, help="restarts after a failure before giving up")
     p.add_argument("--timeout", type=float, default=None, help="seconds each attempt may run")
+    p.add_argument("--grace", type=float, default=5.0,
+                   help="seconds a stopped or timed-out job has to end after the signal, before SIGKILL")
     p.add_argument("--elastic-n", type=int, default=None, help="ranks to restart with (default: -n)")
     p.add_argument("script", nargs=argparse.REMAINDER, help="after --: a script (or -m module) and its args")
     args = p.parse_args(argv)
@@ -97,30 +174,50 @@ def parse_args(argv=None):
         p.error("-n and --elastic-n must be >= 1")
     if args.max_restarts < 0:
         p.error("--max-restarts must be >= 0")
+    if args.timeout is not None and not 0 < args.timeout < float("inf"):
+        p.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if not 0 <= args.grace < float("inf"):
+        p.error(f"--grace must be a number of seconds >= 0, got {args.grace}")
     return args
 
 
 def main(argv=None) -> int:
-    """Run the job, restarting it up to ``--max-restarts`` times; returns the last exit code."""
+    """Run the job, restarting it up to ``--max-restarts`` times; returns the last exit code, or
+    128 + signal number when a signal stopped the launcher."""
     args = parse_args(argv)
+    with stop_signals():
+        try:
+            return supervise(args)
+        except Stopped as stop:
+            say(f"stopped by {stop}: the job was ended (mpiexec and every rank); not restarting")
+            return 128 + stop.signum
+
+
+def supervise(args) -> int:
+    """The attempts of :func:`main`: run, and on a failure that a restart can cure, restart."""
     mpiexec, ckpt = find_mpiexec(), checkpoint_dir(args.script)
     n, resume = args.n, False
     for attempt in range(args.max_restarts + 1):
         cmd = job_command(mpiexec, n, args.script, resume)
         say(f"attempt {attempt + 1}/{args.max_restarts + 1}: {' '.join(cmd)}")
         start = time.monotonic()
-        code = run_job(cmd, args.timeout)
+        code = run_job(cmd, args.timeout, args.grace)
         if code == 0:
             say(f"attempt {attempt + 1} finished in {time.monotonic() - start:.1f}s")
             return 0
         say(f"attempt {attempt + 1} {describe_exit(code, args.timeout)} after {time.monotonic() - start:.1f}s")
+        if code in NOT_RETRIED:
+            say(f"not restarting: {NOT_RETRIED[code]}, and a restart would end the same way")
+            return code
         if attempt == args.max_restarts:
             break
-        n, resume = args.elastic_n or n, True
+        n = args.elastic_n or n
         found = latest_valid(ckpt, log=say) if ckpt else None
-        where = (f"from checkpoint {found}" if found else
-                 f"from the start (no valid checkpoint in {ckpt})" if ckpt else "(no --ckpt-dir given)")
-        say(f"restart {attempt + 1}/{args.max_restarts} on {n} ranks with --resume {where}")
+        resume = found is not None  # --resume refuses to start without a valid checkpoint
+        where = (f"with --resume from checkpoint {found}" if found else
+                 f"from the start (no valid checkpoint in {ckpt}), without --resume" if ckpt else
+                 "from the start (no --ckpt-dir given)")
+        say(f"restart {attempt + 1}/{args.max_restarts} on {n} ranks {where}")
     say(f"giving up after {args.max_restarts} restart(s)")
     return code if code > 0 else 1
 

@@ -47,7 +47,8 @@ import time
 
 from tqdm import tqdm
 
-from minidist.checkpoint.training import TrainingCheckpoints, crash_here
+from minidist.checkpoint.identity import run_identity
+from minidist.checkpoint.training import ResumeRefused, TrainingCheckpoints, crash_here
 from minidist.comm import init
 from minidist.device import to_device
 from minidist.optim import lr_at
@@ -55,22 +56,24 @@ from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.sampler import DistributedSampler
 from minidist.parallel.step import train_step
 from minidist.train_build import build_parallel, describe_layout, load_data, memory_table, select_device, world_of_one
-from minidist.train_config import ConfigError, check_config, parse_args
-from minidist.train_outputs import estimate_val_loss, explain_step, open_metrics, sample, write_outputs
+from minidist.train_config import ConfigError, check_config, comm_timeout_problems, fault_injection_armed, parse_args
+from minidist.train_outputs import estimate_val_loss, explain_step, open_metrics, sample, trace_file, write_outputs
 from minidist.train_ps import train_ps
 
 
-def train(cfg, progress=True, world=None):
+def train(cfg, progress=True, world=None, keep_history=True):
     """Run the training loop of ``cfg`` on ``world`` (a ProcessGroup of dp * pp * tp ranks; None:
     one process). Returns (model, history): this rank's model (or pipeline stage) and one dict per
-    step run here (the same on every rank); global rank 0 writes ``cfg.out``, ``cfg.export``, and
-    prints. With ``cfg.ckpt_dir`` it saves checkpoints and ``cfg.resume`` continues from the newest."""
+    step run here (the same on every rank; with ``keep_history=False`` only the last, so a long run's
+    memory stays flat); global rank 0 writes ``cfg.out``, ``cfg.export``, and prints; with
+    ``cfg.trace`` every rank streams its trace events to disk as they happen. With ``cfg.ckpt_dir``
+    it saves checkpoints and ``cfg.resume`` continues from the newest."""
     world = world if world is not None else world_of_one()
     check_config(cfg, world.size)
+    train_tokens, val_tokens = load_data(cfg)  # may refuse the data: before anything is sent
     select_device(cfg, world)
     lead = world.rank == 0
     mesh = DeviceMesh(world, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp)
-    train_tokens, val_tokens = load_data(cfg)
     sampler = DistributedSampler(train_tokens, cfg.batch_size, cfg.block_size, cfg.seed, mesh.dp_rank, cfg.dp)
     model, optimizer, dp, engine, amp = build_parallel(cfg, mesh)
     if lead:
@@ -80,27 +83,27 @@ def train(cfg, progress=True, world=None):
               f"tokens, {cfg.batch_size} x {cfg.block_size} tokens per step, {mesh!r}")
         if world.size > 1:
             print(describe_layout(cfg, mesh, model))
-    ckpts = (TrainingCheckpoints(cfg.ckpt_dir, mesh, save_every=cfg.save_every, keep=cfg.keep,
-                                 async_save=cfg.async_save) if cfg.ckpt_dir else None)
+    ckpts = (TrainingCheckpoints(cfg.ckpt_dir, mesh, run_identity(cfg, train_tokens), save_every=cfg.save_every,
+                                 keep=cfg.keep, async_save=cfg.async_save) if cfg.ckpt_dir else None)
     start = ckpts.resume(model, optimizer)[0] if cfg.resume else 0
     history = []
-    with open_metrics(cfg.out if lead else None, start) as metrics_file:
+    with open_metrics(cfg.out if lead else None, start) as metrics_file, trace_file(cfg, world.trace):
         # the bar only on a terminal (disable=None): piped into a log, the step lines below tell the story
         bar = tqdm(range(start, cfg.steps), disable=None if progress and lead else True, dynamic_ncols=True)
         for step in bar:
-            if step == cfg.fail_at_step and not cfg.resume and mesh.rank == cfg.fail_rank:
+            if step == cfg.fail_at_step and fault_injection_armed(cfg) and mesh.rank == cfg.fail_rank:
                 crash_here()
             lr = lr_at(step, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr)
             t0 = time.perf_counter()
-            first_event = len(world.trace.events)
-            batch = to_device(sampler.batch(step), cfg.device)  # (B/dp, T+1): this rank's rows of the global batch
-            loss_scale = amp.scaler.scale if amp else None  # the scale this step's backward uses
-            loss, grad_norm = train_step(model, optimizer, batch, lr, cfg.grad_clip, dp=dp, engine=engine,
-                                         mesh=mesh, n_micro=cfg.micro_batches,
-                                         sequence_parallel=cfg.sequence_parallel, trace=world.trace, amp=amp)
+            with world.trace.capture() as step_events:  # every event of the step, for --explain
+                batch = to_device(sampler.batch(step), cfg.device)  # (B/dp, T+1): this rank's rows of the global batch
+                loss_scale = amp.scaler.scale if amp else None  # the scale this step's backward uses
+                loss, grad_norm = train_step(model, optimizer, batch, lr, cfg.grad_clip, dp=dp, engine=engine,
+                                             mesh=mesh, n_micro=cfg.micro_batches,
+                                             sequence_parallel=cfg.sequence_parallel, trace=world.trace, amp=amp)
             tokens_per_s = cfg.batch_size * cfg.block_size / (time.perf_counter() - t0)
             if step == start and cfg.explain:
-                explain_step(cfg, mesh, model, world.trace.events[first_event:], batch.shape)
+                explain_step(cfg, mesh, model, step_events, batch.shape)
             if step == start and cfg.zero and lead:  # after a step: every model state exists, at its size
                 bar.write(memory_table(optimizer))
             record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "grad_norm": grad_norm}
@@ -111,6 +114,8 @@ def train(cfg, progress=True, world=None):
                 if lead:
                     bar.write(f"step {step:5d}  train loss {loss:.4f}  val loss {record['val_loss']:.4f}")
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:.0f}")
+            if not keep_history:
+                history.clear()  # only the last record: memory stays flat however long the run
             history.append(record)
             if metrics_file is not None:
                 metrics_file.write(json.dumps(record) + "\n")
@@ -127,17 +132,21 @@ def main(argv=None):
     """Entry point of ``python -m minidist.train``."""
     cfg = parse_args(argv)
     # the MPI world: under mpiexec, its ranks; run alone, a world of one. A timeout's flight record
-    # lands in the run directory.
+    # lands in the run directory. init needs the timeout, so it is checked first (exit 2, every rank).
+    for problem in comm_timeout_problems(cfg):
+        print(f"python -m minidist.train: invalid configuration: {problem}", file=sys.stderr)
+        sys.exit(2)
     try:
-        world = init(cfg.backend, flight_dir=cfg.out or cfg.trace)
+        world = init(cfg.backend, timeout=cfg.comm_timeout, flight_dir=cfg.out or cfg.trace)
     except (ImportError, RuntimeError) as e:
         if cfg.backend != "nccl":
             raise
         print(f"python -m minidist.train: {e}", file=sys.stderr)  # no CuPy, no GPU, fewer GPUs than ranks
         sys.exit(2)
     try:
-        model, history = (train_ps if cfg.mode == "ps" else train)(cfg, world=world)
-    except ConfigError as e:
+        model, history = (train_ps(cfg, world=world) if cfg.mode == "ps"  # below: only the last record
+                          else train(cfg, world=world, keep_history=False))
+    except (ConfigError, ResumeRefused) as e:
         if world.rank == 0:
             print(f"python -m minidist.train: {e}", file=sys.stderr)
         sys.exit(2)

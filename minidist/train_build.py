@@ -3,11 +3,13 @@ device, the data, the model (or this rank's shard / pipeline stage of it), the o
 gradient sync, the pipeline engine and mixed precision; and describe the layout that results.
 """
 import socket
+from pathlib import Path
 
 import numpy as np
 
 from minidist.amp import COMPUTE_DTYPES, DynamicLossScaler, MixedPrecision
-from minidist.comm import LocalTransport, ProcessGroup
+from minidist.comm import LocalTransport, ProcessGroup, Trace
+from minidist.comm.trace import KEEP_RECENT
 from minidist.data import ByteTokenizer, default_corpus, load_tokens, train_val_split
 from minidist.device import require_cupy, use_gpu
 from minidist.model import GPT, GPTConfig
@@ -24,8 +26,9 @@ ADAMW_BETAS = (0.9, 0.95)
 
 
 def world_of_one(timeout: float = 60.0) -> ProcessGroup:
-    """A one-rank world without MPI: what ``train`` runs on when it is given no world."""
-    return ProcessGroup(LocalTransport.world(1, timeout)[0])
+    """A one-rank world without MPI: what ``train`` runs on when it is given no world. Its trace
+    keeps the last ``KEEP_RECENT`` events, as ``init()``'s does, so a long run's memory stays flat."""
+    return ProcessGroup(LocalTransport.world(1, timeout)[0], trace=Trace(0, keep=KEEP_RECENT))
 
 
 def select_device(cfg, world) -> None:
@@ -59,9 +62,22 @@ def local_rank(world) -> int:
 
 def load_data(cfg):
     """(train, val) token arrays: ``cfg.data`` if given (a UTF-8 text file is a token file), else
-    the default corpus, generated and cached on first use. The last 10% is validation."""
-    path = cfg.data if cfg.data is not None else default_corpus(cfg.data_dir)
-    return train_val_split(load_tokens(path), val_fraction=0.1)
+    the default corpus, generated and cached on first use. The last 10% is validation.
+
+    Each part must hold one window of ``block_size + 1`` tokens: else a :class:`ConfigError` naming
+    the file, its token counts and the length needed. The verdict depends on the file alone, so every
+    rank reaches it before anything is sent (call this before building the mesh)."""
+    path = Path(cfg.data) if cfg.data is not None else default_corpus(cfg.data_dir)
+    if not path.is_file():
+        raise ConfigError(f"--data {path}: {'not a file' if path.exists() else 'no such file'}")
+    tokens = load_tokens(path) if path.stat().st_size else np.zeros(0, np.uint8)  # (an empty file cannot be mapped)
+    train, val = train_val_split(tokens, val_fraction=0.1)
+    need = cfg.block_size + 1
+    if min(len(train), len(val)) < need:
+        raise ConfigError(f"--data {path}: {len(tokens)} tokens, {len(train)} for training and {len(val)} for "
+                          f"validation; each needs at least block_size + 1 = {need} (one window). The last 10% "
+                          f"validates: give at least {10 * need} tokens, or a smaller --block-size")
+    return train, val
 
 
 def build_model(cfg, tp_group=None):

@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 
 from minidist.amp import COMPUTE_DTYPES
+from minidist.checkpoint.paths import ckpt_dir_problems
 from minidist.device import DEVICES
 from minidist.parallel.param_server import check_parameter_server
 from minidist.parallel.pipeline import SCHEDULES
@@ -47,6 +48,7 @@ class TrainConfig:
     # parallelism (world size = dp * pp * tp; --mode ps: servers + workers) and what it writes
     mode: str = "collective"
     backend: str = "ring"
+    comm_timeout: float = 300.0
     servers: int = 1
     staleness: int = -1
     straggler: float = 0.0
@@ -78,12 +80,62 @@ class ConfigError(ValueError):
     before any communication."""
 
 
-def check_config(cfg, world_size: int) -> None:
-    """Raise :class:`ConfigError` listing everything wrong with running ``cfg`` on ``world_size`` ranks."""
+# The values each numeric flag may take, as an interval: "[" and "]" include the bound, "(" and ")"
+# exclude it, so an open end at inf refuses inf too, and nan is in no interval. (--save-every, --keep,
+# --comm-timeout and --fail-rank against the world are checked with their features, below.)
+RANGES = {
+    "steps": "[1, inf)", "batch_size": "[1, inf)", "seed": "[0, inf)", "loss_scale_window": "[1, inf)",
+    "lr": "(0, inf)", "min_lr": "[0, inf)", "warmup": "[0, inf)", "momentum": "[0, 1)",
+    "weight_decay": "[0, inf)", "grad_clip": "[0, inf)",
+    "n_layer": "[1, inf)", "n_head": "[1, inf)", "n_embd": "[1, inf)", "block_size": "[1, inf)",
+    "eval_every": "[1, inf)", "eval_iters": "[1, inf)", "sample_tokens": "[0, inf)",
+    "servers": "[1, inf)", "staleness": "[-1, inf)", "straggler": "[0, inf)",
+    "dp": "[1, inf)", "pp": "[1, inf)", "tp": "[1, inf)", "micro_batches": "[1, inf)", "virtual_stages": "[1, inf)",
+    "bucket_mb": "(0, inf)", "fail_at_step": "[-1, inf)", "fail_rank": "[0, inf)",
+}
+
+
+def in_interval(value, interval: str) -> bool:
+    """Whether ``value`` lies in ``interval``, e.g. ``"[0, 1)"`` (see :data:`RANGES`)."""
+    low, high = (float(bound) for bound in interval[1:-1].split(","))
+    above = low <= value if interval[0] == "[" else low < value
+    below = value <= high if interval[-1] == "]" else value < high
+    return above and below
+
+
+def in_words(interval: str) -> str:
+    """``"(0, inf)"`` -> "positive", ``"[1, inf)"`` -> ">= 1", ``"[0, 1)"`` -> "in [0, 1)"."""
+    low, high = interval[1:-1].split(", ")
+    if high != "inf":
+        return f"in {interval}"
+    if interval[0] == "(":
+        return "positive" if low == "0" else f"> {low}"
+    return f">= {low}"
+
+
+def range_problems(cfg) -> list[str]:
+    """Every flag of ``cfg`` outside its range in :data:`RANGES`, and --min-lr above --lr."""
     problems = []
-    for name in ("dp", "pp", "tp", "micro_batches", "virtual_stages"):
-        if getattr(cfg, name) < 1:
-            problems.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+    for name, interval in RANGES.items():
+        value = getattr(cfg, name)
+        if not in_interval(value, interval):
+            finite = " and finite" if value == float("inf") else ""
+            problems.append(f"--{name.replace('_', '-')} must be {in_words(interval)}{finite}, got {value}")
+    if not problems and cfg.min_lr > cfg.lr:
+        problems.append(f"--min-lr {cfg.min_lr} is larger than --lr {cfg.lr} (the cosine decays from --lr to --min-lr)")
+    return problems
+
+
+def fault_injection_armed(cfg) -> bool:
+    """Whether rank --fail-rank crashes on purpose at --fail-at-step: only in a run that does not
+    resume, so a restarted job (``python -m minidist.run``) runs through."""
+    return cfg.fail_at_step >= 0 and not cfg.resume
+
+
+def check_config(cfg, world_size: int) -> None:
+    """Raise :class:`ConfigError` listing everything wrong with running ``cfg`` on ``world_size`` ranks.
+    Out-of-range numbers are reported first, all together (the other checks divide by them)."""
+    problems = range_problems(cfg)
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
     axes = ("dp", "pp", "tp") if cfg.pp > 1 else ("dp", "tp")
@@ -105,8 +157,6 @@ def check_config(cfg, world_size: int) -> None:
     if cfg.sequence_parallel and cfg.block_size % cfg.tp:
         problems.append(f"block_size {cfg.block_size} is not divisible by tp {cfg.tp} (sequence parallelism "
                         f"splits the sequence over the tp ranks)")
-    if cfg.bucket_mb <= 0:
-        problems.append(f"--bucket-mb must be positive, got {cfg.bucket_mb}")
     if cfg.schedule not in SCHEDULES:
         problems.append(f"--schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
     if cfg.pp * cfg.virtual_stages > cfg.n_layer:
@@ -126,9 +176,18 @@ def check_config(cfg, world_size: int) -> None:
                         "gradient sync adds up full gradients, which ZeRO stages 2 and 3 do not keep (use --zero 1)")
     if cfg.zero == 3 and cfg.recompute:
         problems.append("--recompute with --zero 3 is redundant: ZeRO-3 already recomputes every block in backward")
+    problems += comm_timeout_problems(cfg)
     problems += checkpoint_problems(cfg, world_size) + mixed_precision_problems(cfg) + device_problems(cfg)
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+def comm_timeout_problems(cfg) -> list[str]:
+    """What is wrong with ``--comm-timeout`` (a positive, finite number of seconds). ``main`` asks it
+    before :func:`~minidist.comm.launch.init`, which needs the timeout, and :func:`check_config` again."""
+    if not (isinstance(cfg.comm_timeout, (int, float)) and 0 < cfg.comm_timeout < float("inf")):
+        return [f"--comm-timeout must be a positive, finite number of seconds, got {cfg.comm_timeout}"]
+    return []
 
 
 def parameter_server_problems(cfg, world_size: int) -> list[str]:
@@ -203,7 +262,8 @@ def checkpoint_problems(cfg, world_size: int) -> list[str]:
         problems.append(f"--save-every must be >= 0 (0: never), got {cfg.save_every}")
     if cfg.keep < 1:
         problems.append(f"--keep must be >= 1, got {cfg.keep}")
-    if cfg.fail_at_step >= 0 and not 0 <= cfg.fail_rank < world_size:
+    problems += ckpt_dir_problems(cfg.ckpt_dir) if cfg.ckpt_dir is not None else []
+    if fault_injection_armed(cfg) and not 0 <= cfg.fail_rank < world_size:
         problems.append(f"--fail-rank {cfg.fail_rank} is not a rank of the {world_size}-rank world")
     return problems
 
@@ -223,6 +283,8 @@ def parse_args(argv=None):
                   "one GPU per rank: local rank modulo the GPUs of its machine)",
         "backend": "collectives: ring (hand-written, over MPI point-to-point), mpi (MPI's own), nccl (GPU buffers, "
                    "--device cuda)",
+        "comm_timeout": "seconds a collective or point-to-point call waits for a peer before the job fails "
+                        "(exit status 3) naming the rank that never arrived",
         "loss_scale": "mixed precision: 'dynamic' (float16) or a fixed scale", "loss_scale_window":
         "dynamic loss scaling: clean steps before the scale doubles",
         "optimizer": "update rule",
@@ -252,7 +314,8 @@ def parse_args(argv=None):
         "explain": "print each rank's first step: what it holds, what it sends to whom",
         "ckpt_dir": "directory of sharded checkpoints (step-<n>/ folders)",
         "save_every": "steps between checkpoints (0: none)", "keep": "newest checkpoints kept",
-        "resume": "continue from the newest valid checkpoint in --ckpt-dir (in any layout)",
+        "resume": "continue from the newest valid checkpoint in --ckpt-dir (in any layout); refused (exit 2) when "
+                  "none is valid or it is another run's (model, seed, data or hyper-parameters differ)",
         "async_save": "write checkpoints in a background thread while training goes on",
         "fail_at_step": "fault injection: rank --fail-rank kills itself at the start of this step (-1: never; "
                         "not when resuming)",

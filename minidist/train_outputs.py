@@ -12,7 +12,7 @@ from minidist.checkpoint import save_state_dict
 from minidist.data import ByteTokenizer, get_batch, inputs_and_targets
 from minidist.device import to_device
 from minidist.explain import print_explanation
-from minidist.inspect.write import model_state_bytes, write_memory_report, write_trace
+from minidist.inspect.write import model_state_bytes, stream_trace, write_memory_report
 from minidist.parallel.consolidate import full_state_dict
 from minidist.parallel.sampler import micro_batches
 
@@ -30,6 +30,15 @@ def open_metrics(out, start: int = 0):
         kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < start]
     path.write_text("".join(line + "\n" for line in kept))
     return open(path, "a")
+
+
+def trace_file(cfg, trace):
+    """``--trace DIR``: a context inside which every event ``trace`` records goes to
+    DIR/trace/rank<r>.jsonl as it happens (each rank its own file; nothing sent), so the in-memory
+    trace can stay a short ring however long the run. The file starts with the events the trace
+    still keeps when the context opens (with ``init()``'s ring of ``KEEP_RECENT``: every call since
+    ``init``, unless more came before the loop). A no-op context without ``--trace``."""
+    return stream_trace(cfg.trace, trace) if cfg.trace is not None else contextlib.nullcontext()
 
 
 def estimate_val_loss(model, val_tokens, cfg, engine=None):
@@ -61,16 +70,15 @@ def explain_step(cfg, mesh, model, events, batch_shape):
 def write_outputs(cfg, model, optimizer, mesh, amp=None):
     """``--export``: the consolidated full state_dict (collective over the mesh, ZeRO-3's parameters
     gathered first; written by global rank 0) as .npz, or as safetensors when the path ends in
-    ``.safetensors``. ``--trace DIR``: this rank's trace events and memory rows for
-    ``python -m minidist.inspect DIR`` (each rank writes its own files). Under mixed precision the
-    export holds the float32 masters."""
+    ``.safetensors``. ``--trace DIR``: this rank's memory rows for ``python -m minidist.inspect DIR``
+    (each rank writes its own file; :func:`trace_file` has written its events during the loop). Under
+    mixed precision the export holds the float32 masters."""
     if cfg.export is not None:
         with optimizer.full_parameters() if cfg.zero else masters_in_model(amp) if amp else contextlib.nullcontext():
             state = full_state_dict(model, mesh)
         if mesh.rank == 0:
             export(state, cfg.export)
     if cfg.trace is not None:
-        write_trace(cfg.trace, mesh.world.trace)
         held = optimizer.model_state_bytes() if cfg.zero else model_state_bytes(model, optimizer)
         write_memory_report(cfg.trace, mesh.rank, [dict(label="after last step", **held)])
 

@@ -56,8 +56,34 @@ def test_ranks_starting_at_once_as_threads_all_get_the_same_complete_corpus(tmp_
         t.start()
     for t in threads:
         t.join()
-    assert len(set(paths)) == 1 and [p.name for p in tmp_path.iterdir()] == [paths[0].name]
+    assert len(set(paths)) == 1 and sorted(p.name for p in tmp_path.iterdir()) == [paths[0].name,
+                                                                                   paths[0].name + ".json"]
     assert paths[0].read_bytes() == grammar_text(50_000).encode()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped byte", "no record"])
+def test_a_damaged_corpus_cache_is_regenerated_with_a_message_naming_it(tmp_path, capsys, damage):
+    path = default_corpus(tmp_path, n_bytes=20_000)
+    data = path.read_bytes()
+    if damage == "truncated":
+        path.write_bytes(data[:5000])  # a full disk, a killed writer
+    elif damage == "flipped byte":
+        path.write_bytes(data[:100] + bytes([data[100] ^ 1]) + data[101:])
+    else:
+        (tmp_path / (path.name + ".json")).unlink()
+    capsys.readouterr()
+    assert default_corpus(tmp_path, n_bytes=20_000) == path
+    message = capsys.readouterr().err
+    assert f"the corpus cache {path}" in message and "regenerating it" in message
+    assert path.read_bytes() == data == grammar_text(20_000).encode()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name, path.name + ".json"]  # no temporary left
+
+
+def test_an_intact_corpus_cache_is_used_silently(tmp_path, capsys):
+    path = default_corpus(tmp_path, n_bytes=20_000)
+    capsys.readouterr()
+    default_corpus(tmp_path, n_bytes=20_000)
+    assert capsys.readouterr().err == ""
 
 
 def test_a_text_file_is_a_token_file_and_splits_without_copying(tmp_path):

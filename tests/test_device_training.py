@@ -11,6 +11,7 @@ checkpoints, and the command line's refusals.
 import dataclasses
 import importlib.util
 import re
+import shutil
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 
 from minidist import run_local
+from minidist.checkpoint import step_dir
 from minidist.device import to_device
 from minidist.model import GPT, GPTConfig
 from minidist.train import train
@@ -109,12 +111,13 @@ def test_emulated_bfloat16_on_device_arrays_trains_bitwise_like_numpy(cupy, data
 
 
 def test_checkpoints_of_a_device_run_resume_bitwise_like_numpy(cupy, data_dir, tmp_path):
-    cfg = TrainConfig(**dict(TINY, steps=4), data_dir=data_dir, optimizer="adamw", dp=2, zero=1, save_every=2)
+    cfg = TrainConfig(**dict(TINY, steps=6), data_dir=data_dir, optimizer="adamw", dp=2, zero=1, save_every=2)
     results = {}
     for device in ("cpu", "cuda"):
         ckpt = dataclasses.replace(cfg, device=device, ckpt_dir=str(tmp_path / device))
         run(ckpt)
-        results[device] = run(dataclasses.replace(ckpt, steps=6, resume=True))  # steps 4, 5 from step-4
+        shutil.rmtree(step_dir(ckpt.ckpt_dir, 6))  # as if the job had died after saving step 4
+        results[device] = run(dataclasses.replace(ckpt, resume=True))  # steps 4, 5 from step-4
     for (losses, _, state, _), (ref_losses, _, ref_state, _) in zip(results["cuda"], results["cpu"]):
         assert losses == ref_losses and len(losses) == 2
         for name, value in ref_state.items():

@@ -1,5 +1,6 @@
 """Failing fast and clearly: bad arguments are refused before anything is sent, a missing peer ends
 in an error that names the call and the peer, and debug mode catches ranks that disagree."""
+import io
 import sys
 import time
 
@@ -8,6 +9,7 @@ import pytest
 
 from minidist import run_local
 from minidist.comm import CollectiveMismatchError, CommTimeoutError, PeerExited
+from minidist.comm.flight_recorder import FlightRecorder
 
 
 def read_only(x):
@@ -136,3 +138,56 @@ def test_run_local_reraises_the_first_error_and_the_others_do_not_hang():
 def test_run_local_refuses_the_mpi_backend():
     with pytest.raises(ValueError, match="mpiexec"):
         run_local(lambda g: None, 2, backend="mpi")
+
+
+def test_a_sleeping_rank_is_named_by_every_rank_that_waited_not_just_the_neighbour_it_waited_on():
+    recorder = FlightRecorder(stream=io.StringIO())
+
+    def fn(g):
+        g.all_reduce(np.ones(4))
+        if g.rank == 2:
+            time.sleep(1.2)  # stopped: far past the timeout, never calls #2 in time
+            return None
+        with pytest.raises(CommTimeoutError) as info:
+            g.all_reduce(np.ones(1 << 15))  # the ring: rank 0 waits on rank 3, which waits on rank 2
+        return info.value, recorder.dump(g.trace, info.value)
+
+    results = run_local(fn, 4, timeout=0.3)
+    for r in (0, 1, 3):
+        error, dump = results[r]
+        assert error.missing == [2], error
+        assert ("rank 2 never arrived at all_reduce #2 (no answer in 0.3s: stopped, hung or busy elsewhere); "
+                "ranks 0,1,3 waited in it") in str(error)
+        assert str(error) in dump.splitlines()[0]  # the flight recorder shows the census
+    assert results[0][0].peer != 2  # rank 0 itself waited on a neighbour that was waiting too
+
+
+def test_comm_timeout_flag_reaches_init_and_a_bad_value_exits_2_before_it(monkeypatch, capsys):
+    import minidist.train as train_module
+    from minidist.train_config import ConfigError, TrainConfig, check_config, parse_args
+
+    class Started(Exception):
+        pass
+
+    seen = {}
+
+    def fake_init(backend, **kwargs):
+        seen.update(kwargs)
+        raise Started
+
+    monkeypatch.setattr(train_module, "init", fake_init)
+    with pytest.raises(Started):
+        train_module.main(["--comm-timeout", "7.5"])
+    assert seen["timeout"] == 7.5 and parse_args([]).comm_timeout == 300.0
+    for bad in ("0", "-1", "nan", "inf"):
+        with pytest.raises(SystemExit) as exit_info:
+            train_module.main(["--comm-timeout", bad])
+        assert exit_info.value.code == 2
+        assert f"--comm-timeout must be a positive, finite number of seconds, got {float(bad)}" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="--comm-timeout"):
+        check_config(TrainConfig(comm_timeout=0.0), 1)
+
+
+def test_a_bad_timeout_is_refused():
+    with pytest.raises(ValueError, match="timeout must be a positive, finite number of seconds, got 0"):
+        run_local(lambda g: None, 2, timeout=0)

@@ -347,7 +347,8 @@ def test_a_rank_that_skips_a_collective_ends_in_a_timeout_naming_op_and_rank(cp)
         with pytest.raises(RuntimeError, match="NCCL communicator was aborted after all_reduce timed out"):
             g.barrier()
         return "timed out"
-    assert run_nccl(body, 2, timeout=0.3) == [None, "timed out"]
+    # check_calls=False: NCCL's own timeout (the host-side check would name rank 0 before NCCL runs)
+    assert run_nccl(body, 2, timeout=0.3, check_calls=False) == [None, "timed out"]
 
 
 def test_a_receive_nobody_sends_ends_in_a_timeout_naming_the_peer(cp):

@@ -4,20 +4,29 @@
   and its final state equals an uninterrupted run's, bitwise;
 - elastic: the restart may use another number of ranks; the checkpoint reshards on load;
 - a corrupted latest checkpoint is skipped with a message naming the file, the previous one is used;
-- a job that keeps failing is given up after --max-restarts, with a non-zero exit code;
+- a job that keeps failing is given up after --max-restarts, with a non-zero exit code; with no
+  checkpoint to resume from it restarts from the start WITHOUT --resume (which would refuse);
+- SIGTERM, SIGHUP and SIGINT end the whole job (mpiexec and every rank; SIGKILL after --grace for a
+  rank that ignores them) and nothing restarts; the launcher exits 128 + the signal's number;
+- a configuration error (exit 2) and a collective mismatch (exit 4) are not retried; a collective
+  time-out (exit 3) and the launcher's own --timeout are named as what they are;
 - bad launcher arguments fail at once with a clear message.
 """
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
 from minidist.checkpoint.format import rank_file, step_dir
+from minidist.process_tree import read_process
 from minidist.run import checkpoint_dir, job_command, parse_args
 from tests.mpi.harness import HERE, REPO, run_mpi
 
 SCRIPT = str(HERE / "restartable.py")
+JOB = str(HERE / "launcher_job.py")
 
 
 def launch(*args, timeout=120):
@@ -74,6 +83,8 @@ def test_a_job_that_keeps_failing_is_given_up(tmp_path):
     assert run.returncode != 0
     assert run.stderr.count("exited with code") == 2 and "giving up after 1 restart(s)" in run.stderr
     assert f"from the start (no valid checkpoint in {tmp_path / 'ckpt'})" in run.stderr
+    second = next(line for line in run.stderr.splitlines() if "attempt 2/2:" in line)
+    assert "--resume" not in second  # the trainer's --resume refuses to start without a checkpoint
 
 
 def test_job_command_substitutes_n_and_adds_resume_once():
@@ -88,8 +99,102 @@ def test_job_command_substitutes_n_and_adds_resume_once():
     (["-n", "2"], "nothing to run"),
     (["-n", "0", "--", "s.py"], "-n and --elastic-n must be >= 1"),
     (["-n", "2", "--max-restarts", "-1", "--", "s.py"], "--max-restarts must be >= 0"),
+    (["-n", "2", "--timeout", "0", "--", "s.py"], "--timeout must be a positive number of seconds, got 0.0"),
+    (["-n", "2", "--timeout", "nan", "--", "s.py"], "--timeout must be a positive number of seconds, got nan"),
+    (["-n", "2", "--grace", "-1", "--", "s.py"], "--grace must be a number of seconds >= 0, got -1.0"),
 ])
 def test_bad_arguments_fail_clearly(argv, message, capsys):
     with pytest.raises(SystemExit):
         parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def start_launcher(*args):
+    return subprocess.Popen([sys.executable, "-m", "minidist.run", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO)
+
+
+def rank_pids(out, n=2, wait=60.0):
+    """The pids the n ranks of launcher_job.py wrote, once all have."""
+    deadline = time.monotonic() + wait
+    files = [out / f"rank{r}.pid" for r in range(n)]
+    while not all(f.exists() and f.read_text() for f in files):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the ranks did not start within {wait}s")
+        time.sleep(0.1)
+    return [int(f.read_text()) for f in files]
+
+
+def running(pid):
+    process = read_process(pid)
+    return process is not None and process.state not in ("Z", "X")  # a zombie has ended
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=lambda s: s.name)
+def test_a_stop_signal_ends_the_whole_job_and_restarts_nothing(tmp_path, signum):
+    launcher = start_launcher("-n", 2, "--max-restarts", 2, "--grace", 3, "--", JOB, "sleep", tmp_path)
+    try:
+        pids = rank_pids(tmp_path)
+        launcher.send_signal(signum)
+        _, stderr = launcher.communicate(timeout=15)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 128 + signum, stderr
+    assert f"stopped by {signum.name}: the job was ended" in stderr and "attempt 2" not in stderr
+    assert not [pid for pid in pids if running(pid)], "a rank outlived the launcher"
+    assert (tmp_path / "attempts").read_text().count("sleep") == 1
+
+
+def test_a_job_that_ignores_the_stop_signal_is_killed_after_the_grace_period(tmp_path):
+    launcher = start_launcher("-n", 2, "--grace", 1, "--", JOB, "sleep", tmp_path, "--ignore-signals")
+    try:
+        pids = rank_pids(tmp_path)
+        launcher.send_signal(signal.SIGTERM)
+        _, stderr = launcher.communicate(timeout=15)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGTERM, stderr
+    assert "did not end within 1s of SIGTERM: killing it (SIGKILL)" in stderr
+    assert not [pid for pid in pids if running(pid)], "a rank outlived the launcher"
+
+
+def test_the_launchers_time_limit_ends_the_job_and_is_named_a_time_limit(tmp_path):
+    run = launch("-n", 2, "--timeout", 8, "--grace", 1, "--", JOB, "sleep", tmp_path)
+    assert run.returncode == 124, run.stderr
+    assert "attempt 1 hit the time limit of 8s (--timeout)" in run.stderr
+    assert not [pid for pid in rank_pids(tmp_path, wait=0) if running(pid)]
+
+
+def test_a_collective_time_out_is_named_and_retried(tmp_path):
+    run = launch("-n", 2, "--max-restarts", 1, "--", JOB, "timeout", tmp_path)
+    assert run.returncode == 3, run.stderr
+    assert "attempt 1 exited with code 3: a collective timed out: a rank hung or was lost" in run.stderr
+    assert "a rank died or raised" not in run.stderr
+    assert (tmp_path / "attempts").read_text().count("timeout") == 2
+
+
+def test_a_configuration_error_is_not_retried(tmp_path):
+    run = launch("-n", 2, "--max-restarts", 2, "--", "-m", "minidist.train", "--dp", 3, "--data-dir", tmp_path)
+    assert run.returncode == 2, run.stderr
+    assert "world size 2 != dp * tp" in run.stderr
+    assert "not restarting: the job refused its configuration" in run.stderr and "attempt 2" not in run.stderr
+
+
+def test_a_collective_mismatch_is_not_retried(tmp_path):
+    run = launch("-n", 2, "--max-restarts", 2, "--", JOB, "mismatch", tmp_path)
+    assert run.returncode == 4, run.stderr
+    assert "not restarting: the ranks called different collectives" in run.stderr
+    assert (tmp_path / "attempts").read_text().count("mismatch") == 1
+
+
+def test_elastic_restart_with_the_failed_rank_outside_the_smaller_world(tmp_path):
+    """--fail-rank 2 on 3 ranks, restarted on 2: fault injection is off when resuming, so the
+    2-rank world must not reject --fail-rank 2."""
+    run = launch("-n", 3, "--elastic-n", 2, "--max-restarts", 1, "--timeout", 120, "--",
+                 "-m", "minidist.train", "--dp", "{n}", "--steps", 5, "--batch-size", 6, "--n-layer", 1,
+                 "--n-head", 2, "--n-embd", 16, "--block-size", 16, "--eval-iters", 1, "--sample-tokens", 0,
+                 "--data-dir", tmp_path / "data", "--ckpt-dir", tmp_path / "ckpt", "--save-every", 2,
+                 "--fail-at-step", 3, "--fail-rank", 2, timeout=150)
+    assert run.returncode == 0, run.stderr
+    assert "restart 1/1 on 2 ranks with --resume from checkpoint" in run.stderr
+    assert "final: train loss" in run.stdout

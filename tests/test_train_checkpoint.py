@@ -7,7 +7,9 @@
 - Resumed in the same layout the run is bitwise the uninterrupted one; in another layout it equals
   that layout's uninterrupted run to 1e-10 (float64), as the layouts agree anyway (contract 4).
 - metrics.jsonl reads as one run: the rows after the resumed step are written once.
-- Bad checkpoint flags are refused before anything is sent.
+- Bad checkpoint flags are refused before anything is sent; --resume with no valid checkpoint is
+  refused rather than silently starting over (tests/test_train_checkpoint_safety.py: the rest of
+  what --resume refuses).
 """
 import dataclasses
 import json
@@ -19,6 +21,7 @@ import pytest
 from minidist import run_local
 from minidist.checkpoint import Checkpoint, CheckpointWriter, Flat, step_dir
 from minidist.checkpoint.layout import load_training_state, training_meta, training_pieces, zero_regions
+from minidist.checkpoint.training import ResumeRefused
 from minidist.parallel.mesh import DeviceMesh
 from minidist.train import train
 from minidist.train_build import build_parallel, load_data
@@ -133,12 +136,12 @@ def test_resumed_in_the_same_zero_layout_is_bitwise_the_uninterrupted_run(data_d
     assert [r["loss"] for r in rows] == list(whole_losses)
 
 
-def test_resume_with_no_checkpoint_starts_fresh(data_dir, tmp_path, capsys):
+def test_resume_with_no_checkpoint_is_refused_not_started_fresh(data_dir, tmp_path):
     cfg = TrainConfig(**{**TINY, "steps": 2}, data_dir=data_dir, ckpt_dir=str(tmp_path / "none"), resume=True,
                       export=str(tmp_path / "w.npz"))
-    losses, _ = fit(cfg)
-    assert len(losses) == 2
-    assert f"resume: no valid checkpoint in {tmp_path / 'none'}: starting fresh" in capsys.readouterr().out
+    with pytest.raises(ResumeRefused, match=f"--resume: no valid checkpoint in {tmp_path / 'none'}"):
+        fit(cfg)
+    assert not (tmp_path / "w.npz").exists()
 
 
 @pytest.mark.parametrize("changes, message", [

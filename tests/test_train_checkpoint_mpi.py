@@ -7,6 +7,7 @@
 - ``python -m minidist.run --max-restarts 2`` restarts a job whose rank 1 was killed at step 5 from
   checkpoint 4, and the job ends with the weights of a run that never died.
 - A corrupted newest checkpoint is skipped, saying which file is wrong; the one before it is used.
+  Another run's checkpoint (--seed differs) is refused by every rank: exit status 2, naming the field.
 """
 import shutil
 import subprocess
@@ -96,3 +97,6 @@ def test_a_corrupted_newest_checkpoint_falls_back_to_the_one_before(data_dir, tm
     out = train(2, *common, "--resume", "--steps", 6)
     assert f"checkpoint step-000006 skipped: {broken}: checksum mismatch" in out
     assert f"resumed from {step_dir(tmp_path / 'ckpt', 4)} (step 4," in out
+    other = run_mpi(2, "-m", "minidist.train", *TINY, *common, "--resume", "--seed", 1, timeout=120, check=False)
+    assert other.returncode == 2, other.output  # another run's checkpoint: every rank refuses, none hangs
+    assert "is a checkpoint of another run; it differs in\n    seed: saved 0, now 1" in other.stderr

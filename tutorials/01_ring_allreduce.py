@@ -19,12 +19,20 @@ element more). Two phases of n-1 steps each:
 
 Each rank sends 2(n-1) chunks, i.e. 2(n-1)/n of the buffer, however many ranks there are: that is
 why NCCL, Horovod and this library use the ring for large buffers.
+
+Part 3 shows what goes wrong when ranks do not play along, on 4 ranks as threads: one rank asks for 4
+float64 while the others ask for 8 float32 (the same 32 bytes: the ring alone would happily add them
+up), and one rank that sleeps through an all-reduce. Before every collective each rank swaps a
+48-byte fingerprint of the call with its two ring neighbours, so the first is caught before any data
+moves; the second ends in a time-out whose census names the sleeper, not the neighbour waiting on it.
 """
 import argparse
+import time
 
 import numpy as np
 
 import minidist
+from minidist.comm import CollectiveMismatchError, CommTimeoutError
 
 COUNT = 10  # elements in each rank's buffer; with 4 ranks the chunks hold 3, 3, 2, 2
 
@@ -122,7 +130,39 @@ def main():
     if args.local:
         minidist.run_local(lesson, args.local)
     else:
-        lesson(minidist.init(backend="ring"))
+        group = minidist.init(backend="ring")
+        lesson(group)
+        if group.rank != 0:
+            return
+    when_ranks_disagree()
+
+
+def when_ranks_disagree():
+    """Part 3, on 4 in-process ranks: a mismatched call, then a rank that never arrives."""
+    print("\n=== 3. when ranks disagree (4 ranks as threads) ===")
+
+    def odd_dtype(group):  # rank 2 asks for 4 float64, the others for 8 float32: 32 bytes each
+        x = np.ones(4, np.float64) if group.rank == 2 else np.ones(8, np.float32)
+        group.all_reduce(x)
+
+    try:
+        minidist.run_local(odd_dtype, 4)
+    except CollectiveMismatchError as e:
+        print(f"caught before any data moved:\n  {e}")
+
+    def sleeper(group):  # rank 3 sleeps through the all-reduce that the others wait in
+        if group.rank == 3:
+            time.sleep(1.5)
+            return None
+        try:
+            group.all_reduce(np.ones(4))
+        except CommTimeoutError as e:
+            return str(e)
+
+    messages = [m for m in minidist.run_local(sleeper, 4, timeout=0.5) if m]
+    # a rank that waited on another waiting rank: its own peer is not to blame, the census says who is
+    shown = next((m for m in messages if "for rank 3," not in m), messages[0])
+    print(f"every waiting rank's time-out names the rank that never came:\n  {shown}")
 
 
 if __name__ == "__main__":

@@ -7,14 +7,17 @@
                                   regions.py); the sha256 and size of the .safetensors file; rank_meta
         ...                       (one pair per rank)
         manifest.json             written LAST, by rank 0, once every rank's pair is on disk: step,
-                                  world size, meta (layout, RNG states, data position, loss scale,
-                                  extras), every rank file with its sha256 and size, every tensor's
-                                  global shape and dtype
+                                  world size, meta (layout, run identity, data position, extras),
+                                  every rank file with its sha256 and size, every tensor's global
+                                  shape and dtype, and ``sha256``: the checksum of all of that
+                                  (:func:`manifest_digest`)
 
-A step folder counts only if its manifest exists and every file it lists has the listed size and
-sha256 (:func:`minidist.checkpoint.reader.verify`). Each file is written atomically: to a temporary
-name, flushed, fsync'ed, renamed over the final name, and the folder fsync'ed so the rename itself
-survives a power cut. So a crash at any moment leaves either the old state or the new one.
+A step folder counts only if it is a real folder (not a link), its manifest passes its own checksum
+and the schema (schema.py), and every file it names is a regular file inside the folder with the
+listed size and sha256 (:func:`minidist.checkpoint.reader.verify`). A save writes into a fresh hidden
+folder ``.saving-...`` and renames it to ``step-000123`` once the manifest is in it (writer.py); every
+file is written atomically (temporary name, fsync, rename, folder fsync'ed). So a crash at any moment
+leaves either the old state or the new one.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import re
 from pathlib import Path
 
 FORMAT = "minidist-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: the manifest carries its own sha256; saves go through a hidden folder
 MANIFEST = "manifest.json"
 _STEP = re.compile(r"^step-(\d+)$")
 
@@ -47,10 +50,13 @@ def step_of(path) -> int | None:
 
 
 def step_dirs(root) -> list:
-    """Every ``step-*`` folder under ``root``, oldest step first (empty if ``root`` does not exist)."""
+    """Every entry named ``step-*`` under ``root``, oldest step first (empty if ``root`` is not a
+    folder). Links and files with such names are listed too, so that the reader can say why it
+    refuses them; nothing here follows a link."""
     root = Path(root)
-    found = [p for p in root.iterdir() if p.is_dir() and step_of(p) is not None] if root.is_dir() else []
-    return sorted(found, key=step_of)
+    if not root.is_dir() or root.is_symlink():
+        return []
+    return sorted((p for p in root.iterdir() if step_of(p) is not None), key=step_of)
 
 
 def rank_file(rank: int) -> str:
@@ -72,13 +78,14 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def sha256_file(path) -> str:
-    """The sha256 of a file's bytes, read in 1 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+def canonical_json(obj) -> bytes:
+    """The one byte string a JSON value hashes as: sorted keys, no spaces, ASCII, no NaN."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+
+
+def manifest_digest(manifest: dict) -> str:
+    """The sha256 a manifest stores under ``sha256``: of its canonical JSON without that field."""
+    return sha256_bytes(canonical_json({k: v for k, v in manifest.items() if k != "sha256"}))
 
 
 def atomic_write(path, data: bytes) -> None:
@@ -86,7 +93,8 @@ def atomic_write(path, data: bytes) -> None:
     write a temporary file beside it, flush and fsync it, rename it over ``path``, fsync the folder."""
     path = Path(path)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
+    tmp.unlink(missing_ok=True)  # a crashed writer's leftover (or a link: only the link goes)
+    with open(tmp, "xb") as f:  # exclusive: never writes through a link planted at the temporary name
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

@@ -1,7 +1,7 @@
 """The trainer's side of checkpointing: resume, save every N steps, and a crash on purpose to test both.
 
-    ckpts = TrainingCheckpoints(root, mesh, save_every=50, keep=2)    # collective: the writer's group
-    start = ckpts.resume(model, optimizer)       # the step to continue from (0: nothing to resume)
+    ckpts = TrainingCheckpoints(root, mesh, run_identity(cfg, train_tokens), save_every=50, keep=2)
+    start, meta = ckpts.resume(model, optimizer)  # the step to continue from; ResumeRefused if none
     for step in range(start, steps):
         ...one training step...
         ckpts.after_step(step, model, optimizer, {"seed": seed})
@@ -9,26 +9,39 @@
 
 A checkpoint of step s holds the state AFTER s steps (``data_position`` s: the next batch to read),
 so a job killed at any moment continues from the newest complete one with exactly the batches and
-learning rates it would have seen (both depend on the step number only). Saving sends one barrier
-and one broadcast on the writer's own group (writer.py); resuming reads files only.
+learning rates it would have seen (both depend on the step number only). Every checkpoint records
+the run's identity (identity.py); resuming refuses a checkpoint of another run, and refuses to
+start over when no valid checkpoint is left (:class:`ResumeRefused`: a configuration error, exit
+status 2, the same verdict on every rank because every rank reads the same files). Saving sends one
+all-reduce and one broadcast of a few integers on the writer's own group (writer.py); resuming reads
+files only.
 """
 from __future__ import annotations
 
 import os
 import signal
 
+from minidist.checkpoint.format import MANIFEST, CheckpointError
+from minidist.checkpoint.identity import identity_differences
 from minidist.checkpoint.layout import load_training_state, training_meta, training_pieces
 from minidist.checkpoint.reader import Checkpoint, latest_valid
+from minidist.checkpoint.schema import check_training_meta
 from minidist.checkpoint.writer import CheckpointWriter
 
 
-class TrainingCheckpoints:
-    """Checkpoints of one training run under ``root``, every ``save_every`` steps (0: never), the
-    newest ``keep`` kept; ``async_save`` writes them in the background. Building it is collective
-    over ``mesh.world``; rank 0 prints what it resumes from."""
+class ResumeRefused(Exception):
+    """``--resume`` cannot continue this run: no valid checkpoint, or the newest one is another
+    run's. Found from the files alike on every rank, before anything is loaded or sent."""
 
-    def __init__(self, root, mesh, *, save_every: int = 0, keep: int = 2, async_save: bool = False):
-        self.root, self.mesh = root, mesh
+
+class TrainingCheckpoints:
+    """Checkpoints of one training run (``identity``: :func:`~minidist.checkpoint.identity.run_identity`)
+    under ``root``, every ``save_every`` steps (0: never), the newest ``keep`` kept; ``async_save``
+    writes them in the background. Building it is collective over ``mesh.world``; rank 0 prints what
+    it resumes from."""
+
+    def __init__(self, root, mesh, identity: dict, *, save_every: int = 0, keep: int = 2, async_save: bool = False):
+        self.root, self.mesh, self.identity = root, mesh, identity
         self.save_every, self.async_save = save_every, async_save
         self.writer = CheckpointWriter(root, mesh.world, keep)
 
@@ -38,13 +51,23 @@ class TrainingCheckpoints:
 
     def resume(self, model, optimizer) -> tuple[int, dict]:
         """Load the newest valid checkpoint into ``model`` and ``optimizer`` (resharding it to this
-        layout). Returns (the step to continue from, the checkpoint's meta); (0, {}) when there is
-        none. Newer checkpoints that fail verification are skipped, each with a line saying why."""
-        found = latest_valid(self.root, log=self.say)
+        layout). Returns (the step to continue from, the checkpoint's meta). Newer checkpoints that
+        fail verification are skipped, each with a line saying why. :class:`ResumeRefused` when no
+        valid checkpoint is left, or when the newest is another run's (each differing field named)."""
+        found = latest_valid(self.root, log=self.say, accept=_trainer_meta)
         if found is None:
-            self.say(f"resume: no valid checkpoint in {self.root}: starting fresh")
-            return 0, {}
-        ckpt = Checkpoint(found)
+            raise ResumeRefused(f"--resume: no valid checkpoint in {self.root} (drop --resume to start "
+                                "from scratch)")
+        try:
+            ckpt = Checkpoint(found)
+            _trainer_meta(ckpt.manifest, found)
+        except CheckpointError as e:  # changed on disk since latest_valid read it
+            raise ResumeRefused(f"--resume: {e}") from e
+        differences = identity_differences(ckpt.meta["run"], self.identity)
+        if differences:
+            raise ResumeRefused(f"--resume: {found} is a checkpoint of another run; it differs in\n    "
+                                + "\n    ".join(differences) + "\n  (resume with the same settings, or use a new "
+                                "--ckpt-dir)")
         load_training_state(ckpt, model, optimizer, self.mesh)
         saved = ckpt.meta["layout"]
         self.say(f"resumed from {found} (step {ckpt.meta['data_position']}, saved by dp {saved['dp']} x "
@@ -53,15 +76,21 @@ class TrainingCheckpoints:
 
     def after_step(self, step: int, model, optimizer, meta: dict) -> None:
         """Save checkpoint ``step + 1`` (the state after step ``step``) when it is due; ``meta`` adds
-        the trainer's fields to the layout, optimizer step and data position."""
+        the trainer's fields to the layout, optimizer step, data position and run identity."""
         if self.save_every and (step + 1) % self.save_every == 0:
             self.writer.save(step + 1, training_pieces(model, optimizer, self.mesh),
-                             {**training_meta(self.mesh, optimizer), "data_position": step + 1, **meta},
+                             {**training_meta(self.mesh, optimizer), "data_position": step + 1, **meta,
+                              "run": self.identity},
                              async_=self.async_save)
 
     def wait(self) -> None:
         """Wait for an asynchronous save in flight (re-raising its error)."""
         self.writer.wait()
+
+
+def _trainer_meta(manifest: dict, folder) -> None:
+    """CheckpointError unless the manifest's meta is a trainer's (schema.check_training_meta)."""
+    check_training_meta(manifest["meta"], manifest["step"], folder / MANIFEST)
 
 
 def crash_here() -> None:

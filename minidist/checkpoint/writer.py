@@ -1,45 +1,65 @@
 """Saving a sharded checkpoint: every rank writes its own pieces; rank 0 commits with the manifest.
 
-What a save sends: one barrier (every rank's files are on disk) and one broadcast of one integer from
-rank 0 (the manifest is written: the checkpoint counts), both on the writer's OWN group, split off
-the training group when the writer is built. That is what lets an asynchronous save run in a
-background thread while training keeps calling collectives on its own groups: the two threads never
-share a group, so their collectives cannot interleave in different orders on different ranks (the
-reason PyTorch's async checkpointing also wants a separate process group).
+Where a save writes: into a fresh hidden folder ``ROOT/.saving-<session>-<n>-step-000123`` (the
+session is a random number rank 0 draws when the writer is built, so no earlier save, crashed or
+planted, has that name); every rank writes its pair of files there; rank 0 writes the manifest and
+renames the folder to ``step-000123``. A stale entry of that name (an incomplete or corrupt save, or
+a link planted there) is moved aside or unlinked first, never followed; nothing is written outside
+``ROOT``.
+
+What a save sends: one all-reduce (max) of one integer per rank (every rank's files are on disk, or
+which ranks failed to write them: every rank then raises, none waits for the others forever) and one
+broadcast of one integer from rank 0 (the checkpoint is committed: it counts), both on the writer's
+OWN group, split off the training group when the writer is built (with one broadcast of the session
+number). That is what lets an asynchronous save run in a background thread while training keeps
+calling collectives on its own groups: the two threads never share a group, so their collectives
+cannot interleave in different orders on different ranks (the reason PyTorch's async checkpointing
+also wants a separate process group).
 
     writer = CheckpointWriter("ckpt", world, keep=2)
-    writer.save(step, pieces, meta={"layout": {...}, "data_position": step + 1})   # blocking
+    writer.save(step, pieces, meta={"layout": {...}, "data_position": step})   # blocking
     writer.save(step, pieces, meta, async_=True)  # copies the arrays, returns, writes in background
     writer.wait()                                 # before exiting; a save also waits for the previous
 """
 from __future__ import annotations
 
-import json
 import math
-import shutil
+import os
+import secrets
+import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import save as safetensors_bytes
 
-from minidist.checkpoint.format import (FORMAT, MANIFEST, VERSION, CheckpointError, atomic_write, piece_key,
-                                        rank_file, rank_meta_file, sha256_bytes, sha256_file, step_dir, step_dirs,
-                                        step_of, to_json)
+from minidist.checkpoint.format import (FORMAT, MANIFEST, VERSION, CheckpointError, atomic_write, fsync_dir,
+                                        manifest_digest, piece_key, rank_file, rank_meta_file, sha256_bytes,
+                                        step_dir, step_dirs, step_of, to_json)
+from minidist.checkpoint.paths import check_folder, check_regular, read_json_bytes, remove_entry
+from minidist.checkpoint.reader import read_manifest
 from minidist.checkpoint.regions import Flat, box_shape, contains, flat_boxes, full_box, slices
+from minidist.checkpoint.schema import DTYPES, check_manifest, parse_json
+
+LEFTOVERS = (".saving-", ".replaced-")  # hidden folders of saves that crashed half-way
 
 
 class CheckpointWriter:
     """Writes checkpoints of ``group``'s ranks under ``root`` and keeps the newest ``keep`` of them.
 
-    Building it is collective over ``group`` (one ``split``: the writer's own group). Older
-    checkpoints are removed by rank 0 only after a newer one is complete.
+    Building it is collective over ``group``: one ``split`` (the writer's own group) and one
+    broadcast of one integer (the session number that names its save folders). Older checkpoints,
+    and leftovers of crashed saves, are removed by rank 0 only after a newer one is complete.
     """
 
     def __init__(self, root, group, keep: int = 2):
         if keep < 1:
             raise ValueError(f"keep must be >= 1 (the checkpoint just written), got {keep}")
-        self.root, self.keep = root, keep
+        self.root, self.keep = Path(root), keep
         self.group = group.split(0, name="checkpoint")
+        session = np.array([secrets.randbits(62) if self.group.rank == 0 else 0], np.int64)
+        self.group.broadcast(session, src=0)
+        self._session, self._saves = f"{int(session[0]):016x}", 0
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -47,13 +67,16 @@ class CheckpointWriter:
              async_: bool = False) -> None:
         """Save this rank's ``pieces`` (:class:`~minidist.checkpoint.regions.Piece`: global name,
         array, global shape, region) as checkpoint ``step``. ``meta`` (JSON; rank 0's is kept) goes
-        into the manifest, ``rank_meta`` into this rank's JSON. Collective over the writer's group.
+        into the manifest, ``rank_meta`` into this rank's JSON. Collective over the writer's group:
+        sends one all-reduce and one broadcast of a few integers (module docstring).
 
         Blocking: returns once the checkpoint counts on every rank. ``async_``: copies every array
         (so training may overwrite its parameters at once), returns, and writes in a background
         thread; :meth:`wait` joins it and re-raises its error. Either way, a save first waits for
         the previous one."""
         self.wait()
+        if not (isinstance(step, int) and step >= 0):
+            raise ValueError(f"a checkpoint's step must be an int >= 0, got {step!r}")
         entries = _entries(pieces, copy=async_)  # {key: (array, json description)}
         if not async_:
             self._write(step, entries, meta or {}, rank_meta or {})
@@ -78,42 +101,97 @@ class CheckpointWriter:
             self._error = e
 
     def _write(self, step: int, entries: dict, meta: dict, rank_meta: dict) -> None:
-        rank, folder = self.group.rank, step_dir(self.root, step)
-        folder.mkdir(parents=True, exist_ok=True)
-        if rank == 0:
-            (folder / MANIFEST).unlink(missing_ok=True)  # a stale save of the same step no longer counts
-        data = safetensors_bytes({key: array for key, (array, _) in entries.items()})
-        atomic_write(folder / rank_file(rank), data)
-        atomic_write(folder / rank_meta_file(rank), to_json(dict(
-            format=FORMAT, version=VERSION, rank=rank, step=step, file=rank_file(rank), bytes=len(data),
-            sha256=sha256_bytes(data), tensors={key: desc for key, (_, desc) in entries.items()},
-            rank_meta=rank_meta)))
-        self.group.barrier()  # every rank's files are on disk
+        rank = self.group.rank
+        self._saves += 1
+        staging = self.root / f".saving-{self._session}-{self._saves}-step-{step:06d}"
+        failed, problem = np.zeros(self.group.size, np.int64), None
+        try:
+            self._write_rank_files(staging, rank, step, entries, rank_meta)
+        except Exception as e:  # noqa: BLE001 -- the other ranks must hear of it, not hang
+            problem, failed[rank] = e, 1
+        self.group.all_reduce(failed, op="max")  # every rank's files are on disk (or who failed)
+        if failed.any() and rank == 0:
+            remove_entry(staging)  # every rank is past its writes
+        if problem is not None:
+            raise problem
+        if failed.any():
+            raise CheckpointError(f"{staging}: rank(s) {np.flatnonzero(failed).tolist()} could not write their "
+                                  f"files (see their errors); checkpoint {step} not saved")
         ok = np.zeros(1, np.int64)
-        problem = None
         if rank == 0:
             try:
-                atomic_write(folder / MANIFEST, to_json(_manifest(folder, step, self.group.size, meta)))
+                self._commit(staging, step, meta)
                 ok[0] = 1
             except Exception as e:  # noqa: BLE001 -- the other ranks must hear of it, not hang
                 problem = e
+                remove_entry(staging)
         self.group.broadcast(ok, src=0)  # the checkpoint counts (or not) on every rank
         if problem is not None:
             raise problem
         if not ok[0]:
-            raise CheckpointError(f"{folder}: rank 0 could not commit the checkpoint (see rank 0's error)")
+            raise CheckpointError(f"{staging}: rank 0 could not commit the checkpoint (see rank 0's error)")
         if rank == 0:
-            self._remove_old(step)
+            try:
+                self._remove_old(step)
+            except OSError as e:  # the new checkpoint counts; an old one left behind is no reason to stop
+                print(f"checkpoint: could not remove old checkpoints in {self.root}: {e}", file=sys.stderr, flush=True)
+
+    def _write_rank_files(self, staging: Path, rank: int, step: int, entries: dict, rank_meta: dict) -> None:
+        """This rank's tensors and their description, into the save folder (made by whichever rank
+        gets there first; it must be a real folder inside a real root)."""
+        if self.root.is_symlink():
+            raise CheckpointError(f"{self.root}: a symbolic link (refused: a checkpoint never follows links)")
+        staging.mkdir(parents=True, exist_ok=True)
+        check_folder(staging)
+        data = safetensors_bytes({key: array for key, (array, _) in entries.items()})
+        atomic_write(staging / rank_file(rank), data)
+        atomic_write(staging / rank_meta_file(rank), to_json(dict(
+            format=FORMAT, version=VERSION, rank=rank, step=step, file=rank_file(rank), bytes=len(data),
+            sha256=sha256_bytes(data), tensors={key: desc for key, (_, desc) in entries.items()},
+            rank_meta=rank_meta)))
+
+    def _commit(self, staging: Path, step: int, meta: dict) -> None:
+        """Rank 0: the manifest into the save folder, then the folder renamed to ``step-NNNNNN``. An
+        entry already of that name is moved aside (a folder) or unlinked (a link or file: its target
+        is never touched), and removed once the new checkpoint is in place."""
+        target = step_dir(self.root, step)
+        manifest = _manifest(staging, step, self.group.size, meta)
+        check_manifest(manifest, staging / MANIFEST, target)  # never commit what the reader would refuse
+        atomic_write(staging / MANIFEST, to_json(manifest))
+        old = None
+        if os.path.lexists(target):
+            if target.is_dir() and not target.is_symlink():
+                old = self.root / f".replaced-{self._session}-{self._saves}-step-{step:06d}"
+                os.rename(target, old)
+            else:
+                target.unlink()
+        os.rename(staging, target)
+        fsync_dir(self.root)
+        if old is not None:
+            remove_entry(old)
 
     def _remove_old(self, step: int) -> None:
-        """Keep the newest ``keep`` complete checkpoints up to ``step``; remove every other folder
-        older than ``step`` (older complete ones and crashed, incomplete saves)."""
+        """Keep the newest ``keep`` committed checkpoints up to ``step``; remove every other entry
+        older than ``step`` (older checkpoints, crashed or corrupt saves, links: unlinked, never
+        followed) and the hidden folders of earlier sessions' crashed saves."""
         older = [d for d in step_dirs(self.root) if step_of(d) <= step]
-        complete = [d for d in older if (d / MANIFEST).exists()]
-        kept = set(complete[-self.keep:])
+        kept = set([d for d in older if _committed(d)][-self.keep:])
         for d in older:
             if d not in kept:
-                shutil.rmtree(d, ignore_errors=True)
+                remove_entry(d)
+        for entry in self.root.iterdir():  # not this session's: the other ranks may be writing the next save
+            if entry.name.startswith(LEFTOVERS) and f"-{self._session}-" not in entry.name:
+                remove_entry(entry)
+
+
+def _committed(folder) -> bool:
+    """Whether ``folder`` is a real folder holding a manifest that passes its checksum and the
+    schema (its data files are not read: that is the reader's full :func:`verify`)."""
+    try:
+        read_manifest(folder)
+        return True
+    except CheckpointError:
+        return False
 
 
 def _entries(pieces, copy: bool) -> dict:
@@ -144,6 +222,8 @@ def _entries(pieces, copy: bool) -> dict:
             if key in entries:
                 raise ValueError(f"{name}: region {box} given twice")
             array = np.array(array, copy=True, order="C") if copy else np.asarray(array, order="C")
+            if str(array.dtype) not in DTYPES:
+                raise ValueError(f"{name}: dtype {array.dtype} is not one a checkpoint holds ({', '.join(DTYPES)})")
             entries[key] = (array, dict(name=name, global_shape=list(global_shape), dtype=str(array.dtype),
                                         box=[list(pair) for pair in box]))
     return entries
@@ -155,10 +235,11 @@ def _manifest(folder, step: int, world_size: int, meta: dict) -> dict:
     ranks, tensors, boxes = [], {}, {}
     for r in range(world_size):
         meta_path = folder / rank_meta_file(r)
-        info = json.loads(meta_path.read_text())
+        raw = read_json_bytes(meta_path)
+        info = parse_json(raw, meta_path)
+        check_regular(folder / info["file"], info["bytes"])
         ranks.append(dict(rank=r, file=info["file"], bytes=info["bytes"], sha256=info["sha256"],
-                          meta_file=meta_path.name, meta_bytes=meta_path.stat().st_size,
-                          meta_sha256=sha256_file(meta_path)))
+                          meta_file=meta_path.name, meta_bytes=len(raw), meta_sha256=sha256_bytes(raw)))
         for desc in info["tensors"].values():
             name, spec = desc["name"], dict(global_shape=desc["global_shape"], dtype=desc["dtype"])
             if tensors.setdefault(name, spec) != spec:
@@ -172,5 +253,6 @@ def _manifest(folder, step: int, world_size: int, meta: dict) -> dict:
             missing = np.argwhere(~covered)[0].tolist() if covered.ndim else []
             raise CheckpointError(f"{folder}: no rank wrote all of {name} {tuple(spec['global_shape'])}: "
                                   f"{int((~covered).sum())} elements missing, the first at {missing}")
-    return dict(format=FORMAT, version=VERSION, step=step, world_size=world_size, meta=meta, ranks=ranks,
-                tensors=tensors)
+    manifest = dict(format=FORMAT, version=VERSION, step=step, world_size=world_size, meta=meta, ranks=ranks,
+                    tensors=tensors)
+    return {**manifest, "sha256": manifest_digest(manifest)}

@@ -16,9 +16,7 @@ where an op is not bitwise commutative (``maximum(-0.0, 0.0)``).
 """
 from __future__ import annotations
 
-from minidist.comm.ops import COLLECTIVE_TAG_BASE, Workspace, reduce_ufunc
-
-TAG = COLLECTIVE_TAG_BASE + 3
+from minidist.comm.ops import TAG_DOUBLING as TAG, Workspace, reduce_ufunc
 
 
 def all_reduce(t, buf, op, *, workspace=None) -> None:

@@ -14,6 +14,9 @@ does the same for NCCL).
         recorder.dump(group.trace, e)     # stderr, and flight/flight_rank<r>.txt
         raise
 
+The header is the error itself: for a collective, its census (``census.py``) already names the ranks
+that never arrived, so each dump says who the culprit is, not only whom this rank waited for.
+
 It reads the rank's :class:`~minidist.comm.trace.Trace` (every call is recorded when it ends, the
 failed one included), so it costs nothing until it dumps.
 """
@@ -44,10 +47,10 @@ class FlightRecorder:
 def format_events(trace, error=None, last: int = 32) -> str:
     """``trace``'s last ``last`` events as a table (seq, op, kind, group, peer, bytes, start and end
     in ms relative to the first event shown, duration), the failed call marked with ``<-- TIMED OUT``."""
-    events = trace.events[-last:] if last > 0 else []
+    events = trace.last(last)  # the trace may keep only its newest calls: a ring does not slice
     origin = events[0].start if events else 0.0
     failed = (getattr(error, "op", None), getattr(error, "seq", None), getattr(error, "group", None))
-    lines = [f"flight recorder, rank {trace.rank}: last {len(events)} of {len(trace.events)} calls"
+    lines = [f"flight recorder, rank {trace.rank}: last {len(events)} of {trace.recorded} calls"
              + (f" before: {type(error).__name__}: {error}" if error is not None else ""),
              f"{'seq':>6} {'op':<15} {'kind':<10} {'group':<16} {'peer':>4} {'bytes':>12} "
              f"{'start ms':>10} {'end ms':>10} {'ms':>9}"]

@@ -3,9 +3,11 @@
 A group checks its arguments on the spot (a clear ``ValueError`` before anything is sent), numbers
 each collective (``seq``, the same on every rank), records it in the trace, picks the algorithm and
 runs it. A peer that never answers surfaces as :class:`CommTimeoutError` naming the operation, its
-number, this rank and the peer. With ``debug=True`` the ranks first compare what each was asked to do
-and raise :class:`CollectiveMismatchError` on every rank when they disagree, instead of hanging or
-mixing up data.
+number, this rank and the peer, and, from a census of the group (``census.py``), the rank that never
+arrived. Before each collective every rank compares what it was asked to do (collective, reduce op,
+dtype, count, root, number) with its ring neighbours and raises :class:`CollectiveMismatchError` where
+they disagree, instead of hanging or mixing up data (``fingerprint.py``; ``check_calls=False`` skips
+it, ``debug=True`` compares with every rank instead, so that every rank raises).
 
 ``async_op=True`` (all_reduce, reduce_scatter, all_gather) queues the collective on the group's
 communication thread and returns a :class:`~minidist.comm.work.Work` at once (see ``work.py``):
@@ -25,11 +27,12 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from minidist.comm import doubling, ring, rooted
-from minidist.comm.ops import (COLLECTIVE_TAG_BASE, DTYPES, GROUP_OPS, Workspace, divide_by_size,
+from minidist.comm import census, doubling, ring, rooted
+from minidist.comm.fingerprint import check_everyone, check_neighbours, fingerprint
+from minidist.comm.ops import (COLLECTIVE_TAG_BASE, DTYPES, GROUP_OPS, TAG_GATHER_BYTES, Workspace, divide_by_size,
                                split_counts)
 from minidist.comm.trace import Trace
-from minidist.comm.transport import CollectiveMismatchError, CommTimeoutError, PeerTimeout, Request
+from minidist.comm.transport import CommTimeoutError, PeerTimeout, Request
 from minidist.comm.work import CommStream
 from minidist.device import device_of, get_array_module, is_cupy
 
@@ -41,11 +44,6 @@ microseconds of latency and several GB/s, the two meet at some hundreds of KiB f
 by benchmarks/collectives.py on 2 cores: doubling won up to about 1 MiB at 4 ranks, e.g. 64 KiB in
 1.2 ms against the ring's 3.5 ms). Every rank sees the same size, so all pick the same algorithm."""
 
-_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "barrier", "split",
-                "gather_bytes")
-TAG_GATHER_BYTES = COLLECTIVE_TAG_BASE + 6
-_FINGERPRINT = ("op", "reduce op", "dtype", "count", "root", "seq")
-
 
 class ProcessGroup:
     """The ranks of one transport, and the collectives among them.
@@ -53,17 +51,18 @@ class ProcessGroup:
     ``rank``/``size`` are this rank's number and the group's size; ``trace`` records every call
     (pass one to share it, e.g. between a group and its sub-groups); ``threshold_bytes`` is where
     ``all_reduce(algorithm="auto")`` switches from recursive doubling to the ring; ``segment_bytes``
-    is the ring's segment size.
+    is the ring's segment size; ``check_calls`` compares every collective's fingerprint with the ring
+    neighbours first, ``debug`` with every rank.
     """
 
     def __init__(self, transport, *, backend: str = "ring", trace: Trace | None = None, debug: bool = False,
                  threshold_bytes: int = DEFAULT_THRESHOLD_BYTES, name: str = "world",
-                 segment_bytes: int = ring.SEGMENT_BYTES, flight_recorder=None):
+                 segment_bytes: int = ring.SEGMENT_BYTES, flight_recorder=None, check_calls: bool = True):
         if backend not in ("ring", "mpi", "nccl"):
             raise ValueError(f"backend must be 'ring', 'mpi' or 'nccl', got {backend!r}")
         self.transport = transport
         self.rank, self.size = transport.rank, transport.size
-        self.backend, self.debug, self.name = backend, debug, name
+        self.backend, self.debug, self.name, self.check_calls = backend, debug, name, check_calls
         self.trace = trace if trace is not None else Trace(transport.rank)
         self.threshold_bytes, self.segment_bytes = threshold_bytes, segment_bytes
         self.flight_recorder = flight_recorder  # dumps the trace's last calls when one times out
@@ -71,6 +70,7 @@ class ProcessGroup:
         self.p2p_seq = 0  # point-to-point calls so far: differs between ranks
         self._splits = 0
         self._workspace = Workspace()
+        self._census_sends = []  # a census's unanswered sends: their buffers must outlive them
         self._native = None  # MPI's or NCCL's own collectives (backends "mpi", "nccl")
         self._stream = CommStream(name)  # where async_op collectives queue, in issue order
         if backend == "mpi":
@@ -262,6 +262,7 @@ class ProcessGroup:
             return None
         return ProcessGroup(sub, backend=self.backend, trace=self.trace, debug=self.debug,
                             threshold_bytes=self.threshold_bytes, segment_bytes=self.segment_bytes,
+                            check_calls=self.check_calls,
                             flight_recorder=self.flight_recorder, name=name if name is not None else f"{self.name}/split{self._splits}.{color}")
 
     # ---- point to point -----------------------------------------------------------------------------
@@ -333,14 +334,16 @@ class ProcessGroup:
 
     @contextmanager
     def _collective(self, name, algorithm, nbytes, *, op=None, dtype=None, count=0, root=-1):
-        """Number a collective, check in debug mode that every rank called the same one, record it in
-        the trace, and report a peer that never answers as CommTimeoutError."""
+        """Number a collective, record it in the trace, check that the ranks called the same one
+        (``fingerprint.py``: with the ring neighbours, or in debug mode with everyone), and report a
+        peer that never answers as CommTimeoutError naming the ranks that never arrived."""
         self.seq += 1
-        with self._timeouts(name, self.seq):
-            if self.debug:
-                self._check_same_call(name, op, dtype, count, root)
-            with self.trace.record(name, group=self.name, algorithm=algorithm, nbytes=nbytes, seq=self.seq):
-                yield
+        with self._timeouts(name, self.seq, collective=True), self.trace.record(
+                name, group=self.name, algorithm=algorithm, nbytes=nbytes, seq=self.seq):
+            if self.debug or self.check_calls:
+                check = check_everyone if self.debug else check_neighbours
+                check(self.transport, fingerprint(name, op, dtype, count, root, self.seq), self.name)
+            yield
 
     @contextmanager
     def _p2p(self, name, peer, nbytes):
@@ -351,33 +354,23 @@ class ProcessGroup:
             yield self.p2p_seq
 
     @contextmanager
-    def _timeouts(self, name, seq):
+    def _timeouts(self, name, seq, collective=False):
+        """Turn a transport's PeerTimeout into CommTimeoutError; for a collective, first take a census
+        of the group (``census.py``, at most ``census.GRACE_SECONDS``) to name the ranks that never
+        arrived. The flight recorder dumps the error, census included."""
         try:
             yield
         except PeerTimeout as e:
-            error = CommTimeoutError(name, seq, self.rank, e.peer, e.waited, self.name)
+            found, missing = "", []
+            if collective and self.size > 1:
+                grace = min(census.GRACE_SECONDS, self.transport.timeout)
+                heard, pending = census.take(self.transport, seq, name, grace)
+                self._census_sends += pending
+                found, missing = census.summary(self.rank, self.size, seq, name, heard, grace)
+            error = CommTimeoutError(name, seq, self.rank, e.peer, e.waited, self.name, found, missing)
             if self.flight_recorder is not None:
                 self.flight_recorder.dump(self.trace, error)
             raise error from e
-
-    def _check_same_call(self, name, op, dtype, count, root) -> None:
-        """Debug mode: all-gather every rank's fingerprint of this call (6 int64: collective, reduce op,
-        dtype, count, root, seq) and raise CollectiveMismatchError on every rank if any differ."""
-        mine = np.array([_COLLECTIVES.index(name), GROUP_OPS.index(op) if op else -1,
-                         DTYPES.index(np.dtype(dtype)) if dtype is not None else -1, count, root, self.seq],
-                        dtype=np.int64)
-        everyone = np.empty(mine.size * self.size, dtype=np.int64)
-        ring.all_gather(self.transport, mine, [mine.size] * self.size, everyone)
-        calls = [_describe(c) for c in everyone.reshape(self.size, mine.size)]  # (size, 6) -> dicts
-        differ = [r for r in range(self.size) if calls[r] != calls[0]]
-        if differ:
-            first = calls[0]
-            lines = []
-            for r in differ:
-                fields = [f for f in _FINGERPRINT[1:] if calls[r][f] != first[f]]
-                lines.append(f"rank {r} called {_call_text(calls[r], fields)} "
-                             f"while rank 0 called {_call_text(first, fields)}")
-            raise CollectiveMismatchError(f"{first['op']} #{first['seq']} on group '{self.name}': " + "; ".join(lines))
 
     def _check_array(self, x, what, *, writeable=True, min_ndim=0, any_dtype=False, like=None) -> None:
         """``x`` is a NumPy or CuPy array the collectives can take (``like``: in the same memory as
@@ -448,15 +441,3 @@ def _summed(op: str) -> str:
     """The reduction the algorithms run: "avg" is a "sum" the group divides afterwards."""
     return "sum" if op == "avg" else op
 
-
-def _describe(call) -> dict:
-    """A debug fingerprint (6 ints) as readable fields."""
-    name, op, dtype, count, root, seq = (int(v) for v in call)
-    return {"op": _COLLECTIVES[name], "reduce op": GROUP_OPS[op] if op >= 0 else None,
-            "dtype": str(DTYPES[dtype]) if dtype >= 0 else None, "count": count,
-            "root": root if root >= 0 else None, "seq": seq}
-
-
-def _call_text(call: dict, fields: list[str]) -> str:
-    """'reduce_scatter with count 10' for the fields that differ."""
-    return call["op"] + (" with " + ", ".join(f"{f} {call[f]}" for f in fields) if fields else "")

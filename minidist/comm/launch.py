@@ -15,22 +15,27 @@ import time
 from minidist.comm.flight_recorder import FlightRecorder
 from minidist.comm.group import ProcessGroup
 from minidist.comm.local_transport import LocalTransport
-from minidist.comm.trace import Trace
+from minidist.comm.trace import KEEP_RECENT, Trace
 
 
 def init(backend: str = "ring", *, timeout: float = 300.0, debug: bool = False, trace: bool = True,
-         threshold_bytes: int | None = None, segment_bytes: int | None = None,
-         flight_dir=None, cuda_aware: bool | None = None) -> ProcessGroup:
+         trace_keep: int | None = KEEP_RECENT, threshold_bytes: int | None = None,
+         segment_bytes: int | None = None, flight_dir=None, cuda_aware: bool | None = None) -> ProcessGroup:
     """The world group of an ``mpiexec`` job (this starts MPI).
 
     ``backend="ring"`` runs the hand-written collectives over MPI point-to-point messages, ``"mpi"``
     MPI's own collectives, ``"nccl"`` NCCL's on GPU (CuPy) arrays, with one GPU per rank: rank i of
     a node takes GPU i (see ``nccl.select_device``). An uncaught exception on any rank aborts the
-    whole job. ``trace=False`` turns recording off; ``threshold_bytes`` overrides where all-reduce switches to the ring and
-    ``segment_bytes`` the ring's segment size. When a call times out, the flight recorder prints this
+    whole job. ``trace=False`` turns recording off; the trace keeps this rank's last ``trace_keep``
+    calls, so a job of any length holds the same memory (None keeps every call: it grows with the job).
+    ``threshold_bytes`` overrides where all-reduce switches to the ring and ``segment_bytes`` the
+    ring's segment size. When a call times out, the flight recorder prints this
     rank's last recorded calls to stderr (and to ``flight_dir/flight_rank<r>.txt`` if given).
     GPU (CuPy) buffers go to MPI as they are when it is CUDA-aware and through pinned host memory
-    when not; ``cuda_aware=None`` asks the MPI library, True or False overrides it."""
+    when not; ``cuda_aware=None`` asks the MPI library, True or False overrides it. ``timeout``
+    (seconds; the default, 300, outlasts a slow first step or a checkpoint write yet ends a lost
+    rank's job in minutes) bounds every wait on a peer: past it the call raises CommTimeoutError
+    naming the rank that never arrived, and the job exits with status 3."""
     from minidist.comm.mpi_transport import MPITransport  # here, so `import minidist` never starts MPI
     transport = MPITransport.world(timeout, cuda_aware=cuda_aware)
     if backend == "nccl":  # the GPU first: arrays and NCCL communicators belong to the current one
@@ -40,8 +45,8 @@ def init(backend: str = "ring", *, timeout: float = 300.0, debug: bool = False, 
         node.Free()
     settings = {k: v for k, v in (("threshold_bytes", threshold_bytes), ("segment_bytes", segment_bytes))
                 if v is not None}
-    return ProcessGroup(transport, backend=backend, trace=Trace(transport.rank, enabled=trace), debug=debug,
-                        flight_recorder=FlightRecorder(directory=flight_dir), **settings)
+    return ProcessGroup(transport, backend=backend, trace=Trace(transport.rank, enabled=trace, keep=trace_keep),
+                        debug=debug, flight_recorder=FlightRecorder(directory=flight_dir), **settings)
 
 
 def run_local(fn, world_size: int, backend: str = "ring", *, timeout: float = 60.0, debug: bool = False,

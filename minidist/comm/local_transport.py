@@ -21,7 +21,7 @@ from collections import deque
 import numpy as np
 
 from minidist.comm import ring
-from minidist.comm.transport import Deadline, PeerTimeout, Request, Transport
+from minidist.comm.transport import Deadline, PeerTimeout, Request, Transport, check_timeout
 from minidist.device import copy_array
 
 POLL_SECONDS = 0.05  # how often a waiting rank checks whether its peer has exited
@@ -128,6 +128,9 @@ class LocalRequest(Request):
         if self.error is not None:
             raise self.error
 
+    def cancel(self) -> None:
+        self.transport.hub.cancel(self)
+
 
 class LocalTransport(Transport):
     """Rank ``rank`` of ``size`` threads that share ``hub``. Make a whole world with :meth:`world`.
@@ -147,6 +150,7 @@ class LocalTransport(Transport):
     @classmethod
     def world(cls, size: int, timeout: float = 60.0) -> list["LocalTransport"]:
         """The transports of a fresh world of ``size`` ranks, one per thread, in rank order."""
+        check_timeout(timeout)
         hub = LocalHub(size)
         return [cls(rank, size, timeout, hub=hub) for rank in range(size)]
 
@@ -167,6 +171,10 @@ class LocalTransport(Transport):
         request = LocalRequest(self, buf, peer, tag, kind)
         self.hub.post(request)
         return request
+
+    def peer_gone(self, peer: int) -> str | None:
+        """How ``peer``'s thread ended, once ``run_local`` has reported it; else None."""
+        return self.hub.exited.get(self.world_ranks[peer])
 
     def split(self, color: int, key: int) -> "LocalTransport | None":
         """Collective: all-gather everyone's (color, key) with the ring, then keep the ranks of my color

@@ -28,7 +28,7 @@ import sys
 import time
 import traceback
 
-from minidist.comm.transport import PeerTimeout, Request, Transport
+from minidist.comm.transport import PeerTimeout, Request, Transport, check_timeout, exit_code_for
 from minidist.device import copy_to_device, copy_to_host, is_cupy, pinned_empty, synchronize
 
 YIELD_SECONDS = 5e-3   # poll, offering the core to others (sched_yield) between polls, this long;
@@ -84,6 +84,13 @@ class MPIRequest(Request):
             time.sleep(pause)
             pause = min(2 * pause, MAX_SLEEP)
 
+    def cancel(self) -> None:
+        """Cancel a receive that has not completed (``MPI_Cancel``), so it never fills its buffer late."""
+        if self.kind == "recv" and not self.done:
+            self.request.Cancel()
+            self.request.Wait()  # completes at once: cancelled, or the message had just arrived
+            self.done = True
+
 
 class MPITransport(Transport):
     """Point-to-point over an mpi4py communicator ``comm`` (its ranks are this transport's ranks).
@@ -112,6 +119,7 @@ class MPITransport(Transport):
         with the rank, then aborts the whole job, instead of leaving the other ranks waiting forever.
         ``cuda_aware=None`` asks the MPI library (:func:`query_cuda_aware`).
         """
+        check_timeout(timeout)  # before MPI starts
         from mpi4py import MPI
         if cuda_aware is None:
             cuda_aware = query_cuda_aware()
@@ -178,13 +186,14 @@ def query_cuda_aware() -> bool:
 
 
 def _abort_on_uncaught_exception(transport: MPITransport):
-    """An excepthook that prints the traceback prefixed with the rank, then aborts the MPI job."""
+    """An excepthook that prints the traceback prefixed with the rank, then aborts the MPI job with
+    the exit status of the error (:func:`~minidist.comm.transport.exit_code_for`)."""
 
     def hook(exc_type, exc, tb):
         lines = traceback.format_exception(exc_type, exc, tb)
         text = "".join(f"[rank {transport.rank}] {line}" for chunk in lines for line in chunk.splitlines(True))
         sys.stderr.write(text)
         sys.stderr.flush()
-        transport.abort(1)
+        transport.abort(exit_code_for(exc))
 
     return hook

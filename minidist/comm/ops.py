@@ -25,6 +25,16 @@ COLLECTIVE_TAG_BASE = 32000
 """Tags at or above this belong to collectives; user point-to-point tags stay below it, so a
 user's message can never match a collective's (MPI guarantees tags up to at least 32767)."""
 
+# Every collective's tag, in one place. Messages match by (peer, tag), so each algorithm has its own.
+TAG_REDUCE_SCATTER = COLLECTIVE_TAG_BASE + 1  # ring.reduce_scatter
+TAG_ALL_GATHER = COLLECTIVE_TAG_BASE + 2      # ring.all_gather
+TAG_DOUBLING = COLLECTIVE_TAG_BASE + 3        # doubling.all_reduce
+TAG_BROADCAST = COLLECTIVE_TAG_BASE + 4       # rooted.broadcast
+TAG_REDUCE = COLLECTIVE_TAG_BASE + 5          # rooted.reduce
+TAG_GATHER_BYTES = COLLECTIVE_TAG_BASE + 6    # ProcessGroup.gather_bytes
+TAG_FINGERPRINT = COLLECTIVE_TAG_BASE + 7     # fingerprint.check_neighbours, before every collective
+TAG_CENSUS = COLLECTIVE_TAG_BASE + 8          # census.take, after a collective timed out
+
 
 def reduce_ufunc(op: str, like):
     """The ufunc that performs ``op`` on arrays like ``like``: ``numpy.add`` for a NumPy array,

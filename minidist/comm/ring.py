@@ -19,12 +19,11 @@ rank ends with bitwise identical results.
 """
 from __future__ import annotations
 
-from minidist.comm.ops import COLLECTIVE_TAG_BASE, Workspace, offsets, reduce_ufunc, same_memory, split_counts
+from minidist.comm.ops import (TAG_ALL_GATHER, TAG_REDUCE_SCATTER, Workspace, offsets, reduce_ufunc, same_memory,
+                               split_counts)
 from minidist.comm.transport import wait_all
 
 SEGMENT_BYTES = 1024 * 1024  # measured: 1 MiB beat 256 KiB at 4 MiB-64 MiB on 2 and 4 ranks
-TAG_REDUCE_SCATTER = COLLECTIVE_TAG_BASE + 1
-TAG_ALL_GATHER = COLLECTIVE_TAG_BASE + 2
 
 
 def reduce_scatter(t, buf, counts, op, out, *, segment_bytes=SEGMENT_BYTES, workspace=None) -> None:

@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.comm.ops import COLLECTIVE_TAG_BASE, Workspace, reduce_ufunc
+from minidist.comm.ops import TAG_BROADCAST, TAG_REDUCE, Workspace, reduce_ufunc
 from minidist.comm.transport import wait_all
-
-TAG_BROADCAST = COLLECTIVE_TAG_BASE + 4
-TAG_REDUCE = COLLECTIVE_TAG_BASE + 5
 
 
 def broadcast(t, buf, root) -> None:

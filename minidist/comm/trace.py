@@ -3,16 +3,26 @@
 A :class:`Trace` belongs to one rank. The group wraps each call in ``trace.record(...)``, which notes
 the operation, group, algorithm, bytes, start, end and sequence number. Traces summarise per op and
 export to Chrome trace JSON (open the file in https://ui.perfetto.dev).
+
+How much stays in memory is the trace's choice: ``Trace()`` keeps every event (a test, a lesson, a
+notebook: short runs that read them all afterwards); ``Trace(keep=N)`` only the last N, a ring, so a
+run of any length holds the same memory (``init()`` and the trainer keep :data:`KEEP_RECENT`, enough
+for the flight recorder). Whoever needs every event of a stretch asks for it while it runs:
+``with trace.capture() as events`` collects them in a list, ``with trace.stream(path)`` writes them
+to a JSON-lines file as they happen (the trainer's ``--trace DIR``).
 """
 from __future__ import annotations
 
 import json
+import threading
 import time
+from collections import deque
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
 
 KINDS = ("compute", "collective", "p2p", "wait")  # "wait": blocked on a peer (parameter server)
+KEEP_RECENT = 4096  # events a long run keeps in memory (init(), the trainer): a few hundred KiB per rank
 
 
 @dataclass
@@ -34,13 +44,59 @@ class Event:
         return self.end - self.start
 
 
-class Trace:
-    """The events of one rank, in the order they ended."""
+FIELDS = tuple(f.name for f in fields(Event))
 
-    def __init__(self, rank: int = 0, enabled: bool = True):
+
+def event_dict(e: Event) -> dict:
+    """``e`` as a flat dict, field by field (``dataclasses.asdict`` without its deep copies)."""
+    return {name: getattr(e, name) for name in FIELDS}
+
+
+class Trace:
+    """The events of one rank, in the order they ended: every one (``keep=None``) or the last ``keep``.
+
+    ``recorded`` counts every event recorded (since construction or :meth:`clear`), kept or not;
+    ``last(n)`` returns the newest n kept. :meth:`capture` and :meth:`stream` see every event
+    recorded while they are open, whatever ``keep`` is. Recording sends nothing."""
+
+    def __init__(self, rank: int = 0, enabled: bool = True, keep: int | None = None):
+        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 0):
+            raise ValueError(f"keep must be None (every event) or a count >= 0, got {keep!r}")
         self.rank = rank
         self.enabled = enabled
-        self.events: list[Event] = []
+        self.keep = keep
+        self._sinks: tuple = ()  # callables given each new event (capture, stream); replaced, never mutated
+        self.events = []
+
+    @property
+    def events(self):
+        """The kept events, oldest first: a list, or a ring (a ``deque``) when ``keep`` is set;
+        iterate, index or :meth:`last` it (a ring does not slice)."""
+        return self._events
+
+    @events.setter
+    def events(self, events) -> None:
+        events = list(events)
+        self.dropped = 0 if self.keep is None else max(0, len(events) - self.keep)
+        self._events = events if self.keep is None else deque(events, maxlen=self.keep)
+
+    @property
+    def recorded(self) -> int:
+        """How many events were recorded: the kept ones and those the ring has dropped."""
+        return len(self._events) + self.dropped
+
+    def last(self, n: int) -> list[Event]:
+        """The newest ``n`` kept events (fewer if fewer are kept), oldest first."""
+        events = list(self._events)  # a copy first: another thread may record meanwhile
+        return events[max(0, len(events) - n):] if n > 0 else []
+
+    def add(self, event: Event) -> None:
+        """Keep ``event`` (dropping the oldest when the ring is full) and hand it to every sink."""
+        if self.keep is not None and len(self._events) >= self.keep:
+            self.dropped += 1
+        self._events.append(event)
+        for sink in self._sinks:
+            sink(event)
 
     @contextmanager
     def record(self, op: str, *, group: str = "world", algorithm: str = "", nbytes: int = 0,
@@ -53,16 +109,54 @@ class Trace:
         try:
             yield
         finally:
-            self.events.append(Event(op, group, algorithm, nbytes, start, time.perf_counter(), seq,
-                                     self.rank, peer, kind))
+            self.add(Event(op, group, algorithm, nbytes, start, time.perf_counter(), seq, self.rank, peer, kind))
+
+    @contextmanager
+    def _sink(self, sink):
+        """Inside the block, ``sink(event)`` is called with every event recorded."""
+        self._sinks = self._sinks + (sink,)
+        try:
+            yield
+        finally:
+            self._sinks = tuple(s for s in self._sinks if s is not sink)
+
+    @contextmanager
+    def capture(self):
+        """``with trace.capture() as events``: ``events`` is a list that receives every event recorded
+        inside the block, however few the trace keeps (``--explain`` reads a whole step this way)."""
+        events: list[Event] = []
+        with self._sink(events.append):
+            yield events
+
+    @contextmanager
+    def stream(self, path, flush_every: int = 256):
+        """Inside the block, write this rank's events to ``path`` as JSON lines (the :meth:`save`
+        format, what :meth:`load` reads): first the events kept when it opens, then each one as it is
+        recorded. At most ``flush_every`` events wait in the file's buffer, so memory stays flat and
+        a crashed run loses at most that many; the file is complete when the block ends."""
+        lock, unflushed = threading.Lock(), [0]
+        with open(path, "w", encoding="utf-8") as f:
+            def write(event: Event) -> None:
+                line = json.dumps(event_dict(event)) + "\n"
+                with lock:  # a communication thread may record while the main thread does
+                    f.write(line)
+                    unflushed[0] += 1
+                    if unflushed[0] >= flush_every:
+                        f.flush()
+                        unflushed[0] = 0
+            with self._sink(write):
+                for event in self.last(len(self._events)):
+                    write(event)
+                yield
 
     def clear(self) -> None:
-        self.events.clear()
+        """Forget the kept events and reset ``recorded`` (open captures and streams go on)."""
+        self.events = []
 
     def summary(self) -> list[dict]:
         """Per (op, group): calls, bytes and seconds, in order of first appearance."""
         rows: dict[tuple[str, str], dict] = {}
-        for e in self.events:
+        for e in list(self.events):  # a copy: a ring must not change under a Python loop
             row = rows.setdefault((e.op, e.group), dict(op=e.op, group=e.group, calls=0, bytes=0, seconds=0.0))
             row["calls"] += 1
             row["bytes"] += e.nbytes
@@ -80,7 +174,7 @@ class Trace:
     def to_bytes(self) -> bytes:
         """The events as JSON lines (one event per line, UTF-8): what :meth:`save` writes and what
         ranks send each other (``ProcessGroup.gather_bytes``)."""
-        return "".join(json.dumps(asdict(e)) + "\n" for e in self.events).encode()
+        return "".join(json.dumps(event_dict(e)) + "\n" for e in list(self.events)).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes, rank: int | None = None) -> "Trace":
@@ -107,8 +201,8 @@ class Trace:
         if origin is None:
             origin = min((e.start for e in self.events), default=0.0)
         out = []
-        for e in self.events:
-            args = {k: v for k, v in asdict(e).items() if k not in ("start", "end", "op")}
+        for e in list(self.events):
+            args = {k: v for k, v in event_dict(e).items() if k not in ("start", "end", "op")}
             out.append(dict(name=e.op, cat=e.kind, ph="X", pid=e.rank, tid=KINDS.index(e.kind),
                             ts=(e.start - origin) * 1e6, dur=e.duration * 1e6, args=args))
         return out

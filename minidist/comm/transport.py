@@ -28,18 +28,48 @@ class PeerTimeout(Exception):
 
 
 class CommTimeoutError(TimeoutError):
-    """A collective or point-to-point call timed out waiting for a peer."""
+    """A collective or point-to-point call timed out waiting for a peer.
 
-    def __init__(self, op: str, seq: int, rank: int, peer: int, waited: float, group: str = "world"):
+    ``peer`` is the rank this rank's wait was on (-1: the library can't say which, NCCL); for a
+    collective, ``census`` says what the group's census found (``census.py``) and ``missing`` lists
+    the ranks that never arrived, which may be other than ``peer`` when ``peer`` was waiting too."""
+
+    def __init__(self, op: str, seq: int, rank: int, peer: int, waited: float, group: str = "world",
+                 census: str = "", missing: list[int] | None = None):
         self.op, self.seq, self.rank, self.peer, self.waited, self.group = op, seq, rank, peer, waited, group
-        who = "a peer" if peer < 0 else f"rank {peer}"  # peer -1: the library can't say which (NCCL)
+        self.census, self.missing = census, list(missing or [])
+        who = "a peer" if peer < 0 else f"rank {peer}"
         super().__init__(
             f"{op} #{seq} on group '{group}': rank {rank} waited {waited:.1f}s for {who}, "
-            f"which never answered (did it skip this call, crash, or hang?)")
+            f"which never answered (did it skip this call, crash, or hang?)" + (f". Census: {census}" if census else ""))
 
 
 class CollectiveMismatchError(RuntimeError):
-    """In debug mode: the ranks of a group did not all call the same collective the same way."""
+    """The ranks of a group did not all call the same collective the same way (``fingerprint.py``)."""
+
+
+EXIT_CONFIG = 2
+"""Exit status of a job that refused its configuration (bad flags, bad data): retrying cannot help."""
+EXIT_COMM_TIMEOUT = 3
+"""Exit status of a job whose collective or point-to-point call timed out (:class:`CommTimeoutError`)."""
+EXIT_MISMATCH = 4
+"""Exit status of a job whose ranks called different collectives (:class:`CollectiveMismatchError`)."""
+
+
+def exit_code_for(error: BaseException) -> int:
+    """The job's exit status for an uncaught ``error``: :data:`EXIT_COMM_TIMEOUT`, :data:`EXIT_MISMATCH`,
+    else 1. The launcher (``python -m minidist.run``) reads it to say why a job ended."""
+    if isinstance(error, CommTimeoutError):
+        return EXIT_COMM_TIMEOUT
+    if isinstance(error, CollectiveMismatchError):
+        return EXIT_MISMATCH
+    return 1
+
+
+def check_timeout(timeout) -> None:
+    """A ValueError unless ``timeout`` is a positive, finite number of seconds (a transport's deadline)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}")
 
 
 class Request:
@@ -50,6 +80,9 @@ class Request:
 
     def wait(self) -> None:
         raise NotImplementedError
+
+    def cancel(self) -> None:
+        """Withdraw a receive that has not matched (it will never fill its buffer); else nothing."""
 
 
 def wait_all(requests) -> None:
@@ -85,6 +118,10 @@ class Transport:
 
     def abort(self, code: int = 1) -> None:
         """End the whole job (MPI) or nothing (in-process, where exceptions propagate anyway)."""
+
+    def peer_gone(self, peer: int) -> str | None:
+        """Why ``peer`` can never send again (e.g. "returned"), when the transport knows; else None."""
+        return None
 
     # Blocking forms, shared by every transport.
     def send(self, buf, peer: int, tag: int = 0) -> None:

@@ -14,8 +14,10 @@ collectives of a group run in one order on every rank, exactly as if they were a
     loss = more_compute()                                      # overlaps the all-reduce
     work.wait()                                                # grads now hold the average
 
-The thread exists only while work is queued: it starts on the first submit and ends when the queue
-is empty, so idle groups hold no threads.
+The thread exists only while the group is busy: it starts on the first submit, and once the queue
+is empty it waits ``linger`` seconds for more before it ends, so a training loop reuses one thread
+step after step (a new OS thread per step costs memory for good under MPICH, which keeps a few
+hundred bytes per thread it has seen) and idle groups hold no threads.
 """
 from __future__ import annotations
 
@@ -60,12 +62,16 @@ class Work:
 
 
 class CommStream:
-    """One group's queue of collectives and the thread that runs them in issue order."""
+    """One group's queue of collectives and the thread that runs them in issue order; the thread
+    ends after ``linger`` seconds without work."""
+
+    linger = 2.0  # seconds an idle thread waits for more work: far longer than a training step
 
     def __init__(self, name: str):
         self.name = name
         self._queue: deque = deque()  # (fn, work), oldest first
         self._lock = threading.Lock()
+        self._more = threading.Condition(self._lock)  # notified on submit, for a waiting thread
         self._thread: threading.Thread | None = None
         self._last: Work | None = None  # the most recently submitted work
 
@@ -78,6 +84,8 @@ class CommStream:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._drain, name=f"comm {self.name}", daemon=True)
                 self._thread.start()
+            else:
+                self._more.notify()
         return work
 
     def synchronize(self) -> None:
@@ -87,9 +95,12 @@ class CommStream:
             last._done.wait()
 
     def _drain(self) -> None:
-        """The stream's thread: run queued work in order; end when the queue is empty."""
+        """The stream's thread: run queued work in order; end when the queue has stayed empty for
+        ``linger`` seconds."""
         while True:
             with self._lock:
+                if not self._queue:
+                    self._more.wait(self.linger)
                 if not self._queue:
                     self._thread = None
                     return

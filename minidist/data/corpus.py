@@ -6,9 +6,13 @@ spelling of its 60-odd words (below 2), then the word order and the singular/plu
 ("the cat sees ...", "the cats see ..."). Samples from a trained model read like the corpus.
 
 The text is a pure function of the seed, cached once as a uint8 token file
-(``grammar-v1-<bytes>-<seed>.bin``, see :func:`default_corpus`).
+(``grammar-v1-<bytes>-<seed>.bin``, see :func:`default_corpus`) beside a record of its size and
+SHA-256 (``<name>.json``), so a damaged cache is noticed and regenerated instead of trained on.
 """
+import hashlib
+import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -88,16 +92,58 @@ def default_data_dir():
 def default_corpus(data_dir=None, n_bytes=1_000_000, seed=0):
     """Path of the default corpus token file, generating it on first use (about 1 MB, < 1 s).
 
-    The file is written to a unique temporary name and renamed, so several processes or threads
-    starting at once (ranks of one job) never read a half-written file nor trip over each other.
+    A cached file is used only if it matches its record (size and SHA-256, see :func:`cache_problem`);
+    one that does not (cut short by a full disk or a killed writer, damaged, or without a record) is
+    regenerated, with a line on stderr naming it. The record and then the file are each written to a
+    unique temporary name and renamed, so several processes or threads starting at once (ranks of
+    one job) never read a half-written file nor trip over each other.
     """
     data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
     path = data_dir / f"grammar-v1-{n_bytes}-{seed}.bin"
-    if not path.exists():
-        data_dir.mkdir(parents=True, exist_ok=True)
-        tokens = ByteTokenizer().encode(grammar_text(n_bytes, seed))
-        fd, tmp = tempfile.mkstemp(dir=data_dir, prefix=path.name, suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            tokens.tofile(f)
-        os.replace(tmp, path)
+    problem = cache_problem(path)
+    if problem is None:
+        return path
+    if path.exists():
+        print(f"minidist.data: the corpus cache {path} {problem}: regenerating it", file=sys.stderr, flush=True)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    tokens = ByteTokenizer().encode(grammar_text(n_bytes, seed))
+    record = {"bytes": len(tokens), "sha256": hashlib.sha256(tokens).hexdigest()}
+    write_atomically(record_path(path), json.dumps(record).encode())  # first: a new file always has its record
+    write_atomically(path, tokens.tobytes())
     return path
+
+
+def record_path(path):
+    """Where the size and SHA-256 of the cached corpus ``path`` are recorded: ``<name>.json`` beside it."""
+    return path.with_name(path.name + ".json")
+
+
+def cache_problem(path):
+    """What is wrong with the cached corpus ``path``, in words, or None when its size and SHA-256
+    match its record."""
+    if not path.exists():
+        return "does not exist"
+    try:
+        record = json.loads(record_path(path).read_text())
+        size, digest = int(record["bytes"]), str(record["sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"has no valid record {record_path(path).name}"
+    actual = path.stat().st_size
+    if actual != size:
+        return f"is {'truncated' if actual < size else 'too long'}: {actual} bytes, its record says {size}"
+    if hashlib.sha256(path.read_bytes()).hexdigest() != digest:
+        return "is damaged: its SHA-256 differs from its record"
+    return None
+
+
+def write_atomically(path, data: bytes):
+    """Write ``data`` to ``path`` through a unique temporary file in the same folder and a rename:
+    a reader sees the old file or the whole new one, never a part."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,11 +1,13 @@
 """Write a run directory for ``python -m minidist.inspect`` (the layout is in ``load.py``).
 
-Each rank writes its own files, so nothing is sent: ``write_trace`` the trace events,
+Each rank writes its own files, so nothing is sent: ``write_trace`` the trace events it holds,
+``stream_trace`` every event of a run as it happens (memory stays flat however long the run),
 ``write_memory_report`` the bytes it holds.
 """
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 
 from minidist.inspect.load import memory_path, trace_path
 from minidist.parallel.accounting import unique_nbytes
@@ -16,6 +18,17 @@ def write_trace(run_dir, trace) -> None:
     path = trace_path(run_dir, trace.rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     trace.save(path)
+
+
+@contextmanager
+def stream_trace(run_dir, trace):
+    """Inside the block, write every event ``trace`` records (after the ones it keeps already) to
+    ``run_dir/trace/rank<r>.jsonl`` as it happens (``Trace.stream``): the same file as
+    :func:`write_trace`, complete when the block ends, with only a bounded buffer in memory."""
+    path = trace_path(run_dir, trace.rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with trace.stream(path):
+        yield path
 
 
 def write_memory_report(run_dir, rank: int, rows: list[dict]) -> None:

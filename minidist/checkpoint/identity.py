@@ -1,0 +1,67 @@
+"""A run's identity: what must be equal for a checkpoint to be continued, and what may differ.
+
+``--resume`` continues THIS run. A checkpoint records the run that wrote it (the manifest's
+``meta.run``), and resuming refuses a checkpoint whose identity differs in any field, naming each
+one with its saved and its current value. The identity holds whatever changes the numbers:
+
+    model         n_layer, n_head, n_embd, block_size (the vocabulary is the byte tokenizer's 256)
+    seed          the initial weights and the order of the batches
+    data          data_tokens and data_sha256: the training tokens themselves (not the file's name)
+    the math      optimizer, lr, min_lr, warmup, steps (the cosine schedule ends at ``steps``),
+                  weight_decay, grad_clip, batch_size, dtype; momentum for SGD only;
+                  loss_scale and loss_scale_window in mixed precision only
+
+and nothing that only says HOW the same math is laid out: dp, tp, pp, zero, schedule, virtual
+stages, sequence parallelism, recomputation, bucket size, device, backend and the world size may all
+change (that is resharding), and so may ``micro_batches``: cutting a batch into micro-batches sums
+the same per-example gradients with the same 1/B factor, equal in exact arithmetic; in floating point
+it changes only the order of the sums, as changing dp does (the layouts agree to ~1e-10 in float64).
+Nor what a run prints or writes (evaluation, outputs, checkpoint frequency).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+
+from minidist.amp import COMPUTE_DTYPES
+
+MATH = ("n_layer", "n_head", "n_embd", "block_size", "seed", "optimizer", "lr", "min_lr", "warmup", "steps",
+        "weight_decay", "grad_clip", "batch_size", "dtype")
+
+
+def data_identity(tokens) -> dict:
+    """``data_tokens`` and ``data_sha256`` of a token array (its bytes: uint8 tokens, ~1 ms per MB)."""
+    tokens = np.ascontiguousarray(tokens)
+    return {"data_tokens": int(tokens.size), "data_sha256": hashlib.sha256(memoryview(tokens).cast("B")).hexdigest()}
+
+
+def run_identity(cfg, train_tokens) -> dict:
+    """The identity of the run ``cfg`` (a TrainConfig) training on ``train_tokens``, as stored in a
+    checkpoint: a flat JSON object {field: value} (module docstring: which fields and why)."""
+    fields = MATH + (("momentum",) if cfg.optimizer == "sgd" else ())
+    fields += ("loss_scale", "loss_scale_window") if cfg.dtype in COMPUTE_DTYPES else ()
+    identity = {name: getattr(cfg, name) for name in fields}
+    identity.update(data_identity(train_tokens))
+    return json.loads(json.dumps(identity))  # as it reads back from the manifest: compared like for like
+
+
+def identity_differences(saved, current: dict) -> list[str]:
+    """One line per field in which the ``saved`` identity (read from a checkpoint) differs from the
+    ``current`` one: ``seed: saved 0, now 1``. Empty when they are the same run."""
+    if not isinstance(saved, dict):
+        return [f"run identity: saved {saved!r}, now {current!r}"]
+    lines = []
+    for name in sorted(saved.keys() | current.keys(), key=lambda n: (n not in current, n)):
+        before, now = saved.get(name, "(absent)"), current.get(name, "(absent)")
+        if before != now or type(before) is not type(now) and not _same_number(before, now):
+            lines.append(f"{name}: saved {before!r}, now {now!r}")
+    return lines
+
+
+def _same_number(a, b) -> bool:
+    """1 and 1.0 are the same learning rate (JSON keeps what was written); True is not 1."""
+    numbers = (int, float)
+    return (isinstance(a, numbers) and isinstance(b, numbers) and not isinstance(a, bool)
+            and not isinstance(b, bool) and a == b)

@@ -1,0 +1,95 @@
+"""Ranks that disagree about a collective are caught before any data moves.
+
+Every rank of a group must call the same collectives, in the same order, the same way. When they
+don't, the algorithms hang or, worse, finish with mixed-up numbers and exit 0: a "sum" on one rank
+against a "max" on another, 8 float32 against 4 float64 (the same 32 bytes), each rank broadcasting
+from a different root. So before each collective every rank describes the call in a fingerprint of
+six int64 (collective, reduce op, dtype, count, root, sequence number) and checks it:
+
+- :func:`check_neighbours`, the default: swap fingerprints with the two ring neighbours, rank - 1
+  and rank + 1 (four 48-byte messages per rank, all posted at once: one message latency). If every
+  rank agrees with both neighbours, all ranks agree (agreement is transitive around the ring); where
+  two neighbours differ, both raise :class:`CollectiveMismatchError` before the collective sends a
+  byte, and the ranks further away stop at their next wait on them.
+- :func:`check_everyone`, the group's ``debug=True``: all-gather every rank's fingerprint (a ring
+  all-gather, 2(n-1) latencies), so every rank raises, each naming every rank that differs from rank 0.
+
+Both go over the group's host transport on the reserved tags of ``ops.py``, so they cover the
+hand-written algorithms and backends "mpi" and "nccl" alike.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from minidist.comm import ring
+from minidist.comm.ops import DTYPES, GROUP_OPS, TAG_FINGERPRINT
+from minidist.comm.transport import CollectiveMismatchError
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "barrier", "split",
+               "gather_bytes")
+FIELDS = ("op", "reduce op", "dtype", "count", "root", "seq")
+
+
+def fingerprint(name: str, op, dtype, count: int, root: int, seq: int) -> np.ndarray:
+    """The call as six int64: collective, reduce op, dtype (indices, -1 for none), count, root (-1 for
+    none) and the group's sequence number."""
+    return np.array([COLLECTIVES.index(name), GROUP_OPS.index(op) if op else -1,
+                     DTYPES.index(np.dtype(dtype)) if dtype is not None else -1, count, root, seq], dtype=np.int64)
+
+
+def check_neighbours(transport, mine: np.ndarray, group: str) -> None:
+    """Swap ``mine`` with the ranks before and after this one in the ring and raise
+    CollectiveMismatchError naming the collective, its number, ``group`` and each neighbour that
+    differs, with the fields that differ.
+
+    Sends: ``mine`` (48 bytes) to rank - 1 and to rank + 1 (once when they are the same rank);
+    receives theirs. Nothing when the group has one rank."""
+    n, r = transport.size, transport.rank
+    if n == 1:
+        return
+    neighbours = sorted({(r - 1) % n, (r + 1) % n})
+    theirs = np.empty((len(neighbours), mine.size), np.int64)  # (neighbours, 6)
+    requests = [transport.irecv(theirs[i], q, TAG_FINGERPRINT) for i, q in enumerate(neighbours)]
+    requests += [transport.isend(mine, q, TAG_FINGERPRINT) for q in neighbours]
+    for request in requests:
+        request.wait()
+    if (theirs == mine).all():
+        return
+    me = describe(mine)
+    lines = [differ_text(q, describe(call), r, me) for q, call in zip(neighbours, theirs) if (call != mine).any()]
+    raise CollectiveMismatchError(f"{me['op']} #{me['seq']} on group '{group}': " + "; ".join(lines))
+
+
+def check_everyone(transport, mine: np.ndarray, group: str) -> None:
+    """Debug mode: all-gather every rank's ``mine`` and raise CollectiveMismatchError on every rank
+    when any differs from rank 0's, naming each such rank and the fields that differ.
+
+    Sends: a ring all-gather of the 6-int fingerprints (n - 1 messages of 48 bytes per rank)."""
+    everyone = np.empty(mine.size * transport.size, dtype=np.int64)
+    ring.all_gather(transport, mine, [mine.size] * transport.size, everyone)
+    calls = [describe(c) for c in everyone.reshape(transport.size, mine.size)]  # (size, 6) -> dicts
+    differ = [r for r in range(transport.size) if calls[r] != calls[0]]
+    if differ:
+        first = calls[0]
+        lines = [differ_text(r, calls[r], 0, first) for r in differ]
+        raise CollectiveMismatchError(f"{first['op']} #{first['seq']} on group '{group}': " + "; ".join(lines))
+
+
+def describe(call) -> dict:
+    """A fingerprint (6 ints) as readable fields."""
+    name, op, dtype, count, root, seq = (int(v) for v in call)
+    return {"op": COLLECTIVES[name] if 0 <= name < len(COLLECTIVES) else f"collective {name}",
+            "reduce op": GROUP_OPS[op] if 0 <= op < len(GROUP_OPS) else None,
+            "dtype": str(DTYPES[dtype]) if 0 <= dtype < len(DTYPES) else None, "count": count,
+            "root": root if root >= 0 else None, "seq": seq}
+
+
+def differ_text(rank: int, call: dict, other_rank: int, other: dict) -> str:
+    """'rank 1 called reduce_scatter with count 10 while rank 0 called all_reduce with count 12'."""
+    fields = [f for f in FIELDS[1:] if call[f] != other[f]]
+    return f"rank {rank} called {_call_text(call, fields)} while rank {other_rank} called {_call_text(other, fields)}"
+
+
+def _call_text(call: dict, fields: list[str]) -> str:
+    """'reduce_scatter with count 10' for the fields that differ."""
+    return call["op"] + (" with " + ", ".join(f"{f} {call[f]}" for f in fields) if fields else "")
