@@ -20,7 +20,8 @@ from minidist.comm.trace import KEEP_RECENT, Trace
 
 def init(backend: str = "ring", *, timeout: float = 300.0, debug: bool = False, trace: bool = True,
          trace_keep: int | None = KEEP_RECENT, threshold_bytes: int | None = None,
-         segment_bytes: int | None = None, flight_dir=None, cuda_aware: bool | None = None) -> ProcessGroup:
+         segment_bytes: int | None = None, flight_dir=None, cuda_aware: bool | None = None,
+         check_calls: bool = True) -> ProcessGroup:
     """The world group of an ``mpiexec`` job (this starts MPI).
 
     ``backend="ring"`` runs the hand-written collectives over MPI point-to-point messages, ``"mpi"``
@@ -35,7 +36,10 @@ def init(backend: str = "ring", *, timeout: float = 300.0, debug: bool = False, 
     when not; ``cuda_aware=None`` asks the MPI library, True or False overrides it. ``timeout``
     (seconds; the default, 300, outlasts a slow first step or a checkpoint write yet ends a lost
     rank's job in minutes) bounds every wait on a peer: past it the call raises CommTimeoutError
-    naming the rank that never arrived, and the job exits with status 3."""
+    naming the rank that never arrived, and the job exits with status 3. ``check_calls`` (the
+    default) has every collective compare its fingerprint with the ring neighbours first, so ranks
+    that call different collectives raise CollectiveMismatchError (exit status 4) instead of mixing
+    up data; ``debug=True`` compares with every rank instead."""
     from minidist.comm.mpi_transport import MPITransport  # here, so `import minidist` never starts MPI
     transport = MPITransport.world(timeout, cuda_aware=cuda_aware)
     if backend == "nccl":  # the GPU first: arrays and NCCL communicators belong to the current one
@@ -46,7 +50,8 @@ def init(backend: str = "ring", *, timeout: float = 300.0, debug: bool = False, 
     settings = {k: v for k, v in (("threshold_bytes", threshold_bytes), ("segment_bytes", segment_bytes))
                 if v is not None}
     return ProcessGroup(transport, backend=backend, trace=Trace(transport.rank, enabled=trace, keep=trace_keep),
-                        debug=debug, flight_recorder=FlightRecorder(directory=flight_dir), **settings)
+                        debug=debug, check_calls=check_calls, flight_recorder=FlightRecorder(directory=flight_dir),
+                        **settings)
 
 
 def run_local(fn, world_size: int, backend: str = "ring", *, timeout: float = 60.0, debug: bool = False,
