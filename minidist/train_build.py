@@ -2,15 +2,18 @@
 device, the data, the model (or this rank's shard / pipeline stage of it), the optimizer, the
 gradient sync, the pipeline engine and mixed precision; and describe the layout that results.
 """
+import dataclasses
 import socket
 from pathlib import Path
 
 import numpy as np
 
 from minidist.amp import COMPUTE_DTYPES, DynamicLossScaler, MixedPrecision
+from minidist.autograd import get_array_module
+from minidist.checkpoint.hf import HFFormatError, from_hf, read_hf_config
 from minidist.comm import LocalTransport, ProcessGroup, Trace
 from minidist.comm.trace import KEEP_RECENT
-from minidist.data import ByteTokenizer, default_corpus, load_tokens, train_val_split
+from minidist.data import ByteTokenizer, HFTokenizer, default_corpus, load_tokens, train_val_split
 from minidist.device import require_cupy, use_gpu
 from minidist.model import GPT, GPTConfig
 from minidist.optim import SGD, AdamW
@@ -18,9 +21,10 @@ from minidist.parallel.accounting import format_memory_table
 from minidist.parallel.data_parallel import DataParallel
 from minidist.parallel.pipeline import PipelineEngine, PipelineStage
 from minidist.parallel.recompute import recompute_blocks
+from minidist.parallel.tensor_parallel import shard_for
 from minidist.parallel.tp_model import build_tp_gpt
 from minidist.parallel.zero import ZeroOptimizer
-from minidist.train_config import ConfigError
+from minidist.train_config import ConfigError, TrainConfig
 
 ADAMW_BETAS = (0.9, 0.95)
 
@@ -62,7 +66,9 @@ def local_rank(world) -> int:
 
 def load_data(cfg):
     """(train, val) token arrays: ``cfg.data`` if given (a UTF-8 text file is a token file), else
-    the default corpus, generated and cached on first use. The last 10% is validation.
+    the default corpus, generated and cached on first use. The last 10% is validation. With an
+    ``--init-from-hf`` folder that holds a tokenizer.json the text is encoded with it instead
+    (:func:`tokenizer_for`), and every token must be inside the folder's vocabulary.
 
     Each part must hold one window of ``block_size + 1`` tokens: else a :class:`ConfigError` naming
     the file, its token counts and the length needed. The verdict depends on the file alone, so every
@@ -70,7 +76,16 @@ def load_data(cfg):
     path = Path(cfg.data) if cfg.data is not None else default_corpus(cfg.data_dir)
     if not path.is_file():
         raise ConfigError(f"--data {path}: {'not a file' if path.exists() else 'no such file'}")
-    tokens = load_tokens(path) if path.stat().st_size else np.zeros(0, np.uint8)  # (an empty file cannot be mapped)
+    tokenizer = tokenizer_for(cfg)
+    if isinstance(tokenizer, ByteTokenizer):
+        tokens = load_tokens(path) if path.stat().st_size else np.zeros(0, np.uint8)  # (an empty file cannot be mapped)
+    else:
+        try:
+            tokens = tokenizer.encode(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"--data {path}: not UTF-8 text, which its tokenizer.json encodes ({e})") from e
+    if cfg.init_from_hf is not None:
+        check_token_range(tokens, tokenizer, read_hf_config(cfg.init_from_hf).vocab_size, path)
     train, val = train_val_split(tokens, val_fraction=0.1)
     need = cfg.block_size + 1
     if min(len(train), len(val)) < need:
@@ -80,16 +95,90 @@ def load_data(cfg):
     return train, val
 
 
+def tokenizer_for(cfg):
+    """How ``--data`` becomes tokens: the ``tokenizer.json`` of the ``--init-from-hf`` folder when it
+    has one (:class:`~minidist.data.HFTokenizer`; without the ``tokenizers`` package, or with a file
+    it cannot read, a :class:`ConfigError`), else the :class:`~minidist.data.ByteTokenizer`."""
+    path = Path(cfg.init_from_hf) / "tokenizer.json" if cfg.init_from_hf is not None else None
+    if path is None or not path.is_file():
+        return ByteTokenizer()
+    try:
+        return HFTokenizer(path)
+    except (ImportError, ValueError) as e:
+        raise ConfigError(f"--init-from-hf {e}") from e
+
+
+def check_token_range(tokens, tokenizer, vocab_size: int, path) -> None:
+    """A :class:`ConfigError` when a token id of ``tokens`` (from ``path``) is not below the model's
+    ``vocab_size``. Byte tokens are read (all of them) only when the vocabulary is below 256."""
+    if isinstance(tokenizer, ByteTokenizer) and vocab_size >= ByteTokenizer.vocab_size or not len(tokens):
+        return
+    largest = int(tokens.max())
+    if largest >= vocab_size:
+        how = "byte" if isinstance(tokenizer, ByteTokenizer) else "tokenizer.json"
+        raise ConfigError(f"--data {path}: {how} token id {largest} is outside the --init-from-hf model's "
+                          f"vocabulary of {vocab_size}")
+
+
+HF_MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "block_size")  # what --init-from-hf's folder decides
+
+
+def with_hf_model(cfg):
+    """``cfg`` with the model size of its ``--init-from-hf`` folder (n_layer, n_head, n_embd and
+    block_size = n_positions; the vocabulary is read again by :func:`build_model`), after checking
+    the folder's config.json and the names and shapes in its model.safetensors (no weights read).
+    A bad folder, or a flag set (to a non-default value) that contradicts the folder, is a
+    :class:`ConfigError`. Reads files only: call it before anything is sent. ``cfg`` itself when
+    there is no folder."""
+    if cfg.init_from_hf is None:
+        return cfg
+    try:
+        config = read_hf_config(cfg.init_from_hf)
+    except HFFormatError as e:
+        raise ConfigError(f"--init-from-hf {e}") from e
+    default = TrainConfig()
+    conflicts = [f"--{f.replace('_', '-')} {getattr(cfg, f)} (the folder has {getattr(config, f)})"
+                 for f in HF_MODEL_FIELDS
+                 if getattr(cfg, f) != getattr(default, f) and getattr(cfg, f) != getattr(config, f)]
+    if conflicts:
+        raise ConfigError(f"--init-from-hf {cfg.init_from_hf} decides the model's size; these flags contradict "
+                          f"it: {', '.join(conflicts)} (leave them out)")
+    return dataclasses.replace(cfg, **{f: getattr(config, f) for f in HF_MODEL_FIELDS})
+
+
 def build_model(cfg, tp_group=None):
     """A byte-level GPT (vocab 256) of the configured size, initialised from ``cfg.seed``; with
     ``cfg.tp > 1`` this rank's tensor-parallel shard of it over ``tp_group``. Initialised on the host
-    (the same values on any device), then moved to ``cfg.device``."""
-    config = GPTConfig(vocab_size=ByteTokenizer.vocab_size, block_size=cfg.block_size,
-                       n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd)
+    (the same values on any device), then moved to ``cfg.device``. With ``cfg.init_from_hf`` the
+    GPT of that Hugging Face folder (its vocabulary, tied or untied head) holding its weights:
+    every rank reads the whole file and keeps its :func:`shard_for` part (the checkpoints' split
+    rule; vocabulary padding rows zero). Sends nothing."""
+    state = None
+    if cfg.init_from_hf is not None:
+        try:
+            state, config = from_hf(cfg.init_from_hf)
+        except HFFormatError as e:
+            raise ConfigError(f"--init-from-hf {e}") from e
+    else:
+        config = GPTConfig(vocab_size=ByteTokenizer.vocab_size, block_size=cfg.block_size,
+                           n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd)
     dtype = np.dtype(COMPUTE_DTYPES.get(cfg.dtype, cfg.dtype)).name  # mixed precision: how the weights are stored
     if cfg.tp == 1:
-        return GPT(config, seed=cfg.seed, dtype=dtype).to(cfg.device)
-    return build_tp_gpt(config, cfg.seed, dtype, tp_group, sequence_parallel=cfg.sequence_parallel).to(cfg.device)
+        model = GPT(config, seed=cfg.seed, dtype=dtype)
+    else:
+        model = build_tp_gpt(config, cfg.seed, dtype, tp_group, sequence_parallel=cfg.sequence_parallel)
+    if state is not None:
+        load_full_state(model, state, tp_group if cfg.tp > 1 else None)
+    return model.to(cfg.device)
+
+
+def load_full_state(model, state: dict, tp_group=None) -> None:
+    """Overwrite every parameter of ``model`` (a GPT, or with ``tp_group`` this rank's tensor-parallel
+    shard of one) with its part of the full state_dict ``state`` ({GPT-2 name: full array}), cast to
+    the parameter's dtype. Sends nothing."""
+    for name, p in model.named_parameters():
+        value = state[name] if tp_group is None else shard_for(name, state[name], tp_group.rank, tp_group.size)
+        p.data[...] = get_array_module(p.data).asarray(value)
 
 
 def build_optimizer(model, cfg, named_parameters=None):

@@ -63,6 +63,8 @@ class TrainConfig:
     recompute: bool = False
     bucket_mb: float = 1.0
     export: str | None = None
+    export_hf: str | None = None
+    init_from_hf: str | None = None
     trace: str | None = None
     explain: bool = False
     # checkpoints, restarts, and a crash on purpose to test them
@@ -201,7 +203,8 @@ def parameter_server_problems(cfg, world_size: int) -> list[str]:
     else:
         problems = []
     collective = [f"--{name.replace('_', '-')}" for name in ("dp", "pp", "tp", "micro_batches", "zero", "ckpt_dir",
-                                                             "explain", "sequence_parallel", "recompute")
+                                                             "explain", "sequence_parallel", "recompute",
+                                                             "export_hf", "init_from_hf")
                   if getattr(cfg, name) not in (1, 0, None, False)]
     if collective:
         problems.append(f"--mode ps trains whole models on its workers: {', '.join(collective)} do not apply")
@@ -309,7 +312,12 @@ def parse_args(argv=None):
         "zero": "ZeRO stage: shard optimizer states (1), + gradients (2), + parameters (3) over dp",
         "recompute": "recompute each block's activations in backward instead of keeping them",
         "bucket_mb": "data-parallel gradient bucket size in MiB",
-        "export": "write the consolidated full-model state_dict here at the end (.npz or .safetensors)",
+        "export": "write the consolidated full-model state_dict here at the end (.npz or .safetensors; nanoGPT / "
+                  "PyTorch layout, not Hugging Face's: use --export-hf)",
+        "export_hf": "write a Hugging Face GPT-2 folder here at the end (config.json + model.safetensors, for "
+                     "transformers.GPT2LMHeadModel.from_pretrained)",
+        "init_from_hf": "start from a local Hugging Face GPT-2 folder (config.json + model.safetensors; its "
+                        "tokenizer.json, if there, tokenizes --data): the model's size comes from it",
         "trace": "run directory for python -m minidist.inspect: DIR/trace/rank<r>.jsonl, DIR/memory/rank<r>.json",
         "explain": "print each rank's first step: what it holds, what it sends to whom",
         "ckpt_dir": "directory of sharded checkpoints (step-<n>/ folders)",

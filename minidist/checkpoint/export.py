@@ -1,9 +1,12 @@
-"""One consolidated safetensors file with GPT-2 names: what PyTorch / Hugging Face tooling loads.
+"""One consolidated safetensors file with GPT-2 names, in nanoGPT / PyTorch layout, not Hugging Face's.
 
 A sharded checkpoint is for resuming; an export is for using the model elsewhere. It holds every
 model parameter whole (the global tensor: vocabulary padding was never stored, so it is not there
-either), under its GPT-2 name, and no optimizer state (names ``slot/param``). ``metadata`` carries
-``{"format": "pt"}``, which Hugging Face's loaders look for.
+either), under its GPT-2 name, and no optimizer state (names ``slot/param``). Every Linear weight is
+PyTorch's (out_features, in_features), as nanoGPT's ``GPT.load_state_dict`` expects. Hugging
+Face's GPT-2 stores c_attn / c_fc / c_proj as Conv1D (in, out) and needs a config.json:
+``transformers`` cannot load this file; use ``--export-hf DIR`` (minidist/checkpoint/hf.py) for that.
+``metadata`` carries ``{"format": "pt"}``.
 
     export_safetensors(latest_valid("ckpt"), "model.safetensors")
     state = safetensors.numpy.load_file("model.safetensors")     # {name: full array}

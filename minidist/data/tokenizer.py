@@ -15,5 +15,8 @@ class ByteTokenizer:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).copy()
 
     def decode(self, ids):
-        """Text of token ids (any integer array or list); bytes that are not valid UTF-8 become '\\ufffd'."""
-        return bytes(np.asarray(ids, dtype=np.uint8).tolist()).decode("utf-8", errors="replace")
+        """Text of token ids (any integer array or list); bytes that are not valid UTF-8, and ids
+        outside 0..255 (a model with a larger vocabulary can sample them), become '\\ufffd'."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        ids = np.where((ids < 0) | (ids > 255), 0xFF, ids)  # 0xFF is never valid UTF-8
+        return bytes(ids.astype(np.uint8).tolist()).decode("utf-8", errors="replace")

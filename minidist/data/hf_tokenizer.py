@@ -1,0 +1,33 @@
+"""Text <-> token ids with a Hugging Face ``tokenizer.json`` (GPT-2's byte-level BPE, or any other),
+through the ``tokenizers`` package: an optional extra, ``pip install 'minidist[hf]'``.
+
+Used when ``--init-from-hf DIR`` names a folder that holds a tokenizer.json: ``--data`` is then
+encoded with it (in memory, at the start of each run) instead of read as bytes.
+"""
+import numpy as np
+
+
+class HFTokenizer:
+    """The tokenizer saved in ``path`` (a tokenizer.json). ``encode`` gives uint16 ids (uint32 for a
+    vocabulary beyond 65536), the dtype the batches are drawn from."""
+
+    def __init__(self, path):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as e:
+            raise ImportError(f"{path} needs the 'tokenizers' package: pip install tokenizers "
+                              "(or pip install 'minidist[hf]')") from e
+        try:
+            self._tokenizer = Tokenizer.from_file(str(path))
+        except Exception as e:  # the Rust side raises plain Exceptions for a malformed file
+            raise ValueError(f"{path}: not a tokenizer.json the tokenizers package can read ({e})") from e
+        self.vocab_size = self._tokenizer.get_vocab_size()
+        self.dtype = np.uint16 if self.vocab_size <= 2**16 else np.uint32
+
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids of ``text``, shape (n_tokens,)."""
+        return np.asarray(self._tokenizer.encode(text).ids, dtype=self.dtype)
+
+    def decode(self, ids) -> str:
+        """Text of token ids (any integer array or list)."""
+        return self._tokenizer.decode([int(i) for i in np.asarray(ids).reshape(-1)])

@@ -1,0 +1,113 @@
+"""Text generation from a model split over ranks: the same tokens as one process's ``GPT.generate``.
+
+Every rank of the mesh calls :func:`generate` with the same prompt and the same seeded Generator.
+Each new token is one forward of the context (its last block_size tokens) through this rank's part
+of the model, then :func:`~minidist.model.sample_token`, the one-process sampling rule:
+
+    data parallelism / ZeRO   every replica runs the whole thing for itself, with the same numbers
+                              (ZeRO-3's forward hooks all-gather each unit's parameters over dp, as
+                              in training: the replicas move in step)
+    tensor parallelism        the last position's vocabulary slices (B, V_pad/tp) are all-gathered
+                              over tp: every tp rank holds the full (B, V) logits and samples the same
+                              token (an all-gather gives every rank the same bytes)
+    sequence parallelism      the context is padded on the right to a multiple of tp (token 0); causal
+                              attention keeps the padding out of the real positions, whose logits are
+                              read at the last real position
+    pipeline parallelism      stage s sends its (B, T, C) activation (T/tp under sequence
+                              parallelism) to stage s + 1, in stage order (interleaved chunks too); the
+                              last stage samples and broadcasts the B new tokens (int64) over pp
+
+What one new token sends, per rank, beyond the model's own forward (tp's all-reduces, ZeRO-3's
+all-gathers): one all-gather of B x V_pad/tp logits over tp; under pp, one (B, T, C) activation per
+stage boundary and one broadcast of B int64 over pp. Every rank draws ``rng.random((B, 1))`` for
+every token, used or not, so all ranks' Generators stay in step with one process's.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from minidist.autograd import Tensor, get_array_module, no_grad, to_numpy
+from minidist.model import sample_token
+from minidist.parallel.pipeline.actions import Action
+from minidist.parallel.pipeline.p2p import StageLink
+from minidist.parallel.pipeline.stages import PipelineStage
+
+
+def generate(model, idx, max_new_tokens: int, temperature: float = 1.0, top_k=None, rng=None, pp_group=None):
+    """Append ``max_new_tokens`` sampled tokens to ``idx`` (B, T) with this rank's part of the model:
+    a GPT, its tensor-parallel shard (with or without sequence parallelism), either under ZeRO, or
+    a :class:`PipelineStage` of them over ``pp_group`` (required then). Returns a NumPy array
+    (B, T + max_new_tokens), the same on every rank and equal to ``GPT.generate`` of the whole model
+    with the same ``rng`` state. Collective over the model's tp group, ``pp_group`` and (ZeRO-3) dp:
+    every rank must call it with the same arguments; see the module docstring for what it sends."""
+    pipeline = isinstance(model, PipelineStage)
+    if pipeline and (pp_group is None or pp_group.size != model.pp_size or pp_group.rank != model.pp_rank):
+        raise ValueError(f"a pipeline stage (pp rank {model.pp_rank} of {model.pp_size}) generates with its pp "
+                         f"group: pass pp_group (the mesh's pp_group), got {pp_group!r}")
+    rng = np.random.default_rng() if rng is None else rng
+    idx = to_numpy(idx)
+    first = next(iter(model.parameters()))
+    xp = get_array_module(first.data)  # the model's memory: feed it there
+    with no_grad():
+        for _ in range(max_new_tokens):
+            context = idx[:, -model.config.block_size:]  # (B, T)
+            u = rng.random((len(idx), 1))  # (B, 1) on every rank: the streams stay in step
+            padded = xp.asarray(pad_for_sequence_parallel(model, context))  # (B, T')
+            if pipeline:
+                logits = pipeline_logits(model, padded, pp_group, first.dtype)  # (B, T', V_pad/tp) or None
+            else:
+                logits = model(padded)[0]  # (B, T', V_pad/tp)
+            nxt = np.zeros(len(idx), dtype=np.int64)  # (B,)
+            if logits is not None:  # the last stage (every rank without a pipeline)
+                last = gather_vocab(model, logits.data[:, context.shape[1] - 1, :])  # (B, V)
+                nxt[:] = sample_token(to_numpy(last), u, temperature, top_k)
+            if pipeline:
+                pp_group.broadcast(nxt, src=pp_group.size - 1)  # the last stage's choice, to every stage
+            idx = np.concatenate([idx, nxt[:, None].astype(idx.dtype)], axis=1)
+    return idx
+
+
+def pad_for_sequence_parallel(model, context) -> np.ndarray:
+    """``context`` (B, T), with token 0 appended up to a multiple of tp under sequence parallelism
+    (which cuts the sequence into tp equal parts); unchanged otherwise. Nothing sent."""
+    n = model.tp_group.size if getattr(model, "sequence_parallel", False) else 1
+    B, T = context.shape
+    length = -(-T // n) * n
+    if length > model.config.block_size:
+        raise ValueError(f"sequence parallelism over tp = {n} pads a {T}-token context to {length} tokens, more "
+                         f"than block_size {model.config.block_size}: use a block_size divisible by tp")
+    return np.concatenate([context, np.zeros((B, length - T), dtype=context.dtype)], axis=1)  # (B, length)
+
+
+def gather_vocab(model, logits):
+    """One position's logits (B, V) from this rank's vocabulary slice (B, V_pad/tp): an all-gather
+    over the model's tp group of B x V_pad/tp values, padding columns dropped. Returned as is without
+    tensor parallelism."""
+    group = getattr(model, "tp_group", None)
+    if group is None:
+        return logits
+    xp = get_array_module(logits)
+    B, per_rank = logits.shape
+    full = group.all_gather(xp.ascontiguousarray(logits)[None])  # (tp, B, V_pad/tp)
+    return full.transpose(1, 0, 2).reshape(B, group.size * per_rank)[:, :model.config.vocab_size]  # (B, V)
+
+
+def pipeline_logits(stage: PipelineStage, idx, pp_group, dtype):
+    """One forward of token ids ``idx`` (B, T) through the pipeline, stage after stage (this rank
+    runs its chunks in stage order, receiving each chunk's input from the previous stage's rank and
+    sending its output to the next one's: one (B, T, C) activation per stage boundary, with the
+    pipeline's own tags and placement, see p2p.py). Returns the logits (B, T, V_pad/tp) on the rank
+    holding the last stage, None elsewhere."""
+    link = StageLink(pp_group, get_array_module(idx))
+    shape = stage.activation_shape(*idx.shape)  # (B, T, C), T/tp under sequence parallelism
+    model_type, logits = stage._model_type, None
+    for chunk, s in enumerate(stage.stages):
+        x = model_type.embed(stage, idx) if s == 0 else Tensor(link.recv(Action("RECV_F", s, 0), shape, dtype))
+        for i in stage.layers[chunk]:
+            x = stage.transformer.h[str(i)](x)  # (B, T, C)
+        if s == stage.n_stages - 1:
+            logits = model_type.head(stage, x)[0]  # (B, T, V_pad/tp)
+        else:
+            link.send(Action("SEND_F", s, 0), x.data)
+    link.wait_sends()
+    return logits
