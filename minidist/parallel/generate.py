@@ -100,14 +100,13 @@ def pipeline_logits(stage: PipelineStage, idx, pp_group, dtype):
     holding the last stage, None elsewhere."""
     link = StageLink(pp_group, get_array_module(idx))
     shape = stage.activation_shape(*idx.shape)  # (B, T, C), T/tp under sequence parallelism
-    model_type, logits = stage._model_type, None
+    logits = None
     for chunk, s in enumerate(stage.stages):
-        x = model_type.embed(stage, idx) if s == 0 else Tensor(link.recv(Action("RECV_F", s, 0), shape, dtype))
-        for i in stage.layers[chunk]:
-            x = stage.transformer.h[str(i)](x)  # (B, T, C)
+        x = idx if s == 0 else Tensor(link.recv(Action("RECV_F", s, 0), shape, dtype))
+        out = stage(chunk, x)  # (B, T, C), or the logits (B, T, V_pad/tp) on the last stage
         if s == stage.n_stages - 1:
-            logits = model_type.head(stage, x)[0]  # (B, T, V_pad/tp)
+            logits = out
         else:
-            link.send(Action("SEND_F", s, 0), x.data)
+            link.send(Action("SEND_F", s, 0), out.data)
     link.wait_sends()
     return logits

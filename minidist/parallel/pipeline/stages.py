@@ -100,7 +100,8 @@ class PipelineStage(nn.Module):
     Parameters keep their GPT names (``transformer.h.5.attn.c_attn.weight``), so optimizers, data
     parallelism and state dicts work unchanged; the blocks of other stages are not referenced.
     ``forward(chunk, x, targets)`` runs one chunk: token ids -> embeddings on stage 0, the chunk's
-    blocks, and on the last stage the head, returning the mean loss; other stages return (B, T, C).
+    blocks, and on the last stage the head, returning the mean loss (the logits without targets);
+    other stages return (B, T, C).
     """
 
     def __init__(self, model, pp_rank: int, pp_size: int, virtual_stages: int = 1, layers_per_stage=None,
@@ -142,15 +143,17 @@ class PipelineStage(nn.Module):
         return self.n_stages - 1 in self.stages
 
     def forward(self, chunk: int, x, targets=None):
-        """Chunk ``chunk``: ids (B, T) or activations (B, T, C) in; activations (B, T, C) out, or the
-        mean cross-entropy on the last stage."""
+        """Chunk ``chunk``: ids (B, T) or activations (B, T, C) in; activations (B, T, C) out, or on
+        the last stage the mean cross-entropy (the logits (B, T, V), or this tp rank's slice of them,
+        without ``targets``: generation)."""
         stage = self.stages[chunk]
         if stage == 0:
             x = self._model_type.embed(self, x)  # (B, T, C)
         for i in self.layers[chunk]:
             x = self.transformer.h[str(i)](x)  # (B, T, C)
         if stage == self.n_stages - 1:
-            return self._model_type.head(self, x, targets)[1]
+            logits, loss = self._model_type.head(self, x, targets)
+            return logits if targets is None else loss
         return x
 
     def activation_shape(self, batch_rows: int, seq_len: int) -> tuple[int, int, int]:
