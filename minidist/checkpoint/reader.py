@@ -127,6 +127,12 @@ def latest_valid(root, log=None, accept=None):
     folder)``, if given, which raises CheckpointError for a manifest its caller cannot use), or None.
     Every newer entry that fails is skipped with one line on ``log`` (default: stderr) saying which
     file is wrong and how. Never raises for what it finds on disk."""
+    found = latest_checkpoint(root, log, accept)
+    return found.dir if found is not None else None
+
+
+def latest_checkpoint(root, log=None, accept=None) -> "Checkpoint | None":
+    """:func:`latest_valid`'s checkpoint, opened: a :class:`Checkpoint`, its files verified once."""
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     if Path(root).is_symlink():
         log(f"checkpoints in {root} refused: it is a symbolic link (a checkpoint never follows links)")
@@ -138,10 +144,10 @@ def latest_valid(root, log=None, accept=None):
         return None
     for d in reversed(found):
         try:
-            manifest = verify(d)
+            ckpt = Checkpoint(d)
             if accept is not None:
-                accept(manifest, d)
-            return d
+                accept(ckpt.manifest, d)
+            return ckpt
         except CheckpointError as e:
             log(f"checkpoint {d.name} skipped: {e}")
     return None

@@ -21,10 +21,10 @@ from __future__ import annotations
 import os
 import signal
 
-from minidist.checkpoint.format import MANIFEST, CheckpointError
+from minidist.checkpoint.format import MANIFEST
 from minidist.checkpoint.identity import identity_differences
 from minidist.checkpoint.layout import load_training_state, training_meta, training_pieces
-from minidist.checkpoint.reader import Checkpoint, latest_valid
+from minidist.checkpoint.reader import latest_checkpoint
 from minidist.checkpoint.schema import check_training_meta
 from minidist.checkpoint.writer import CheckpointWriter
 
@@ -54,15 +54,11 @@ class TrainingCheckpoints:
         layout). Returns (the step to continue from, the checkpoint's meta). Newer checkpoints that
         fail verification are skipped, each with a line saying why. :class:`ResumeRefused` when no
         valid checkpoint is left, or when the newest is another run's (each differing field named)."""
-        found = latest_valid(self.root, log=self.say, accept=_trainer_meta)
-        if found is None:
+        ckpt = latest_checkpoint(self.root, log=self.say, accept=_trainer_meta)  # every file verified once
+        if ckpt is None:
             raise ResumeRefused(f"--resume: no valid checkpoint in {self.root} (drop --resume to start "
                                 "from scratch)")
-        try:
-            ckpt = Checkpoint(found)
-            _trainer_meta(ckpt.manifest, found)
-        except CheckpointError as e:  # changed on disk since latest_valid read it
-            raise ResumeRefused(f"--resume: {e}") from e
+        found = ckpt.dir
         differences = identity_differences(ckpt.meta["run"], self.identity)
         if differences:
             raise ResumeRefused(f"--resume: {found} is a checkpoint of another run; it differs in\n    "
