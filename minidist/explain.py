@@ -21,9 +21,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from minidist.parallel.tensor_parallel import tp_layout
-
-_FULL_AXIS = {"qkv": 0, "column": 0, "row": 1, "vocab": 0}  # the axis a tensor-parallel shard cuts
+from minidist.parallel.tp_layout import global_shape, tp_layout
 
 
 def _bytes(n: int) -> str:
@@ -42,7 +40,8 @@ def group_members(mesh) -> dict[str, list[int]]:
 
 def holdings(model, tp_size: int) -> list[str]:
     """One line per parameter of ``model`` (blocks folded: ``h.{0,1}``): its shape on this rank
-    and, when tensor parallelism cuts it, which shard of which full shape."""
+    and, when tensor parallelism cuts it, which shard of which full shape (tp_layout.py's table: the
+    vocabulary's full shape has ``model.config.vocab_size`` rows, its padding is not part of it)."""
     folded: dict[str, tuple[list[str], tuple]] = {}
     for name, p in model.named_parameters():
         block = re.search(r"\.h\.(\d+)\.", name)
@@ -53,13 +52,13 @@ def holdings(model, tp_size: int) -> list[str]:
     lines = []
     for key, (blocks, shape) in folded.items():
         name = key.replace("{}", "{" + ",".join(blocks) + "}")
-        layout = tp_layout(re.sub(r"\{\}", "0", key)) if tp_size > 1 else "replicated"
+        first = key.replace("{}", "0")
+        layout = tp_layout(first) if tp_size > 1 else "replicated"
         if layout == "replicated":
             lines.append(f"holds {name:<42} {str(shape):<12} {'copy' if tp_size > 1 else 'whole'}")
         else:
-            full = list(shape)
-            full[_FULL_AXIS[layout]] *= tp_size
-            lines.append(f"holds {name:<42} {str(shape):<12} {layout} shard of {tuple(full)}")
+            full = global_shape(first, shape, tp_size, model.config.vocab_size)
+            lines.append(f"holds {name:<42} {str(shape):<12} {layout} shard of {full}")
     return lines
 
 

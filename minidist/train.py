@@ -78,6 +78,7 @@ def train(cfg, progress=True, world=None, keep_history=True):
     mesh = DeviceMesh(world, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp)
     sampler = DistributedSampler(train_tokens, cfg.batch_size, cfg.block_size, cfg.seed, mesh.dp_rank, cfg.dp)
     model, optimizer, dp, engine, amp = build_parallel(cfg, mesh)
+    scaler = optimizer.scaler if cfg.zero else amp.scaler if amp else None  # mixed precision's loss scaler
     if lead:
         n_params = (sum(s.unit.numel for s in optimizer.shards) if cfg.zero  # ZeRO-3 holds shards only
                     else sum(p.data.size for p in model.parameters()))
@@ -87,7 +88,7 @@ def train(cfg, progress=True, world=None, keep_history=True):
             print(describe_layout(cfg, mesh, model))
     ckpts = (TrainingCheckpoints(cfg.ckpt_dir, mesh, run_identity(cfg, train_tokens), save_every=cfg.save_every,
                                  keep=cfg.keep, async_save=cfg.async_save) if cfg.ckpt_dir else None)
-    start = ckpts.resume(model, optimizer)[0] if cfg.resume else 0
+    start = ckpts.resume(model, optimizer, amp, scaler)[0] if cfg.resume else 0
     history = []
     with open_metrics(cfg.out if lead else None, start) as metrics_file, trace_file(cfg, world.trace):
         # the bar only on a terminal (disable=None): piped into a log, the step lines below tell the story
@@ -99,7 +100,7 @@ def train(cfg, progress=True, world=None, keep_history=True):
             t0 = time.perf_counter()
             with world.trace.capture() as step_events:  # every event of the step, for --explain
                 batch = to_device(sampler.batch(step), cfg.device)  # (B/dp, T+1): this rank's rows of the global batch
-                loss_scale = amp.scaler.scale if amp else None  # the scale this step's backward uses
+                loss_scale = scaler.scale if scaler else None  # the scale this step's backward uses
                 loss, grad_norm = train_step(model, optimizer, batch, lr, cfg.grad_clip, dp=dp, engine=engine,
                                              mesh=mesh, n_micro=cfg.micro_batches,
                                              sequence_parallel=cfg.sequence_parallel, trace=world.trace, amp=amp)
@@ -109,7 +110,7 @@ def train(cfg, progress=True, world=None, keep_history=True):
             if step == start and cfg.zero and lead:  # after a step: every model state exists, at its size
                 bar.write(memory_table(optimizer))
             record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "grad_norm": grad_norm}
-            if amp:
+            if scaler:
                 record.update(loss_scale=loss_scale, skipped=grad_norm is None)
             if step % cfg.eval_every == 0 or step == cfg.steps - 1:
                 record["val_loss"] = estimate_val_loss(model, val_tokens, cfg, engine)
@@ -123,7 +124,7 @@ def train(cfg, progress=True, world=None, keep_history=True):
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
             if ckpts is not None:
-                ckpts.after_step(step, model, optimizer, {"seed": cfg.seed})
+                ckpts.after_step(step, model, optimizer, {"seed": cfg.seed}, amp, scaler)
     if ckpts is not None:
         ckpts.wait()
     write_outputs(cfg, model, optimizer, mesh, amp)

@@ -190,17 +190,15 @@ def build_optimizer(model, cfg, named_parameters=None):
     return SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
-def build_mixed_precision(cfg, model, world):
-    """--dtype float16 / bfloat16: float32 masters of ``model`` and the loss scaler (over ``world``:
-    every rank must skip an overflowing step together); dynamic for float16 unless --loss-scale
-    fixes it, a fixed scale (default 1) for bfloat16. None for float32 / float64."""
+def build_loss_scaler(cfg, world):
+    """--dtype float16 / bfloat16: the loss scaler, over ``world`` (every rank must skip an
+    overflowing step together): dynamic for float16 unless --loss-scale fixes it, a fixed scale
+    (default 1) for bfloat16. None for float32 / float64."""
     if cfg.dtype not in COMPUTE_DTYPES:
         return None
     if cfg.dtype == "float16" and cfg.loss_scale == "dynamic":
-        scaler = DynamicLossScaler(growth_interval=cfg.loss_scale_window, group=world)
-    else:
-        scaler = DynamicLossScaler.static(1.0 if cfg.loss_scale == "dynamic" else float(cfg.loss_scale), group=world)
-    return MixedPrecision(model, cfg.dtype, scaler)
+        return DynamicLossScaler(growth_interval=cfg.loss_scale_window, group=world)
+    return DynamicLossScaler.static(1.0 if cfg.loss_scale == "dynamic" else float(cfg.loss_scale), group=world)
 
 
 def build_parallel(cfg, mesh):
@@ -209,29 +207,33 @@ def build_parallel(cfg, mesh):
     ``model``: the GPT, its tensor-parallel shard over ``mesh.tp_group``, and with ``cfg.pp > 1`` the
     PipelineStage of this pp rank (blocks recomputed in backward with ``cfg.recompute``).
     ``optimizer``: with ``cfg.zero`` a ZeroOptimizer over ``mesh.dp_group``, which then syncs the
-    gradients itself (``dp`` None); else SGD / AdamW and ``dp`` a DataParallel. ``engine``: the
-    PipelineEngine running ``cfg.schedule`` (None without pipeline parallelism). ``amp``: with
-    ``--dtype float16 / bfloat16`` the MixedPrecision whose float32 masters the optimizer updates."""
+    gradients itself (``dp`` None) and under mixed precision holds the sharded float32 masters and
+    the loss scaler (``amp`` None); else SGD / AdamW and ``dp`` a DataParallel, and with ``--dtype
+    float16 / bfloat16`` ``amp`` the MixedPrecision whose float32 masters the optimizer updates.
+    ``engine``: the PipelineEngine running ``cfg.schedule`` (None without pipeline parallelism)."""
     model = build_model(cfg, mesh.tp_group)
     if cfg.recompute:
         recompute_blocks(model)
     if cfg.pp > 1:
         model = PipelineStage(model, mesh.pp_rank, cfg.pp, cfg.virtual_stages)
+    scaler = build_loss_scaler(cfg, mesh.world)
+    mixed = cfg.dtype if scaler is not None else None
+    dp = amp = None
     if cfg.zero > 0:
-        dp = None
         hyper = {"betas": ADAMW_BETAS} if cfg.optimizer == "adamw" else {"momentum": cfg.momentum}
         optimizer = ZeroOptimizer(model, mesh.dp_group, cfg.zero, cfg.optimizer, lr=cfg.lr,
                                   weight_decay=cfg.weight_decay, tp_group=mesh.tp_group, pp_group=mesh.pp_group,
-                                  **hyper)
+                                  mixed_precision=mixed, scaler=scaler, reshard_after_forward=cfg.pp == 1, **hyper)
     else:
         dp = DataParallel(model, mesh.dp_group, bucket_bytes=int(cfg.bucket_mb * 2**20))
-    amp = build_mixed_precision(cfg, model, mesh.world)
-    if not cfg.zero:
+        amp = MixedPrecision(model, cfg.dtype, scaler) if mixed else None
         optimizer = build_optimizer(model, cfg, amp.master_parameters() if amp else None)
     engine = None
     if cfg.pp > 1:
         engine = PipelineEngine(model, mesh, cfg.schedule, cfg.micro_batches, cfg.virtual_stages,
-                                no_sync=dp.no_sync if dp else None)
+                                no_sync=dp.no_sync if dp else optimizer.no_sync)
+        if cfg.zero:
+            optimizer.tied_group = engine.embedding_group  # ZeRO sums the tied copies on its shards
     return model, optimizer, dp, engine, amp
 
 
@@ -263,7 +265,16 @@ def describe_layout(cfg, mesh, model) -> str:
 
 
 def memory_table(optimizer) -> str:
-    """ZeRO's model-state bytes on this rank: the paper's formula beside what the arrays hold."""
+    """ZeRO's model-state bytes on this rank: the paper's formula beside what the arrays hold, and
+    under mixed precision the paper's bytes per parameter (2 + 2 + K)."""
     rows = [{"label": f"ZeRO-{optimizer.stage} formula", **optimizer.formula()},
             {"label": "measured on rank 0", **optimizer.model_state_bytes()}]
-    return format_memory_table([dict(r, total=sum(v for k, v in r.items() if k != "label")) for r in rows])
+    table = format_memory_table([dict(r, total=sum(v for k, v in r.items() if k != "label")) for r in rows])
+    if not optimizer.mixed_precision:
+        return table
+    numel = sum(s.unit.numel for s in optimizer.shards)
+    k = round(optimizer.formula()["optimizer"] * (optimizer.group.size if optimizer.stage else 1) / numel)
+    b = optimizer.shards[0].unit.dtype.itemsize
+    emulated = " (bfloat16 emulated in float32 storage)" if b == 4 else ""
+    return (table + f"\n(mixed precision, the paper's model: {optimizer.mixed_precision} parameters and gradients, "
+            f"{b} + {b} bytes{emulated}; float32 masters and {optimizer.optimizer} state, K = {k} bytes per parameter)")

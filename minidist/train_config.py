@@ -12,7 +12,6 @@ from minidist.checkpoint.paths import ckpt_dir_problems
 from minidist.device import DEVICES
 from minidist.parallel.param_server import check_parameter_server
 from minidist.parallel.pipeline import SCHEDULES
-from minidist.parallel.zero import check_zero_layout
 
 
 @dataclasses.dataclass
@@ -93,7 +92,7 @@ RANGES = {
     "eval_every": "[1, inf)", "eval_iters": "[1, inf)", "sample_tokens": "[0, inf)",
     "servers": "[1, inf)", "staleness": "[-1, inf)", "straggler": "[0, inf)",
     "dp": "[1, inf)", "pp": "[1, inf)", "tp": "[1, inf)", "micro_batches": "[1, inf)", "virtual_stages": "[1, inf)",
-    "bucket_mb": "(0, inf)", "fail_at_step": "[-1, inf)", "fail_rank": "[0, inf)",
+    "bucket_mb": "(0, inf)", "fail_at_step": "[-1, inf)", "fail_rank": "[0, inf)", "zero": "[0, 3]",
 }
 
 
@@ -169,15 +168,6 @@ def check_config(cfg, world_size: int) -> None:
     if cfg.schedule == "interleaved" and cfg.micro_batches % cfg.pp:
         problems.append(f"the interleaved schedule needs micro_batches ({cfg.micro_batches}) to be a multiple "
                         f"of pp ({cfg.pp})")
-    try:
-        check_zero_layout(cfg.zero, cfg.pp)
-    except ValueError as e:
-        problems.append(str(e))
-    if cfg.zero >= 2 and cfg.sequence_parallel:
-        problems.append(f"--zero {cfg.zero} with --sequence-parallel is not supported: the sequence-parallel "
-                        "gradient sync adds up full gradients, which ZeRO stages 2 and 3 do not keep (use --zero 1)")
-    if cfg.zero == 3 and cfg.recompute:
-        problems.append("--recompute with --zero 3 is redundant: ZeRO-3 already recomputes every block in backward")
     problems += comm_timeout_problems(cfg)
     problems += checkpoint_problems(cfg, world_size) + mixed_precision_problems(cfg) + device_problems(cfg)
     if problems:
@@ -212,28 +202,15 @@ def parameter_server_problems(cfg, world_size: int) -> list[str]:
 
 
 def mixed_precision_problems(cfg) -> list[str]:
-    """What mixed precision (--dtype float16 / bfloat16) cannot be combined with, yet."""
-    if cfg.dtype not in COMPUTE_DTYPES:
+    """What is wrong with --loss-scale (mixed precision itself composes with every layout)."""
+    if cfg.dtype not in COMPUTE_DTYPES or cfg.loss_scale == "dynamic":
         return []
-    problems = []
-    if cfg.loss_scale != "dynamic":
-        try:
-            if not float(cfg.loss_scale) > 0:
-                problems.append(f"--loss-scale must be 'dynamic' or a positive number, got {cfg.loss_scale}")
-        except ValueError:
-            problems.append(f"--loss-scale must be 'dynamic' or a positive number, got {cfg.loss_scale!r}")
-    if cfg.zero:
-        problems.append(f"--dtype {cfg.dtype} with --zero {cfg.zero} is not supported: ZeRO shards the model's "
-                        "own parameters, not float32 master copies")
-    if cfg.dtype == "float16" and cfg.tp > 1:
-        problems.append("--dtype float16 with --tp > 1 is not supported (use --dtype bfloat16)")
-    if cfg.pp > 1:
-        problems.append(f"--dtype {cfg.dtype} with --pp > 1 is not supported: the pipeline engine seeds its own "
-                        "backward, without the loss scale")
-    if cfg.ckpt_dir is not None:
-        problems.append(f"--ckpt-dir with --dtype {cfg.dtype} is not supported yet: checkpoints do not save the "
-                        "float32 masters and the loss scaler")
-    return problems
+    try:
+        if float(cfg.loss_scale) > 0 and float(cfg.loss_scale) < float("inf"):
+            return []
+    except ValueError:
+        pass
+    return [f"--loss-scale must be 'dynamic' or a positive, finite number, got {cfg.loss_scale!r}"]
 
 
 def device_problems(cfg) -> list[str]:

@@ -78,7 +78,8 @@ def write_outputs(cfg, model, optimizer, mesh, amp=None):
     (each rank writes its own file; :func:`trace_file` has written its events during the loop). Under
     mixed precision the exports hold the float32 masters."""
     if cfg.export is not None or cfg.export_hf is not None:
-        with optimizer.full_parameters() if cfg.zero else masters_in_model(amp) if amp else contextlib.nullcontext():
+        with (optimizer.full_parameters(masters=True) if cfg.zero else masters_in_model(amp) if amp
+              else contextlib.nullcontext()):
             state = full_state_dict(model, mesh)
         if mesh.rank == 0 and cfg.export is not None:
             export(state, cfg.export)

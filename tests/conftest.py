@@ -8,3 +8,17 @@ def pytest_report_header(config):
     import cupy
     name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     return f"GPU: {gpu_count()} x {name}, CuPy {cupy.__version__}, CUDA runtime {cupy.cuda.runtime.runtimeGetVersion()}"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true", help="also run the tests marked slow (the full matrices)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``slow`` (the full composition grid) are deselected unless ``--slow``."""
+    if config.getoption("--slow"):
+        return
+    slow = [item for item in items if "slow" in item.keywords]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if "slow" not in item.keywords]

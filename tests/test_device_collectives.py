@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from minidist import run_local
 from tests.mpi.harness import run_mpi
-from tests.test_collectives import SETTINGS, dtypes, expected, ops, rank_inputs, seeds
+from tests.test_collectives import SETTINGS, assert_all_equal, dtypes, expected, ops, rank_inputs, seeds
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +32,7 @@ def on_device(cp, inputs):
 def check(cp, results, want):
     for got in results:
         assert type(got) is cp.ndarray, f"the result left the device: {type(got)}"
-        np.testing.assert_array_equal(got.get(), want)
-        assert got.dtype == want.dtype and got.shape == want.shape
+    assert_all_equal([got.get() for got in results], want)  # a float16 average: within its bound
 
 
 @SETTINGS

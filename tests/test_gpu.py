@@ -17,7 +17,7 @@ import pytest
 from minidist import run_local
 from minidist.device import gpu_count
 from tests.mpi.harness import REPO, find_mpiexec, run_mpi
-from tests.test_collectives import expected, rank_inputs
+from tests.test_collectives import assert_all_equal, expected, rank_inputs
 
 cupy = pytest.importorskip("cupy", reason="CuPy is not installed: the GPU tests skip")
 if gpu_count() == 0:
@@ -45,8 +45,8 @@ def test_collectives_on_gpu_buffers_equal_numpy(n, dtype):
                 return total, g.all_gather(part, count=length), g.broadcast(device[g.rank].copy(), n - 1)
             for total, gathered, broadcast in run_local(body, n, segment_bytes=64 * 1024):
                 assert isinstance(total, cupy.ndarray)
-                np.testing.assert_array_equal(total.get(), want)
-                np.testing.assert_array_equal(gathered.get(), want)
+                assert_all_equal([total.get()], want)  # a float16 average: within its bound
+                assert_all_equal([gathered.get()], want)
                 np.testing.assert_array_equal(broadcast.get(), inputs[n - 1])
 
 

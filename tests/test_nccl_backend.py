@@ -27,7 +27,7 @@ from minidist.train import train
 from minidist.train_config import TrainConfig
 from tests.doubles import fake_cupy, fake_nccl
 from tests.test_device_training import TINY, run
-from tests.test_collectives import SETTINGS, dtypes, expected, ops, rank_inputs, seeds
+from tests.test_collectives import SETTINGS, assert_all_equal, dtypes, expected, ops, rank_inputs, seeds
 
 worlds = st.integers(1, 5)
 
@@ -72,9 +72,7 @@ def run_nccl(fn, world_size, timeout=30.0, choose_gpu=True, **group_kwargs):
 def check(cp, results, want):
     for got in results:
         assert type(got) is cp.ndarray, f"the result left the device: {type(got)}"
-        assert got.dtype == want.dtype and got.shape == want.shape
-        np.testing.assert_array_equal(got.get(), want)
-    assert len({got.get().tobytes() for got in results}) == 1, "ranks differ bitwise"
+    assert_all_equal([got.get() for got in results], want)  # a float16 average: within its bound
 
 
 # ---- collectives against NumPy -------------------------------------------------------------------------

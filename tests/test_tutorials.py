@@ -50,6 +50,11 @@ LESSONS = [
     # without a GPU the lesson says what it needs and stops; tests/test_gpu.py runs it on 2 ranks
     ("08_gpu.py", None, [], [r"Every GPU result equals the host ring's" if gpu_count()
                              else r"Lesson 8 needs CuPy and an NVIDIA GPU"]),
+    ("09_mixed_precision_zero.py", 4, [], [
+        r"    3 +15,040 +15,040 +30,080 +60,160 +120,320 +120,320   = 4 Psi",
+        (r"step 2 rank \d: .* SKIPPED, scale 65536 -> 32768, skipped steps 1", 4),
+        (r"step 3 rank \d: .* updated, scale 32768", 4),
+        r"Mixed-precision ZeRO holds what the paper says, skips an overflow on every rank"]),
 ]
 SECONDS = 60
 

@@ -2,9 +2,14 @@
 
 1. Every stage, on 2 and 4 dp ranks, with SGD+momentum and AdamW, trains exactly like one process on
    the full batch (float64, 1e-10 relative), gradient clipping active, with gradient accumulation too.
-2. Each rank holds the bytes the ZeRO paper says: stage 1 P + G + O/N, 2 P + (G + O)/N, 3 (P + G + O)/N.
+2. Each rank holds the bytes the ZeRO paper says: stage 1 P + G + O/N, 2 P + (G + O)/N, 3 (P + G + O)/N;
+   in mixed precision the paper's 2 + 2 + K bytes per parameter (K = 12 for Adam: float32 masters
+   and moments), sharded the same way.
 3. Stages 1 and 2 send what plain data parallelism sends; stage 3 sends 1.5x.
-4. Unsupported layouts are refused before anything is sent.
+4. Stage 3 computes what stage 2 computes: weights are gathered again for backward through
+   saved-tensor hooks, activations are kept as without ZeRO, nothing is recomputed unless asked.
+5. An overflow on one rank skips the step on every rank and lowers the scale there too.
+6. A stage outside 0-3 is refused before anything is sent.
 """
 import numpy as np
 import pytest
@@ -12,7 +17,7 @@ import pytest
 import minidist
 from minidist.model import GPTConfig
 from minidist.parallel import accounting
-from minidist.parallel.zero import ZeroOptimizer, check_zero_layout
+from minidist.parallel.zero import ZeroOptimizer
 from tests.mpi.zero_reference import CLIP, CONFIG, batch, max_relative_error, reference, zero_rank
 
 REFERENCE = {opt: reference(opt) for opt in ("sgd", "adamw")}
@@ -110,25 +115,108 @@ def test_stages_1_and_2_send_what_data_parallelism_sends_and_stage_3_one_and_a_h
     assert sent[3][0]["total"] == 1.5 * dp_bytes["total"]
 
 
-def test_stage_3_pays_the_tied_embedding_twice_it_is_used_by_embed_and_head():
+def test_stage_3_gathers_the_tied_embedding_for_embed_and_head_and_keeps_it_across_backward():
+    # forward gathers wte for the embedding and again for the head; backward gathers it once, at the
+    # head, and keeps it until the embedding's gradient completes it: 3 gathers + 1 reduce-scatter of P,
+    # plus one more gather of wte
     (sent, P) = sent_per_step(3, 2, CONFIG)
     wte = CONFIG.vocab_size * CONFIG.n_embd * 8
-    assert sent["total"] == 3 * (1 / 2) * (P + wte)
+    assert sent["all_gather"] == (1 / 2) * (2 * P + wte)
+    assert sent["total"] == (1 / 2) * (3 * P + wte)
 
 
-def test_unsupported_layouts_are_refused_up_front():
-    with pytest.raises(ValueError, match="stage must be 0, 1, 2 or 3"):
-        check_zero_layout(4, pp=1)
-    for stage in (2, 3):
-        with pytest.raises(ValueError, match="pipeline parallelism"):
-            check_zero_layout(stage, pp=2)
-    check_zero_layout(1, pp=2)  # stage 1 works per pipeline stage
-
-    def recompute_then_zero3(group):
+def test_unsupported_stages_are_refused_up_front():
+    def stage_4(group):
         from minidist.model import GPT
-        from minidist.parallel.recompute import recompute_blocks
-        model = GPT(CONFIG, dtype="float64")
-        recompute_blocks(model)
-        ZeroOptimizer(model, group, 3, "sgd", lr=0.1)
-    with pytest.raises(ValueError, match="already recomputes"):
-        minidist.run_local(recompute_then_zero3, 1)
+        ZeroOptimizer(GPT(CONFIG, dtype="float64"), group, 4, "sgd", lr=0.1)
+    with pytest.raises(ValueError, match="stage must be 0, 1, 2 or 3"):
+        minidist.run_local(stage_4, 1)
+
+
+@pytest.mark.parametrize("optimizer, k", [("adamw", 12), ("sgd", 8)])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_mixed_precision_bytes_per_rank_are_the_papers_2_2_k_formulas(stage, optimizer, k):
+    # the paper's mixed-precision model: parameters and gradients in float16 (2 bytes each), the
+    # optimizer's float32 masters and moments K bytes per parameter (Adam: 4 + 4 + 4 = 12), sharded
+    # per stage over the N = 4 dp ranks
+    from minidist.amp import DynamicLossScaler
+    from minidist.model import GPT
+
+    def run(group):
+        model = GPT(CONFIG, seed=0, dtype="float16")
+        zero = ZeroOptimizer(model, group, stage, optimizer, lr=1e-3, mixed_precision="float16",
+                             scaler=DynamicLossScaler(group=group))
+        idx, targets = batch(0)
+        rows = np.array_split(np.arange(len(idx)), group.size)[group.rank]
+        model(idx[rows], targets[rows])[1].backward()
+        zero.reduce_gradients()
+        psi = sum(s.unit.numel for s in zero.shards)
+        return zero.model_state_bytes(), zero.formula(), psi
+    for held, formula, psi in minidist.run_local(run, 4):
+        n = {"parameters": 4 if stage >= 3 else 1, "gradients": 4 if stage >= 2 else 1, "optimizer": 4 if stage else 1}
+        assert formula == {"parameters": 2 * psi / n["parameters"], "gradients": 2 * psi / n["gradients"],
+                           "optimizer": k * psi / n["optimizer"]}
+        assert held == formula
+
+
+def count_forwards(stage, recompute=False, micro_batches=1):
+    """(Linear forwards run in one step on rank 0, bytes its graph keeps for backward after forward)."""
+    from minidist.autograd import ops_nn
+    from minidist.model import GPT
+    from minidist.parallel.recompute import recompute_blocks
+    calls = []
+    original = ops_nn.Linear.forward
+
+    def counted(ctx, *args):
+        calls.append(1)
+        return original(ctx, *args)
+
+    def run(group):
+        model = GPT(CONFIG, seed=0, dtype="float64")
+        if recompute:
+            recompute_blocks(model)
+        zero = ZeroOptimizer(model, group, stage, "sgd", lr=1e-3)
+        idx, targets = batch(0)
+        rows = np.array_split(np.arange(len(idx)), group.size)[group.rank]
+        loss = model(idx[rows], targets[rows])[1]
+        kept = zero.activation_bytes(loss)
+        loss.backward()
+        zero.step()
+        return kept
+    ops_nn.Linear.forward = staticmethod(counted)
+    try:
+        kept = minidist.run_local(run, 2)[0]
+    finally:
+        ops_nn.Linear.forward = original
+    return len(calls) // 2, kept
+
+
+def test_zero_3_computes_what_zero_2_computes_and_keeps_the_activations_no_zero_keeps():
+    # ZeRO-3 gathers the weights again for backward through saved-tensor hooks: no block runs its
+    # forward twice (only --recompute does that), and the graph keeps the activations of plain training
+    (linears_2, kept_0), (linears_3, kept_3) = count_forwards(2), count_forwards(3)
+    assert linears_3 == linears_2 == 4 * CONFIG.n_layer + 1  # c_attn, c_proj, c_fc, mlp.c_proj per block; lm_head
+    assert kept_3 == kept_0 > 0
+    linears_r, kept_r = count_forwards(3, recompute=True)
+    assert linears_r == linears_2 + 4 * CONFIG.n_layer and kept_r < kept_3  # recompute: a choice, not forced
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(stage):
+    from minidist.amp import DynamicLossScaler
+    from minidist.model import GPT
+
+    def run(group):
+        model = GPT(CONFIG, seed=0, dtype="float16")
+        scaler = DynamicLossScaler(init_scale=1024.0, group=group)
+        zero = ZeroOptimizer(model, group, stage, "adamw", lr=1e-3, mixed_precision="float16", scaler=scaler)
+        before = [s.param.data.copy() for s in zero.shards]
+        idx, targets = batch(0)
+        rows = np.array_split(np.arange(len(idx)), group.size)[group.rank]
+        loss = model(idx[rows], targets[rows])[1]
+        with np.errstate(over="ignore", invalid="ignore"):  # rank 1 overflows, on purpose
+            loss.backward(np.full_like(loss.data, 1e30 if group.rank == 1 else 1.0))
+        skipped = zero.found_inf()
+        same = all(np.array_equal(a, s.param.data) for a, s in zip(before, zero.shards))
+        return skipped, scaler.scale, scaler.skipped_steps, same
+    assert minidist.run_local(run, 2) == [(True, 512.0, 1, True)] * 2

@@ -10,11 +10,13 @@ state O. ZeRO cuts them by offset into N shards (minidist/parallel/flat_buffer.p
                                 parameters all-gathered
     stage 2: P + (G + O)/N      the same, each unit reduce-scattered during backward, full gradients dropped
     stage 3: (P + G + O)/N      parameters too: each module gathers them before its forward and again
-                                before its backward, frees them after
+                                before its backward (saved-tensor hooks hand the gathered weights back
+                                to the graph: activations are kept, nothing is recomputed), frees them after
 
 For every stage this script trains 5 steps of AdamW, prints the bytes rank 0 holds (measured from the
 live arrays) next to the formula, and the bytes it sent (from its trace), and checks the final weights
-against one process on the full batch.
+against one process on the full batch. Lesson 9 does the same in float16 with float32 masters
+(the paper's 2 + 2 + 12 bytes per parameter) and shows a skipped overflow.
 """
 import numpy as np
 

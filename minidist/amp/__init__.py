@@ -11,6 +11,7 @@ master_weights.py; bfloat16.py is the rounding that emulates bfloat16 storage on
 """
 from minidist.amp.bfloat16 import round_to_bfloat16
 from minidist.amp.loss_scaler import DynamicLossScaler
-from minidist.amp.master_weights import COMPUTE_DTYPES, MixedPrecision, StepResult
+from minidist.amp.master_weights import COMPUTE_DTYPES, MixedPrecision, StepResult, to_compute, unscale
 
-__all__ = ["round_to_bfloat16", "DynamicLossScaler", "MixedPrecision", "StepResult", "COMPUTE_DTYPES"]
+__all__ = ["round_to_bfloat16", "DynamicLossScaler", "MixedPrecision", "StepResult", "COMPUTE_DTYPES", "to_compute",
+           "unscale"]

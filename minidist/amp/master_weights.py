@@ -36,7 +36,7 @@ from minidist.optim import clip_grad_norm
 from minidist.parallel.clip import clip_grad_norm_parallel
 
 COMPUTE_DTYPES = {"float16": np.float16, "bfloat16": np.float32}  # name -> storage dtype of the model
-SHARDING_TAGS = ("tensor_parallel", "tied_copy")  # parameter tags global-norm clipping reads
+SHARDING_TAGS = ("tensor_parallel", "sequence_parallel", "tied_copy")  # who owns which gradient element
 
 
 @dataclass
@@ -70,11 +70,10 @@ class MixedPrecision:
         self.masters = []
         for _, p in self.pairs:
             master = Parameter(p.data.astype(np.float32))  # a copy
-            for tag in SHARDING_TAGS:
-                if hasattr(p, tag):
-                    setattr(master, tag, getattr(p, tag))
+            for tag in SHARDING_TAGS:  # who owns which gradient element: as the model's parameter
+                setattr(master, tag, getattr(p, tag))
             self.masters.append(master)
-        self._cast_to_model()  # bfloat16: the model starts from bfloat16 values
+        self.cast_to_model()  # bfloat16: the model starts from bfloat16 values
 
     def master_parameters(self) -> list:
         """(name, float32 master Parameter) pairs, named like the model's: give these to SGD / AdamW."""
@@ -101,20 +100,31 @@ class MixedPrecision:
         else:
             grad_norm = clip_grad_norm(self.masters, max_norm)
         optimizer.step()
-        self._cast_to_model()
+        self.cast_to_model()
         self.scaler.update(found_inf=False)
         return StepResult(skipped=False, grad_norm=grad_norm, loss_scale=scale)
 
     def _unscale(self, grad, scale: float) -> np.ndarray:
-        """float32(grad) / scale, a new array; bfloat16 rounds the gradient first."""
-        g = grad.astype(np.float32)
-        if self.dtype == "bfloat16":
-            g = round_to_bfloat16(g)
-        g *= 1.0 / scale
-        return g
+        return unscale(grad, scale, self.dtype)
 
-    def _cast_to_model(self) -> None:
+    def cast_to_model(self) -> None:
         """Write the masters into the model's parameters, in place, rounded to the compute dtype
-        (float16: NumPy's round-to-nearest-even cast; bfloat16: :func:`round_to_bfloat16`)."""
+        (:func:`to_compute`). Also after a checkpoint has loaded the masters."""
         for (_, p), master in zip(self.pairs, self.masters):
-            p.data[...] = round_to_bfloat16(master.data) if self.dtype == "bfloat16" else master.data
+            p.data[...] = to_compute(master.data, self.dtype)
+
+
+def unscale(grad, scale: float, dtype: str) -> np.ndarray:
+    """float32(grad) / scale, a new array; bfloat16 rounds the gradient first (the one rule, for
+    the full masters here and ZeRO's sharded ones)."""
+    g = grad.astype(np.float32)
+    if dtype == "bfloat16":
+        g = round_to_bfloat16(g)
+    g *= 1.0 / scale
+    return g
+
+
+def to_compute(master, dtype: str) -> np.ndarray:
+    """float32 ``master`` values in the compute dtype ``dtype``: float16 by NumPy's round-to-nearest-
+    even cast, bfloat16 by :func:`round_to_bfloat16` (kept in float32 storage). A new array."""
+    return round_to_bfloat16(master) if dtype == "bfloat16" else master.astype(np.float16)

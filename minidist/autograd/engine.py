@@ -8,6 +8,7 @@ Two passes, no recursion (a 10 000-op chain must not overflow Python's stack):
    this pass and its grad-ready hooks fire (overlapped data parallelism launches all-reduces there).
 """
 from minidist.autograd.backend import get_array_module
+from minidist.autograd.saved_tensors import unpack_saved
 
 
 def run_backward(root, grad, retain_graph: bool = False):
@@ -29,6 +30,7 @@ def run_backward(root, grad, retain_graph: bool = False):
         if all(g is None for g in output_grads):  # nothing flows through this node
             input_grads = (None,) * len(inputs)
         else:
+            unpack_saved(node)  # what saved_tensors_hooks packed (ZeRO-3: the weights, gathered again)
             input_grads = type(node).backward(node, *output_grads)
             if type(input_grads) is not tuple:
                 input_grads = (input_grads,)

@@ -5,7 +5,8 @@ Tensor arguments; other arguments pass through unchanged) and returns an array, 
 for several outputs. Whatever backward needs is saved as attributes of ``ctx``. ``backward(ctx,
 *grads)`` receives one gradient array per output (``None`` for an output that got no gradient) and
 returns one gradient per positional argument of forward (``None`` for non-tensors or inputs that need
-none; ``ctx.needs_input_grad[i]`` says which are wanted). Backward must not write into the gradients
+none; ``ctx.needs_input_grad[i]`` says which are wanted). Inside ``saved_tensors_hooks`` the saved
+arrays are packed after forward and unpacked before backward (saved_tensors.py). Backward must not write into the gradients
 it receives: the same array may be shared by several consumers.
 
 Example, the pair tensor parallelism is built from (Megatron's "f": identity forward, all-reduce
@@ -24,6 +25,7 @@ backward)::
     y = CopyToTensorParallel.apply(x, group)   # x is a Tensor, group any Python object
 """
 from minidist.autograd.grad_mode import is_grad_enabled
+from minidist.autograd.saved_tensors import pack_saved
 from minidist.autograd.tensor import Tensor
 
 
@@ -55,6 +57,7 @@ class Function:
         if not record:
             return tuple(Tensor(o) for o in out) if type(out) is tuple else Tensor(out)
         ctx.inputs = inputs
+        pack_saved(ctx)  # saved_tensors_hooks, if any: e.g. ZeRO-3 swaps a full weight for a reference
         if type(out) is tuple:
             ctx.n_outputs = len(out)
             return tuple(Tensor._from_op(o, ctx, i) for i, o in enumerate(out))

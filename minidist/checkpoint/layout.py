@@ -24,53 +24,33 @@ from __future__ import annotations
 import math
 
 from minidist.autograd import get_array_module, to_numpy
-from minidist.checkpoint.regions import Flat, Piece, full_box
-from minidist.parallel.tensor_parallel import padded_vocab_size, tp_layout
+from minidist.checkpoint.regions import Flat, Piece
+from minidist.parallel.grad_ownership import counted_in_norm
+from minidist.parallel.tp_layout import regions as tp_regions  # where a tp shard's rows sit in the global tensor
 from minidist.parallel.tp_model import full_shape
 from minidist.parallel.zero import ZeroOptimizer
 
 
-def tp_regions(name: str, global_shape, tp_rank: int, tp_size: int) -> list:
-    """Where this rank's local shard of parameter ``name`` (global ``global_shape``, ndim >= 1) sits
-    in the global tensor: a list of (local row start, local row stop, global box). Local rows in no
-    entry are vocabulary padding."""
-    layout = tp_layout(name) if tp_size > 1 else "replicated"
-    rest = full_box(global_shape[1:])
-    if layout == "replicated":
-        return [(0, global_shape[0], full_box(global_shape))]
-    if layout == "vocab":
-        rows = padded_vocab_size(global_shape[0], tp_size) // tp_size
-        lo, hi = tp_rank * rows, min((tp_rank + 1) * rows, global_shape[0])
-        return [(0, hi - lo, ((lo, hi),) + rest)] if hi > lo else []
-    if layout == "qkv":
-        rows = global_shape[0] // 3 // tp_size  # rows of q_r (= of k_r, v_r)
-        return [(i * rows, (i + 1) * rows, ((i * rows * tp_size + tp_rank * rows,
-                                             i * rows * tp_size + (tp_rank + 1) * rows),) + rest) for i in range(3)]
-    axis = 0 if layout == "column" else 1
-    width = global_shape[axis] // tp_size
-    box = list(full_box(global_shape))
-    box[axis] = (tp_rank * width, (tp_rank + 1) * width)
-    return [(0, width if axis == 0 else global_shape[0], tuple(box))]
-
-
 def _stored_name(name: str, p) -> str:
     """The checkpoint name of parameter ``p``: a pipeline stage's tied copy is the tensor it copies."""
-    return "transformer.wte.weight" if getattr(p, "tied_copy", False) else name
+    return "transformer.wte.weight" if p.tied_copy else name
 
 
-def _held(model, mesh):
+def _held(model, mesh, amp=None):
     """(name in the checkpoint, local array name, Parameter, global shape) for every parameter this
-    rank holds, tied copies under the name of the tensor they copy."""
+    rank holds, tied copies under the name of the tensor they copy. Under mixed precision (``amp``)
+    the parameters are its float32 masters: what a checkpoint keeps and a resume continues from."""
     tp = mesh.tp_group.size
-    for name, p in model.named_parameters():
+    for name, p in amp.master_parameters() if amp is not None else model.named_parameters():
         stored = _stored_name(name, p)
         yield stored, name, p, full_shape(stored, p.data.shape, model.config, tp)
 
 
 def _written_here(stored: str, p, mesh) -> bool:
-    """Whether this rank writes its part of ``p``: a tied copy never, a tp-replicated tensor on tp
-    rank 0 only."""
-    return not getattr(p, "tied_copy", False) and (tp_layout(stored) != "replicated" or mesh.tp_rank == 0)
+    """Whether this rank writes its part of ``p`` (stored as ``stored``): the rank that owns its
+    gradient elements in the norm (:func:`~minidist.parallel.grad_ownership.counted_in_norm`), so
+    a tied copy never, a tp-replicated tensor on tp rank 0 only, a tp shard on every tp rank."""
+    return counted_in_norm(p, mesh.tp_rank)
 
 
 def zero_regions(unit, config, tp_rank: int, tp_size: int):
@@ -89,16 +69,16 @@ def zero_regions(unit, config, tp_rank: int, tp_size: int):
                 yield stored, p, global_shape, lo - unit.lo, hi - unit.lo, Flat(box, lo - first, hi - first)
 
 
-def training_pieces(model, optimizer, mesh) -> list:
+def training_pieces(model, optimizer, mesh, amp=None) -> list:
     """This rank's pieces of the model and of the optimizer state (SGD/AdamW over
-    ``model.named_parameters()``, or a :class:`ZeroOptimizer`'s flat shards), each tensor written
-    once over the whole mesh."""
+    ``model.named_parameters()`` or mixed precision's masters, ``amp``; or a :class:`ZeroOptimizer`'s
+    flat shards, float32 masters under mixed precision), each tensor written once over the whole mesh."""
     if isinstance(optimizer, ZeroOptimizer) and optimizer.stage > 0:
         return _zero_pieces(model, optimizer, mesh)
     if mesh.dp_rank != 0:
         return []
     pieces = []
-    for stored, name, p, shape in _held(model, mesh):
+    for stored, name, p, shape in _held(model, mesh, amp):
         if not _written_here(stored, p, mesh):
             continue
         arrays = [(stored, p.data)] + [(f"{slot}/{stored}", state[name]) for slot, state in optimizer.state.items()]
@@ -121,24 +101,35 @@ def _zero_pieces(model, optimizer, mesh) -> list:
     return pieces
 
 
-def training_meta(mesh, optimizer) -> dict:
-    """The layout and optimizer step count, for the manifest (other fields are the trainer's)."""
+def training_meta(mesh, optimizer, scaler=None) -> dict:
+    """The layout and optimizer step count, for the manifest (other fields are the trainer's); under
+    mixed precision the loss scaler's state (scale, clean and skipped steps) too."""
     s = mesh.shape
-    return {"layout": {"dp": s.dp, "pp": s.pp, "tp": s.tp}, "optimizer_step": optimizer.step_count}
+    meta = {"layout": {"dp": s.dp, "pp": s.pp, "tp": s.tp}, "optimizer_step": optimizer.step_count}
+    if scaler is not None:
+        meta["loss_scaler"] = {k: v.item() for k, v in scaler.state_dict().items()}
+    return meta
 
 
-def load_training_state(ckpt, model, optimizer, mesh) -> None:
+def load_training_state(ckpt, model, optimizer, mesh, amp=None, scaler=None) -> None:
     """Fill ``model``'s parameters and ``optimizer``'s state, in place, with this rank's regions of
     the checkpoint ``ckpt`` (a :class:`~minidist.checkpoint.reader.Checkpoint` written by ANY
     layout); padding rows become zeros. Reads files only, sends nothing.
 
     A :class:`ZeroOptimizer` reads its flat shards; in stages 1 and 2 the full parameters are read
-    as well (every dp rank computes with all of them), in stage 3 the shards are all it keeps."""
+    as well (every dp rank computes with all of them), in stage 3 the shards are all it keeps. Under
+    mixed precision the float32 masters are read (``amp``'s, or ZeRO's shards), the model gets them
+    rounded to its dtype exactly as after an update, and ``scaler`` its saved state."""
     zero = isinstance(optimizer, ZeroOptimizer) and optimizer.stage > 0
     if not (zero and optimizer.stage == 3):
-        _load_boxes(ckpt, model, {} if zero else optimizer.state, mesh)
+        _load_boxes(ckpt, model, {} if zero else optimizer.state, mesh, None if zero else amp)
     if zero:
         _load_zero(ckpt, model, optimizer, mesh)
+        optimizer.masters_to_model()
+    elif amp is not None:
+        amp.cast_to_model()
+    if scaler is not None:
+        scaler.load_state_dict(ckpt.meta["loss_scaler"])
     optimizer.step_count = ckpt.meta["optimizer_step"]
 
 
@@ -147,9 +138,10 @@ def _check_shape(ckpt, stored: str, shape) -> None:
         raise ValueError(f"{stored}: the checkpoint holds {ckpt.global_shape(stored)}, this model {shape}")
 
 
-def _load_boxes(ckpt, model, state: dict, mesh) -> None:
-    """Every parameter's tp shard (and its ``state`` slots: {slot: {name: array}}) from its boxes."""
-    for stored, name, p, shape in _held(model, mesh):
+def _load_boxes(ckpt, model, state: dict, mesh, amp=None) -> None:
+    """Every parameter's tp shard (and its ``state`` slots: {slot: {name: array}}) from its boxes;
+    ``amp``'s float32 masters instead of the model's parameters under mixed precision."""
+    for stored, name, p, shape in _held(model, mesh, amp):
         _check_shape(ckpt, stored, shape)
         targets = [(stored, p.data)] + [(f"{slot}/{stored}", arrays[name]) for slot, arrays in state.items()]
         for global_name, local in targets:

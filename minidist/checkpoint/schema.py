@@ -161,3 +161,10 @@ def check_training_meta(meta: dict, step: int, where) -> None:
           f"meta.data_position {meta.get('data_position')!r} is not the checkpoint's step {step}")
     _need(isinstance(meta.get("run"), dict), where, "meta.run (the run identity) is missing: written by an older "
           "minidist, or not by the trainer")
+    if meta["run"].get("dtype") in ("float16", "bfloat16"):  # mixed precision: the loss scaler's state
+        scaler = meta.get("loss_scaler")
+        _need(isinstance(scaler, dict) and isinstance(scaler.get("scale"), (int, float))
+              and 0 < scaler["scale"] < float("inf") and is_int(scaler.get("clean_steps"))
+              and is_int(scaler.get("skipped_steps")), where,
+              f"meta.loss_scaler {scaler!r} is not {{scale: a positive finite number, clean_steps, skipped_steps: "
+              "integers >= 0}}")

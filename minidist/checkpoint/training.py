@@ -49,9 +49,9 @@ class TrainingCheckpoints:
         if self.mesh.rank == 0:
             print(line, flush=True)
 
-    def resume(self, model, optimizer) -> tuple[int, dict]:
+    def resume(self, model, optimizer, amp=None, scaler=None) -> tuple[int, dict]:
         """Load the newest valid checkpoint into ``model`` and ``optimizer`` (resharding it to this
-        layout). Returns (the step to continue from, the checkpoint's meta). Newer checkpoints that
+        layout; under mixed precision ``amp``'s masters, or ZeRO's, and the loss ``scaler``). Returns (the step to continue from, the checkpoint's meta). Newer checkpoints that
         fail verification are skipped, each with a line saying why. :class:`ResumeRefused` when no
         valid checkpoint is left, or when the newest is another run's (each differing field named)."""
         ckpt = latest_checkpoint(self.root, log=self.say, accept=_trainer_meta)  # every file verified once
@@ -64,18 +64,19 @@ class TrainingCheckpoints:
             raise ResumeRefused(f"--resume: {found} is a checkpoint of another run; it differs in\n    "
                                 + "\n    ".join(differences) + "\n  (resume with the same settings, or use a new "
                                 "--ckpt-dir)")
-        load_training_state(ckpt, model, optimizer, self.mesh)
+        load_training_state(ckpt, model, optimizer, self.mesh, amp, scaler)
         saved = ckpt.meta["layout"]
         self.say(f"resumed from {found} (step {ckpt.meta['data_position']}, saved by dp {saved['dp']} x "
                  f"pp {saved['pp']} x tp {saved['tp']} = {ckpt.world_size} ranks)")
         return ckpt.meta["data_position"], ckpt.meta
 
-    def after_step(self, step: int, model, optimizer, meta: dict) -> None:
+    def after_step(self, step: int, model, optimizer, meta: dict, amp=None, scaler=None) -> None:
         """Save checkpoint ``step + 1`` (the state after step ``step``) when it is due; ``meta`` adds
-        the trainer's fields to the layout, optimizer step, data position and run identity."""
+        the trainer's fields to the layout, optimizer step, data position and run identity (under
+        mixed precision: ``amp``'s float32 masters, or ZeRO's, and the loss ``scaler``'s state)."""
         if self.save_every and (step + 1) % self.save_every == 0:
-            self.writer.save(step + 1, training_pieces(model, optimizer, self.mesh),
-                             {**training_meta(self.mesh, optimizer), "data_position": step + 1, **meta,
+            self.writer.save(step + 1, training_pieces(model, optimizer, self.mesh, amp),
+                             {**training_meta(self.mesh, optimizer, scaler), "data_position": step + 1, **meta,
                               "run": self.identity},
                              async_=self.async_save)
 

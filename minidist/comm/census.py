@@ -19,12 +19,24 @@ import time
 import numpy as np
 
 from minidist.comm.fingerprint import COLLECTIVES
-from minidist.comm.ops import TAG_CENSUS
+from minidist.comm.tags import TAG_CENSUS
 
 GRACE_SECONDS = 2.0
 """The longest a census listens (shorter when the group's timeout is): ranks that time out within
 this long of each other hear each other."""
 POLL_SECONDS = 1e-3
+
+
+def explain(transport, seq: int, name: str) -> tuple[str, list[int], list]:
+    """After collective ``name`` #``seq`` timed out: take a census (at most ``GRACE_SECONDS``, or the
+    transport's timeout when shorter) and return its :func:`summary` sentence, the ranks that never
+    arrived, and the census's send requests still pending (see :func:`take`).
+
+    Sends: what :func:`take` sends."""
+    grace = min(GRACE_SECONDS, transport.timeout)
+    heard, pending = take(transport, seq, name, grace)
+    found, missing = summary(transport.rank, transport.size, seq, name, heard, grace)
+    return found, missing, pending
 
 
 def take(transport, seq: int, name: str, grace: float) -> tuple[dict, list]:

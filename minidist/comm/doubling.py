@@ -16,7 +16,8 @@ where an op is not bitwise commutative (``maximum(-0.0, 0.0)``).
 """
 from __future__ import annotations
 
-from minidist.comm.ops import TAG_DOUBLING as TAG, Workspace, reduce_ufunc
+from minidist.comm.ops import Workspace, reduce_ufunc
+from minidist.comm.tags import TAG_DOUBLING as TAG
 
 
 def all_reduce(t, buf, op, *, workspace=None) -> None:

@@ -14,7 +14,7 @@ six int64 (collective, reduce op, dtype, count, root, sequence number) and check
 - :func:`check_everyone`, the group's ``debug=True``: all-gather every rank's fingerprint (a ring
   all-gather, 2(n-1) latencies), so every rank raises, each naming every rank that differs from rank 0.
 
-Both go over the group's host transport on the reserved tags of ``ops.py``, so they cover the
+Both go over the group's host transport on the reserved tags of ``tags.py``, so they cover the
 hand-written algorithms and backends "mpi" and "nccl" alike.
 """
 from __future__ import annotations
@@ -22,7 +22,8 @@ from __future__ import annotations
 import numpy as np
 
 from minidist.comm import ring
-from minidist.comm.ops import DTYPES, GROUP_OPS, TAG_FINGERPRINT
+from minidist.comm.ops import DTYPES, GROUP_OPS
+from minidist.comm.tags import TAG_FINGERPRINT
 from minidist.comm.transport import CollectiveMismatchError
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "barrier", "split",
@@ -35,6 +36,17 @@ def fingerprint(name: str, op, dtype, count: int, root: int, seq: int) -> np.nda
     none) and the group's sequence number."""
     return np.array([COLLECTIVES.index(name), GROUP_OPS.index(op) if op else -1,
                      DTYPES.index(np.dtype(dtype)) if dtype is not None else -1, count, root, seq], dtype=np.int64)
+
+
+def check_call(transport, group: str, name: str, op, dtype, count: int, root: int, seq: int, *,
+               everyone: bool) -> None:
+    """Fingerprint collective ``name`` #``seq`` of ``group`` and compare it with the ring neighbours
+    (:func:`check_neighbours`) or, with ``everyone`` (the group's debug mode), with every rank
+    (:func:`check_everyone`); raise CollectiveMismatchError where ranks differ.
+
+    Sends: what the chosen check sends, over ``transport`` on ``TAG_FINGERPRINT``."""
+    check = check_everyone if everyone else check_neighbours
+    check(transport, fingerprint(name, op, dtype, count, root, seq), group)
 
 
 def check_neighbours(transport, mine: np.ndarray, group: str) -> None:

@@ -1,5 +1,5 @@
-"""What every collective algorithm shares: reduction operators, accepted dtypes, uneven counts, tags
-and a scratch workspace.
+"""What every collective algorithm shares: reduction operators, accepted dtypes, uneven counts and a
+scratch workspace (their message tags are in ``tags.py``).
 
 The algorithms in ``ring.py``, ``doubling.py`` and ``rooted.py`` reduce with ufuncs written
 ``ufunc(a, b, out=a)``: in place, no temporary array, and on the buffer's own device (NumPy's ufunc
@@ -20,20 +20,6 @@ division."""
 GROUP_OPS = (*REDUCE_OPS, "avg")
 
 DTYPES = tuple(np.dtype(d) for d in ("float16", "float32", "float64", "int32", "int64"))
-
-COLLECTIVE_TAG_BASE = 32000
-"""Tags at or above this belong to collectives; user point-to-point tags stay below it, so a
-user's message can never match a collective's (MPI guarantees tags up to at least 32767)."""
-
-# Every collective's tag, in one place. Messages match by (peer, tag), so each algorithm has its own.
-TAG_REDUCE_SCATTER = COLLECTIVE_TAG_BASE + 1  # ring.reduce_scatter
-TAG_ALL_GATHER = COLLECTIVE_TAG_BASE + 2      # ring.all_gather
-TAG_DOUBLING = COLLECTIVE_TAG_BASE + 3        # doubling.all_reduce
-TAG_BROADCAST = COLLECTIVE_TAG_BASE + 4       # rooted.broadcast
-TAG_REDUCE = COLLECTIVE_TAG_BASE + 5          # rooted.reduce
-TAG_GATHER_BYTES = COLLECTIVE_TAG_BASE + 6    # ProcessGroup.gather_bytes
-TAG_FINGERPRINT = COLLECTIVE_TAG_BASE + 7     # fingerprint.check_neighbours, before every collective
-TAG_CENSUS = COLLECTIVE_TAG_BASE + 8          # census.take, after a collective timed out
 
 
 def reduce_ufunc(op: str, like):
@@ -61,6 +47,14 @@ def same_memory(a, b) -> bool:
     """True when ``a`` and ``b`` are the same contiguous block (then copying one into the other is a
     no-op worth skipping)."""
     return a.size == b.size and (a.size == 0 or (is_cupy(a) == is_cupy(b) and data_pointer(a) == data_pointer(b)))
+
+
+def averages_first(dtype) -> bool:
+    """Whether op "avg" divides each rank's contribution by n BEFORE the sum (float16) rather than
+    the sum after it: n float16 values near the largest, 65504, would overflow their sum where their
+    average does not (mixed precision's scaled gradients live up there). PyTorch DDP's gradient
+    pre-division does the same."""
+    return dtype == np.float16
 
 
 def divide_by_size(x, n: int) -> None:

@@ -19,8 +19,8 @@ rank ends with bitwise identical results.
 """
 from __future__ import annotations
 
-from minidist.comm.ops import (TAG_ALL_GATHER, TAG_REDUCE_SCATTER, Workspace, offsets, reduce_ufunc, same_memory,
-                               split_counts)
+from minidist.comm.ops import Workspace, offsets, reduce_ufunc, same_memory, split_counts
+from minidist.comm.tags import TAG_ALL_GATHER, TAG_REDUCE_SCATTER
 from minidist.comm.transport import wait_all
 
 SEGMENT_BYTES = 1024 * 1024  # measured: 1 MiB beat 256 KiB at 4 MiB-64 MiB on 2 and 4 ranks

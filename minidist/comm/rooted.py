@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.comm.ops import TAG_BROADCAST, TAG_REDUCE, Workspace, reduce_ufunc
+from minidist.comm.ops import Workspace, reduce_ufunc
+from minidist.comm.tags import TAG_BROADCAST, TAG_REDUCE
 from minidist.comm.transport import wait_all
 
 

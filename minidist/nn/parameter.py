@@ -5,9 +5,24 @@ from minidist.autograd import Tensor
 class Parameter(Tensor):
     """A Tensor with ``requires_grad=True`` that Modules register when assigned as an attribute.
 
-    Unlike a plain Tensor it has a ``__dict__``, so parallel code may tag it (e.g. which axis tensor
-    parallelism splits).
+    Parallel code tags a parameter with who owns which element of its gradient. The tags are
+    declared here, False by default (a plain parameter: the same on every rank that holds it, and
+    seeing all of the batch it is given); parallel code sets them to True on its instances:
+
+    - ``tensor_parallel``: a distinct shard on each tensor-parallel rank (which part: the table in
+      minidist.parallel.tp_layout), so its gradient is this rank's alone;
+    - ``sequence_parallel``: replicated over the tensor-parallel ranks but sees only this rank's
+      tokens, so its gradient is a partial sum that must be all-reduced over tp;
+    - ``tied_copy``: a pipeline stage's copy of a parameter another stage holds too (the last
+      stage's lm_head tied to the first stage's wte): its gradient is summed over the embedding
+      group and it is counted once, by the stage holding the original.
+
+    Unlike a plain Tensor it has a ``__dict__``, so the tags are set per instance.
     """
+
+    tensor_parallel: bool = False
+    sequence_parallel: bool = False
+    tied_copy: bool = False
 
     def __init__(self, data):
         super().__init__(data, requires_grad=True)

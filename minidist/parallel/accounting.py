@@ -52,14 +52,14 @@ def activation_bytes(loss, exclude=()) -> int:
     return unique_nbytes(saved)
 
 
-def zero_formula(stage: int, param_bytes: int, slots: int, n: int) -> dict:
-    """The ZeRO paper's model-state bytes per rank, all in one dtype: P = G = ``param_bytes``,
-    O = ``slots`` x P (SGD momentum: 1, AdamW: 2). Stage 0: P + G + O; 1: P + G + O/N;
-    2: P + (G + O)/N; 3: (P + G + O)/N."""
+def zero_formula(stage: int, param_bytes: int, optimizer_bytes: int, n: int) -> dict:
+    """The ZeRO paper's model-state bytes per rank: P = G = ``param_bytes`` (the model's dtype),
+    O = ``optimizer_bytes`` (K bytes per parameter: SGD's momentum, AdamW's two moments, and under
+    mixed precision the float32 masters; the paper's K = 12 for mixed-precision Adam). Stage 0:
+    P + G + O; 1: P + G + O/N; 2: P + (G + O)/N; 3: (P + G + O)/N."""
     P = G = param_bytes
-    O = slots * param_bytes
     shard = {"parameters": stage >= 3, "gradients": stage >= 2, "optimizer": stage >= 1}
-    full = {"parameters": P, "gradients": G, "optimizer": O}
+    full = {"parameters": P, "gradients": G, "optimizer": optimizer_bytes}
     return {k: v / n if shard[k] else v for k, v in full.items()}
 
 

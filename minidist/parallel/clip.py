@@ -1,7 +1,7 @@
 """Global-norm gradient clipping when the model is spread over ranks.
 
 The norm must be the norm of the gradient of the WHOLE model, the one a single process would clip
-by. Each rank sums the squares of what it owns, once:
+by. Each rank sums the squares of what it owns, once (the rule lives in grad_ownership.py):
 
 - a tensor-parallel parameter (``p.tensor_parallel = True``) is a distinct shard on each tp rank:
   every tp rank adds its shard's squares;
@@ -20,14 +20,14 @@ import numpy as np
 
 from minidist.device import get_array_module
 from minidist.optim import clip_coef, grad_norm_sq
+from minidist.parallel.grad_ownership import counted_in_norm
 
 
 def local_grad_norm_sq(params, tp_rank: int) -> float:
     """The squares of the gradient elements this rank owns: its tensor-parallel shards, plus the
     replicated parameters if it is tp rank 0; never a pipeline stage's tied copy of a parameter
-    another stage holds too."""
-    owned = [p for p in params if not getattr(p, "tied_copy", False)]
-    return grad_norm_sq([p.grad for p in owned if getattr(p, "tensor_parallel", False) or tp_rank == 0])
+    another stage holds too (:func:`~minidist.parallel.grad_ownership.counted_in_norm`)."""
+    return grad_norm_sq([p.grad for p in params if counted_in_norm(p, tp_rank)])
 
 
 def clip_grad_norm_parallel(params, max_norm: float, mesh) -> float:

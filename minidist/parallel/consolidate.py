@@ -1,7 +1,7 @@
 """One full-model state_dict from a model spread over tensor-parallel ranks and pipeline stages.
 
 Replicated parameters are already whole on every rank. A tensor-parallel parameter is a distinct
-shard on each tp rank: the tp group all-gathers the shards and ``unshard`` (the TP engineer's inverse
+shard on each tp rank: the tp group all-gathers the shards and ``unshard`` (tp_layout.py's inverse
 of ``shard_for``) puts them back together. Pipeline stages hold different parameters under their
 GPT-2 names: pp rank 0 receives every other stage's dict and takes the union. The result uses GPT-2
 names and full shapes, the same dict a single-process ``GPT.state_dict()`` gives, so it can be
@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from minidist.autograd import to_numpy
-from minidist.parallel.tensor_parallel import unshard
+from minidist.parallel.tp_layout import unshard
 
 
 def consolidated_state_dict(model, mesh) -> dict:
@@ -27,7 +27,7 @@ def consolidated_state_dict(model, mesh) -> dict:
     full = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         value = p.data
-        if getattr(p, "tensor_parallel", False):
+        if p.tensor_parallel:
             gathered = to_numpy(mesh.tp_group.all_gather(value.reshape(-1).copy()))  # (tp * shard size,)
             shards = [s.reshape(value.shape) for s in gathered.reshape(mesh.tp_group.size, -1)]
             value = unshard(name, shards, vocab_size=model.config.vocab_size)

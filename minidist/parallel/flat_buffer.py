@@ -24,6 +24,7 @@ import numpy as np
 from minidist.comm.ops import offsets, split_counts
 from minidist.device import get_array_module
 from minidist.optim import decays
+from minidist.parallel.grad_ownership import norm_bucket, summed_over_tp
 
 
 class FlatUnit:
@@ -94,7 +95,17 @@ class FlatUnit:
     def tensor_parallel_mask(self) -> np.ndarray:
         """1 on shard elements of tensor-parallel parameters (distinct on each tp rank), 0 on
         replicated ones: gradient-norm clipping sums the former over the tp group, not the latter."""
-        return self.shard_mask(lambda name, p: getattr(p, "tensor_parallel", False))
+        return self.shard_mask(lambda name, p: p.tensor_parallel)
+
+    def counted_mask(self) -> np.ndarray:
+        """1 on shard elements the global gradient norm counts on this stage, 0 on a tied copy of a
+        parameter another pipeline stage holds (that stage counts it): see grad_ownership.py."""
+        return self.shard_mask(lambda name, p: norm_bucket(p) is not None)
+
+    def sequence_parallel_mask(self) -> np.ndarray:
+        """1 on shard elements of sequence-parallel parameters, whose gradients are partial sums to
+        all-reduce over the tp group."""
+        return self.shard_mask(lambda name, p: summed_over_tp(p))
 
 
 def units_by_module(named_parameters) -> list[tuple[str, list]]:

@@ -9,8 +9,9 @@ so the gradients are identical, for the price of one more forward per block.
 
     recompute_blocks(model)      # every transformer block of a GPT now recomputes in backward
 
-ZeRO-3 (``zero3.py``) reuses :func:`run_without_graph` and :func:`rerun_backward`: its units gather
-their parameters, run, free them; and in backward gather, recompute, back-propagate, free again.
+Recompute is its own choice: ZeRO-3 (``zero3.py``) does not need it, because it gets its freed
+weights back for backward through saved-tensor hooks; with both, the block's forward re-runs inside
+ZeRO-3's gathered call.
 """
 from __future__ import annotations
 

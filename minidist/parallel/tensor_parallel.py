@@ -23,12 +23,22 @@ all tokens before the column-parallel layer); their backwards swap: all-gather <
 An all-reduce *is* a reduce-scatter plus an all-gather, so the bytes sent stay the same while the
 activations between layers shrink n times.
 
-Which rank holds what is in :func:`shard_for` / :func:`unshard`, by GPT-2 parameter name.
+Which rank holds what, by GPT-2 parameter name, is the table in :mod:`minidist.parallel.tp_layout`
+(:func:`tp_layout`, :func:`shard_for`, :func:`unshard`, imported here under their old home).
 """
 import numpy as np
 
 from minidist import nn
 from minidist.autograd import Function, get_array_module, linear
+from minidist.parallel.grad_ownership import summed_over_tp
+from minidist.parallel.tp_layout import divide, padded_vocab_size, shard_for, tp_layout, unshard
+
+__all__ = ["CopyToTensorParallelRegion", "ReduceFromTensorParallelRegion", "GatherFromSequenceParallelRegion",
+           "ReduceScatterToSequenceParallelRegion", "copy_to_tensor_parallel_region",
+           "reduce_from_tensor_parallel_region", "gather_from_sequence_parallel_region",
+           "reduce_scatter_to_sequence_parallel_region", "enter_tensor_parallel_region", "exit_tensor_parallel_region",
+           "ColumnParallelLinear", "RowParallelLinear", "sync_sequence_parallel_grads",
+           "tp_layout", "padded_vocab_size", "shard_for", "unshard"]  # the last four: from tp_layout.py
 
 # ---- the communication operators (autograd Functions) ---------------------------------------------
 
@@ -129,14 +139,9 @@ def exit_tensor_parallel_region(x, group, sequence_parallel: bool):
 # ---- the layers ----------------------------------------------------------------------------------
 
 
-def _divide(n: int, parts: int, what: str) -> int:
-    if n % parts:
-        raise ValueError(f"tensor parallelism splits {what} = {n} over {parts} ranks: it must be divisible")
-    return n // parts
-
-
-def _mark(p, tensor_parallel: bool):
-    p.tensor_parallel = tensor_parallel
+def _shard(p):
+    """Tag ``p`` as a tensor-parallel shard (a distinct part on each rank of the group)."""
+    p.tensor_parallel = True
     return p
 
 
@@ -151,9 +156,9 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, tp_group, bias: bool = True, dtype="float32"):
         super().__init__()
         self.in_features = in_features
-        self.out_features = _divide(out_features, tp_group.size, "out_features")  # local width
-        self.weight = _mark(nn.Parameter(np.zeros((self.out_features, in_features), dtype=dtype)), True)
-        self.bias = _mark(nn.Parameter(np.zeros(self.out_features, dtype=dtype)), True) if bias else None
+        self.out_features = divide(out_features, tp_group.size, "out_features")  # local width
+        self.weight = _shard(nn.Parameter(np.zeros((self.out_features, in_features), dtype=dtype)))
+        self.bias = _shard(nn.Parameter(np.zeros(self.out_features, dtype=dtype))) if bias else None
 
     def forward(self, x):  # (B, T, in) -> (B, T, out/n)
         return linear(x, self.weight, self.bias)
@@ -169,10 +174,10 @@ class RowParallelLinear(nn.Module):
                  sequence_parallel: bool = False):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
-        self.in_features = _divide(in_features, tp_group.size, "in_features")  # local width
+        self.in_features = divide(in_features, tp_group.size, "in_features")  # local width
         self.out_features = out_features
-        self.weight = _mark(nn.Parameter(np.zeros((out_features, self.in_features), dtype=dtype)), True)
-        self.bias = _mark(nn.Parameter(np.zeros(out_features, dtype=dtype)), False) if bias else None
+        self.weight = _shard(nn.Parameter(np.zeros((out_features, self.in_features), dtype=dtype)))
+        self.bias = nn.Parameter(np.zeros(out_features, dtype=dtype)) if bias else None  # replicated
 
     def forward(self, x):  # (B, T, in/n) -> (B, T, out), or (B, T/n, out) under sequence parallelism
         y = exit_tensor_parallel_region(linear(x, self.weight), self.tp_group, self.sequence_parallel)
@@ -184,7 +189,7 @@ def sync_sequence_parallel_grads(model, tp_group) -> None:
     embedding: marked ``sequence_parallel = True``) sees only this rank's tokens, so its gradient is a
     partial sum: add them over the tensor-parallel group, all in ONE all-reduce of a flat buffer.
     Call after backward, before clipping. A no-op (nothing sent) without sequence parallelism."""
-    grads = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    grads = [p.grad for p in model.parameters() if summed_over_tp(p) and p.grad is not None]
     if not grads:
         return
     flat = get_array_module(grads[0]).concatenate([g.reshape(-1) for g in grads])  # (sum of sizes,)
@@ -193,64 +198,3 @@ def sync_sequence_parallel_grads(model, tp_group) -> None:
     for g in grads:
         g[...] = flat[offset:offset + g.size].reshape(g.shape)
         offset += g.size
-
-
-# ---- which rank holds what ---------------------------------------------------------------------------
-
-
-def tp_layout(name: str) -> str:
-    """How GPT parameter ``name`` is split over a tensor-parallel group:
-
-    "qkv"        c_attn: q, k and v each split by heads along axis 0; the shard is [q_r; k_r; v_r]
-    "column"     c_fc weight/bias: axis 0 (output features)
-    "row"        c_proj weights: axis 1 (input features)
-    "vocab"      wte and lm_head: vocabulary rows, padded with zero rows to a multiple of n
-    "replicated" everything else (LayerNorms, wpe, c_proj biases): the same on every rank
-    """
-    if name in ("transformer.wte.weight", "lm_head.weight"):
-        return "vocab"
-    module, kind = name.split(".")[-2:]
-    if module == "c_attn":
-        return "qkv"
-    if module == "c_fc":
-        return "column"
-    if module == "c_proj" and kind == "weight":
-        return "row"
-    return "replicated"
-
-
-def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
-    """The vocabulary rounded up to a multiple of ``tp_size`` (each rank holds an equal slice)."""
-    return -(-vocab_size // tp_size) * tp_size
-
-
-def shard_for(name: str, full, tp_rank: int, tp_size: int):
-    """The part of parameter ``name``'s full value that rank ``tp_rank`` of ``tp_size`` holds."""
-    layout = tp_layout(name)
-    if layout == "replicated":
-        return full
-    if layout == "vocab":
-        padding = np.zeros((padded_vocab_size(len(full), tp_size) - len(full),) + full.shape[1:], full.dtype)
-        return np.split(np.concatenate([full, padding]), tp_size)[tp_rank]
-    if layout == "qkv":
-        _divide(len(full) // 3, tp_size, f"the width of {name}")
-        return np.concatenate([np.split(part, tp_size)[tp_rank] for part in np.split(full, 3)])
-    axis = 0 if layout == "column" else 1
-    _divide(full.shape[axis], tp_size, f"axis {axis} of {name}")
-    return np.split(full, tp_size, axis=axis)[tp_rank]
-
-
-def unshard(name: str, shards: list, vocab_size: int | None = None):
-    """The full value of parameter ``name`` from the shards of ranks 0..n-1 (inverse of
-    :func:`shard_for`). For "vocab" parameters ``vocab_size`` is required: the padded rows are dropped."""
-    layout = tp_layout(name)
-    if layout == "replicated":
-        return shards[0]
-    if layout == "vocab":
-        if vocab_size is None:
-            raise ValueError(f"unshard({name!r}) needs vocab_size: the vocabulary is padded to a multiple of tp")
-        return np.concatenate(shards)[:vocab_size]
-    if layout == "qkv":
-        pieces = [np.split(s, 3) for s in shards]  # per rank: [q_r, k_r, v_r]
-        return np.concatenate([p[i] for i in range(3) for p in pieces])  # [q_0..q_n-1; k...; v...]
-    return np.concatenate(shards, axis=0 if layout == "column" else 1)

@@ -1,8 +1,8 @@
 """The GPT with tensor parallelism (and optionally sequence parallelism) over one group of n ranks.
 
 Same modules, names and cut (``embed`` -> ``transformer.h`` -> ``head``) as :class:`minidist.model.GPT`;
-the big matrices are shards (see :func:`~minidist.parallel.tensor_parallel.tp_layout`). Where each
-rank talks to the others, per transformer block:
+the big matrices are shards (which part of which: the table in :mod:`minidist.parallel.tp_layout`).
+Where each rank talks to the others, per transformer block:
 
     x ──ln_1──f──[c_attn: my heads' q,k,v]──attention(my heads)──[c_proj: my rows]──g──+ x
     x ──ln_2──f──[c_fc: my columns]──GELU──[c_proj: my rows]──g──+ x
@@ -17,9 +17,8 @@ cross-entropy costs 3 small all-reduces.
 from minidist import nn
 from minidist.autograd import get_array_module
 from minidist.model import MLP, Block, CausalSelfAttention, GPTConfig, gpt2_init
-from minidist.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
-                                               enter_tensor_parallel_region, padded_vocab_size, shard_for,
-                                               tp_layout)
+from minidist.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, enter_tensor_parallel_region
+from minidist.parallel.tp_layout import global_shape, padded_vocab_size, shard_for
 from minidist.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 
@@ -88,7 +87,6 @@ class TensorParallelGPT(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight  # one shard, two names
         for name, p in self.named_parameters():
-            p.tensor_parallel = getattr(p, "tensor_parallel", False)
             p.sequence_parallel = sequence_parallel and not p.tensor_parallel  # sees only my tokens
             p.data[...] = shard_for(name, gpt2_init(name, full_shape(name, p.shape, config, n), seed,
                                                     config.n_layer), tp_group.rank, n)
@@ -125,16 +123,8 @@ class TensorParallelGPT(nn.Module):
 
 def full_shape(name: str, local_shape, config: GPTConfig, tp_size: int) -> tuple:
     """The single-process shape of parameter ``name`` whose shard on one of ``tp_size`` ranks has
-    ``local_shape``."""
-    shape = list(local_shape)
-    layout = tp_layout(name)
-    if layout == "vocab":
-        shape[0] = config.vocab_size
-    elif layout in ("qkv", "column"):
-        shape[0] *= tp_size
-    elif layout == "row":
-        shape[1] *= tp_size
-    return tuple(shape)
+    ``local_shape`` (:func:`~minidist.parallel.tp_layout.global_shape` with ``config``'s vocabulary)."""
+    return global_shape(name, local_shape, tp_size, config.vocab_size)
 
 
 def build_tp_gpt(config: GPTConfig, seed: int, dtype, tp_group, sequence_parallel: bool = False) -> TensorParallelGPT:

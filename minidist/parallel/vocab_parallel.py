@@ -2,14 +2,16 @@
 building the full (B, T, V) logits on one rank.
 
 The vocabulary V is padded to a multiple of the group size n (``padded_vocab_size``) and rank r holds
-rows ``[r * V_pad/n, (r+1) * V_pad/n)`` of the token embedding (and of the LM head, tied or not).
+rows ``[r * V_pad/n, (r+1) * V_pad/n)`` of the token embedding (and of the LM head, tied or not): the
+"vocab" row of the table in tp_layout.py.
 Padded rows start at zero; their logits are masked out of the softmax, so they get no gradient.
 """
 import numpy as np
 
 from minidist import nn
 from minidist.autograd import Function, embedding, get_array_module
-from minidist.parallel.tensor_parallel import exit_tensor_parallel_region, padded_vocab_size
+from minidist.parallel.tensor_parallel import exit_tensor_parallel_region
+from minidist.parallel.tp_layout import padded_vocab_size
 
 
 def vocab_range(vocab_size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
@@ -49,14 +51,16 @@ class VocabParallelCrossEntropy(Function):
         3. sum      t_i   = z_i,target - m_i from the rank holding the target, 0 elsewhere
 
     loss = mean_i (log s_i - t_i). Backward needs no communication: d loss / d z_ij =
-    (softmax_ij - [j == target_i]) / N on this rank's columns."""
+    (softmax_ij - [j == target_i]) / N on this rank's columns. Float16 logits are computed in
+    float32, as the one-process cross-entropy does (the loss is float32: mixed precision's loss
+    scale, 2**16, is no float16 number), and their gradient is float16 again."""
 
     @staticmethod
     def forward(ctx, logits, targets, group, vocab_size):
         xp = get_array_module(logits)
         per_rank = logits.shape[-1]
         start = group.rank * per_rank
-        z = logits.reshape(-1, per_rank)  # (N, V/n)
+        z = logits.reshape(-1, per_rank).astype(xp.promote_types(logits.dtype, xp.float32), copy=False)  # (N, V/n)
         real = (start + xp.arange(per_rank)) < vocab_size  # (V/n,) False on padded columns
         z = xp.where(real, z, -xp.inf)  # padded logits masked out (a copy: logits stay untouched)
         row_max = z.max(axis=-1)  # (N,)
@@ -70,7 +74,7 @@ class VocabParallelCrossEntropy(Function):
         rows = xp.arange(len(t))
         target_logit = xp.where(here, z[rows, xp.where(here, t, 0)], 0.0)  # (N,)
         group.all_reduce(target_logit)  # 3
-        ctx.probs, ctx.t, ctx.here, ctx.shape = exp / sum_exp[:, None], t, here, logits.shape
+        ctx.probs, ctx.t, ctx.here, ctx.shape, ctx.dtype = exp / sum_exp[:, None], t, here, logits.shape, logits.dtype
         return (xp.log(sum_exp) - target_logit).mean()
 
     @staticmethod
@@ -79,7 +83,7 @@ class VocabParallelCrossEntropy(Function):
         grad_z = ctx.probs * (grad / n)  # (N, V/n)
         rows = get_array_module(grad_z).arange(n)[ctx.here]
         grad_z[rows, ctx.t[ctx.here]] -= grad / n
-        return grad_z.reshape(ctx.shape), None, None, None
+        return grad_z.reshape(ctx.shape).astype(ctx.dtype, copy=False), None, None, None
 
 
 def vocab_parallel_cross_entropy(logits, targets, tp_group, vocab_size: int):

@@ -1,30 +1,44 @@
 """ZeRO (Rajbhandari et al., 2020): data parallelism without N copies of the model states.
 
 Plain data parallelism keeps on every one of the N ranks the full parameters (P bytes), gradients
-(G) and optimizer state (O: SGD's momentum, AdamW's two moments). ZeRO partitions them across the
-dp ranks, unit by unit (flat_buffer.py: each unit is a flat vector cut by ``numpy.array_split``):
+(G) and optimizer state (O: SGD's momentum, AdamW's two moments; under mixed precision also the
+float32 master weights). ZeRO partitions them across the dp ranks, unit by unit (flat_buffer.py:
+each unit is a flat vector cut by ``numpy.array_split``). :data:`STAGES` is the whole difference
+between the stages:
 
-    stage  what each rank holds               per step it sends (per rank, ring algorithms)
-    0      P + G + O                          all-reduce G                   2 (N-1)/N G
-    1      P + G + O/N                        reduce-scatter G, all-gather P  (N-1)/N (G + P)
-    2      P + (G + O)/N                      the same, during backward      (N-1)/N (G + P)
-    3      (P + G + O)/N                      all-gather P twice, reduce-scatter G: 3 (N-1)/N P
+    stage  what each rank holds      per step it sends (per rank, ring algorithms)
+    0      P + G + O                 all-reduce G                                 2 (N-1)/N G
+    1      P + G + O/N               reduce-scatter G, all-gather P               (N-1)/N (G + P)
+    2      P + (G + O)/N             the same, the reduce-scatters during backward (N-1)/N (G + P)
+    3      (P + G + O)/N             all-gather P twice, reduce-scatter G         3 (N-1)/N P
+
+Mixed precision, the paper's way (its memory model: 2Ψ + 2Ψ + 12Ψ for Adam): the model's
+parameters and gradients are in the compute dtype (float16 / bfloat16: P = G = 2Ψ bytes), and the
+optimizer holds float32 MASTER weights and moments, sharded like the rest of O (4 + 4 + 4 = K = 12
+bytes per parameter). The gradients are reduced in the compute dtype (half the bytes), each rank
+unscales ITS gradient shard into float32, one found-inf flag is agreed over the whole world, and the
+update runs on the master shard; the shard is cast to the compute dtype and (stages 1, 2) all-gathered,
+or (stage 3) kept to be gathered at its next use.
 
 Stage 1: backward fills the full gradients as usual; then each unit's gradient is reduce-scattered
-(op "avg"), so rank r receives the average of ITS shard only; it updates its shard of the parameters
-with its shard of the optimizer state, and an all-gather brings every rank the updated parameters.
-(Reduce-scatter is the first half of a ring all-reduce; its second half, an all-gather of averaged
-gradients, would deliver gradients no rank updates with: that is why stages 1 and 2 send exactly
-what plain data parallelism sends.)
+(op "avg"), so rank r receives the average of ITS shard only; it updates its shard with its shard
+of the optimizer state, and an all-gather brings every rank the updated parameters.
 Stage 2: the same, but each unit is reduce-scattered as soon as backward has finished its gradients
-(grad-ready hooks) and the full gradients are dropped: only the shard is kept.
-Stage 3: the parameters are sharded as well; see zero3.py.
+(grad-ready hooks) and the full gradients are dropped: only the shard is kept. Under ``no_sync()``
+(a pipeline's micro-batches but the last) the full gradients accumulate instead, and the last
+backward reduce-scatters them once: torchtitan's FSDP with pipelining does the same.
+Stage 3: the parameters are sharded as well, gathered around each use (zero3.py).
+
+After the dp reduction the gradient shards are completed over the other axes, on shards: the
+sequence-parallel elements all-reduced over tp, and a pipeline's tied embedding copies over the
+first and last stage (their units have the same length, so their shards line up).
 
     zero = ZeroOptimizer(model, mesh.dp_group, stage=2, optimizer="adamw", lr=3e-3, weight_decay=0.1)
     zero.zero_grad()
     loss.backward()                          # stage 2: reduce-scatters run inside backward
-    norm = zero.clip_grad_norm(1.0)          # global norm over all shards
-    zero.step(lr)                            # update own shard, all-gather parameters (stages 1, 2)
+    if not zero.found_inf():                 # mixed precision: skip an overflowing step everywhere
+        norm = zero.clip_grad_norm(1.0)      # global norm over all shards
+        zero.step(lr)                        # update own shard, all-gather parameters (stages 1, 2)
 """
 from __future__ import annotations
 
@@ -33,6 +47,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from minidist.amp import to_compute, unscale
 from minidist.autograd import Tensor
 from minidist.optim import adamw_update, clip_coef, sgd_update
 from minidist.parallel import accounting, zero3
@@ -41,71 +56,103 @@ from minidist.parallel.flat_buffer import FlatUnit, units_by_module
 SLOTS = {"sgd": ("momentum_buf",), "adamw": ("exp_avg", "exp_avg_sq")}
 
 
+@dataclass(frozen=True)
+class Stage:
+    """What one ZeRO stage partitions over the dp ranks."""
+    optimizer_states: bool  # each rank updates 1/N of the parameters (stages 1-3)
+    gradients: bool  # reduce-scattered in backward, only the shard kept (stages 2, 3)
+    parameters: bool  # only the shard kept between uses (stage 3)
+
+
+STAGES = {0: Stage(False, False, False), 1: Stage(True, False, False), 2: Stage(True, True, False),
+          3: Stage(True, True, True)}
+
+
 @dataclass
 class Shard:
-    """This rank's part of one unit: ``param`` (a Tensor over the shard's values; its ``.grad`` is
-    the averaged gradient shard), the optimizer ``state`` per slot, and the unit's full flat
-    parameter vector ``flat`` (stages 0-2; None in stage 3, which keeps only the shard). Stages 0 and
-    1 keep the full gradient in ``grad_flat`` (numel,), the parameters' ``.grad`` being views of it."""
+    """This rank's part of one unit. ``param`` is the optimizer's Tensor over the shard (float32
+    masters under mixed precision, else a view of ``compute``), its ``.grad`` the averaged, unscaled
+    gradient shard; ``compute`` the shard in the model's dtype (what stage 3 all-gathers);
+    ``flat`` the unit's full flat parameters (stages 0-2; the model's parameters are views of it);
+    ``grad`` the reduced gradient shard in the model's dtype, still scaled; ``state`` the optimizer
+    slots. Stages 0 and 1 keep the full gradient in ``grad_flat`` (numel,), ``p.grad`` being views."""
     unit: FlatUnit
     param: Tensor
+    compute: np.ndarray
     flat: np.ndarray | None
     state: dict = field(default_factory=dict)
     decay: np.ndarray | None = None  # 0/1 per shard element
     tensor_parallel: np.ndarray | None = None  # bool per shard element
     counted: np.ndarray | None = None  # bool per shard element: False on a pipeline stage's tied copy
+    sequence_parallel: np.ndarray | None = None  # bool per shard element: a partial sum over tp
     grad_flat: np.ndarray | None = None  # stages 0 and 1
-    ready: int = 0  # stage 2: parameters of the unit whose gradient is final in this backward
-    work: object = None  # stage 2: the reduce-scatter in flight
+    grad: np.ndarray | None = None
+    ready: int = 0  # stages 2, 3: parameters of the unit whose gradient is final in this backward
+    work: object = None  # stages 2, 3: the reduce-scatter in flight
 
 
 class ZeroOptimizer:
     """SGD (with momentum) or AdamW over ZeRO-partitioned model states, on the dp group.
 
-    ``model``'s parameters are grouped into units (one per block, one per other module); ``stage``
-    0-3 as in the module docstring; the hyper-parameters are those of :class:`minidist.optim.SGD` /
-    :class:`minidist.optim.AdamW` (decay only on >= 2-D parameters). ``tp_group`` / ``pp_group``
-    (optional) make :meth:`clip_grad_norm` global over tensor-parallel shards and pipeline stages.
-    Stage 3 needs a GPT-structured model (``embed``, ``transformer.h``, ``head``) and no pipeline;
-    stage 2 and 3 are refused with pipeline parallelism (their per-micro-batch gradient traffic is
-    not what ZeRO promises there; DeepSpeed refuses the same).
+    ``model``'s parameters (a GPT, its tensor-parallel shard, or a pipeline stage of either) are
+    grouped into units (one per block, one per other module); ``stage`` 0-3 as in :data:`STAGES`;
+    the hyper-parameters are those of :class:`minidist.optim.SGD` / :class:`minidist.optim.AdamW`
+    (decay only on >= 2-D parameters). ``tp_group`` / ``pp_group`` (optional) make
+    :meth:`clip_grad_norm` global over tensor-parallel shards and pipeline stages, and sum
+    sequence-parallel gradients over tp; ``tied_group`` is a pipeline's embedding group (first and
+    last stage). ``mixed_precision`` ("float16" / "bfloat16") with ``scaler`` (a DynamicLossScaler
+    over the world): float32 masters and moments, as in the module docstring.
+    ``reshard_after_forward`` (stage 3): False keeps a unit gathered from its first forward of a step
+    to its last backward (pipelines).
     """
 
     def __init__(self, model, dp_group, stage: int, optimizer: str = "adamw", *, lr: float,
                  momentum: float = 0.0, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
-                 tp_group=None, pp_group=None):
-        check_zero_layout(stage, pp_group.size if pp_group is not None else 1, model)
+                 tp_group=None, pp_group=None, tied_group=None, mixed_precision: str | None = None, scaler=None,
+                 reshard_after_forward: bool = True):
+        if stage not in STAGES:
+            raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
         if optimizer not in SLOTS:
             raise ValueError(f"optimizer must be one of {sorted(SLOTS)}, got {optimizer!r}")
+        if (mixed_precision is None) != (scaler is None):
+            raise ValueError("mixed precision needs both its compute dtype and a loss scaler")
         self.model, self.group, self.stage, self.optimizer = model, dp_group, stage, optimizer
+        self.partitions = STAGES[stage]
         self.lr, self.momentum, self.betas, self.eps, self.weight_decay = lr, momentum, betas, eps, weight_decay
-        self.tp_group, self.pp_group = tp_group, pp_group
+        self.tp_group, self.pp_group, self.tied_group = tp_group, pp_group, tied_group
+        self.mixed_precision, self.scaler = mixed_precision, scaler
         self.step_count = 0
         self._reduced = False  # gradients of this step already reduced over dp
-        self._in_flight = None  # stage 2: the shard whose reduce-scatter is queued
-        rank, size = (0, 1) if stage == 0 else (dp_group.rank, dp_group.size)  # stage 0: no partition
+        self._in_flight = None  # stages 2, 3: the shard whose reduce-scatter is queued
+        self._no_sync = False
+        rank, size = (dp_group.rank, dp_group.size) if self.partitions.optimizer_states else (0, 1)
         self.shards = [self._make_shard(FlatUnit(name, params, rank, size))
                        for name, params in units_by_module(model.named_parameters())]
-        if stage == 2:
+        if self.partitions.gradients:
             for s in self.shards:
                 for _, p in s.unit.params:
                     p.register_grad_ready_hook(lambda p, s=s: self._grad_ready(s))
-        if stage == 3:
-            zero3.fully_shard(model, self.shards, dp_group)
+        self.gatherer = (zero3.fully_shard(model, self.shards, dp_group, reshard_after_forward)
+                         if self.partitions.parameters else None)
         self.zero_grad()
 
     def _make_shard(self, unit: FlatUnit) -> Shard:
-        flat = unit.flatten([p.data for _, p in unit.params])  # (numel,) full values
-        if self.stage == 3:
-            param, flat = Tensor(flat[unit.lo:unit.hi].copy(), requires_grad=True), None  # keep the shard only
+        flat = unit.flatten([p.data for _, p in unit.params])  # (numel,) full values, the model's dtype
+        if self.partitions.parameters:
+            compute, flat = flat[unit.lo:unit.hi].copy(), None  # keep the shard only
         else:
             unit.bind(flat)  # parameters become views of the flat vector
-            param = Tensor(flat[unit.lo:unit.hi])  # a view: updating it updates the parameters
-        state = {slot: unit.xp.zeros(unit.hi - unit.lo, dtype=unit.dtype) for slot in SLOTS[self.optimizer]}
-        grad_flat = unit.xp.zeros(unit.numel, dtype=unit.dtype) if self.stage < 2 else None  # (numel,)
-        tied_copy = unit.shard_mask(lambda name, p: getattr(p, "tied_copy", False)).astype(bool)
-        return Shard(unit, param, flat, state, unit.decay_mask(), unit.tensor_parallel_mask().astype(bool),
-                     ~tied_copy, grad_flat)
+            compute = flat[unit.lo:unit.hi]  # a view: writing it writes the parameters
+        master = compute
+        if self.mixed_precision:  # float32 masters of the initial values; the model gets them rounded
+            master = compute.astype(np.float32)
+            whole = compute if flat is None else flat
+            whole[...] = to_compute(whole.astype(np.float32), self.mixed_precision)
+        state = {slot: unit.xp.zeros(unit.hi - unit.lo, dtype=master.dtype) for slot in SLOTS[self.optimizer]}
+        grad_flat = unit.xp.zeros(unit.numel, dtype=unit.dtype) if not self.partitions.gradients else None  # (numel,)
+        return Shard(unit, Tensor(master), compute, flat, state, unit.decay_mask(),
+                     unit.tensor_parallel_mask().astype(bool), unit.counted_mask().astype(bool),
+                     unit.sequence_parallel_mask().astype(bool), grad_flat)
 
     # ---- gradients --------------------------------------------------------------------------------
 
@@ -114,7 +161,7 @@ class ZeroOptimizer:
         gradient buffers and point every ``p.grad`` at its view (backward accumulates in place);
         stages 2 and 3 drop the full gradients and the shards."""
         for s in self.shards:
-            s.param.grad, s.ready, s.work = None, 0, None
+            s.grad, s.param.grad, s.ready, s.work = None, None, 0, None
             if s.grad_flat is not None:
                 s.grad_flat[...] = 0
             for (_, p), view in zip(s.unit.params, s.unit.views(s.grad_flat) if s.grad_flat is not None
@@ -122,43 +169,100 @@ class ZeroOptimizer:
                 p.grad = view
         self._reduced = False
 
+    @contextmanager
+    def no_sync(self):
+        """Backwards inside accumulate full gradients without reducing them (stages 2, 3; stages 0 and
+        1 reduce after backward anyway): the next backward outside reduces the sum once."""
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
+
     def _grad_ready(self, s: Shard) -> None:
-        """Stage 2 hook: once every parameter of the unit has its final gradient of this backward,
+        """Stages 2, 3 hook: once every parameter of the unit has its final gradient of this backward,
         queue the unit's reduce-scatter (op "avg", async: it overlaps the rest of backward) and drop
-        the full gradients. The previous unit's reduce-scatter is collected first, so at most one
-        unit's full gradient is alive beside the shards."""
+        the full gradients; stage 3 frees the full parameters too. The previous unit's reduce-scatter
+        is collected first, so at most one unit's full gradient is alive beside the shards. Under
+        :meth:`no_sync` nothing is sent (stage 3 still frees when it reshards after forward)."""
         s.ready += 1
-        if s.ready == len(s.unit.params):
-            s.ready = 0
+        if s.ready < len(s.unit.params):
+            return
+        s.ready = 0
+        if not self._no_sync:
             self._collect()
-            s.work = zero3.reduce_scatter_grads(s, self.group, async_op=True)
+            s.work = reduce_scatter_grads(s.unit, self.group, async_op=True)
             self._in_flight = s
+        if self.gatherer is not None and (not self._no_sync or self.gatherer.reshard_after_forward):
+            self.gatherer.free([s])
 
     def _collect(self) -> None:
-        """Stage 2: wait for the reduce-scatter in flight and add it into its unit's gradient shard."""
+        """Wait for the reduce-scatter in flight and add it into its unit's gradient shard."""
         s, self._in_flight = self._in_flight, None
         if s is not None:
             grad = s.work.wait()  # (hi - lo,)
-            s.param.grad = grad if s.param.grad is None else s.param.grad + grad
+            s.grad = grad if s.grad is None else s.grad + grad
             s.work = None
 
     def reduce_gradients(self) -> None:
-        """Make ``shard.param.grad`` the dp-averaged gradient of every shard (once per step; clip and
-        step call it). Stage 0 all-reduces each unit's flat gradient; stage 1 reduce-scatters it;
-        stages 2 and 3 did their reduce-scatters during backward."""
+        """Make ``shard.grad`` the dp-averaged, tp- and tied-complete gradient of every shard in the
+        model's dtype, and ``shard.param.grad`` it unscaled in the optimizer's (once per step; clip,
+        found_inf and step call it). Stage 0 all-reduces each unit's flat gradient; stage 1
+        reduce-scatters it; stages 2 and 3 did their reduce-scatters during backward. Then
+        sequence-parallel elements are all-reduced over tp and tied copies over ``tied_group``."""
         if self._reduced:
             return
-        if self.stage == 0:
-            for s in self.shards:
-                s.param.grad = self.group.all_reduce(s.grad_flat, op="avg")  # in place: (numel,)
-        if self.stage == 1:
-            for s in self.shards:  # my part of the average, written over my part of the buffer
-                s.param.grad = self.group.reduce_scatter(s.grad_flat, op="avg", out=s.grad_flat[s.unit.lo:s.unit.hi])
+        for s in self.shards:
+            if s.grad_flat is None:
+                continue
+            if self.partitions.optimizer_states:  # my part of the average, written over my part of the buffer
+                s.grad = self.group.reduce_scatter(s.grad_flat, op="avg", out=s.grad_flat[s.unit.lo:s.unit.hi])
+            else:
+                s.grad = self.group.all_reduce(s.grad_flat, op="avg")  # in place: (numel,)
         self._collect()
-        missing = [s.unit.name for s in self.shards if s.ready or s.param.grad is None]
+        missing = [s.unit.name for s in self.shards if s.ready or s.grad is None]
         if missing:
             raise RuntimeError(f"no complete gradient for units {missing}: did backward reach every parameter?")
+        self._complete_over_tp_and_tied()
+        scale = self.scaler.scale if self.scaler else 1.0
+        for s in self.shards:
+            s.param.grad = unscale(s.grad, scale, self.mixed_precision) if self.mixed_precision else s.grad
         self._reduced = True
+
+    def _complete_over_tp_and_tied(self) -> None:
+        """Sum the sequence-parallel elements of every gradient shard over tp (each tp rank saw only
+        its tokens), and the shards of the tied embedding copies over the embedding group."""
+        if self.tp_group is not None and self.tp_group.size > 1:
+            for s in self.shards:
+                if s.sequence_parallel.any():
+                    partial = s.grad[s.sequence_parallel]  # (k,) a copy
+                    s.grad[s.sequence_parallel] = self.tp_group.all_reduce(partial)
+        if self.tied_group is not None:
+            s = self._tied_shard()
+            self.tied_group.all_reduce(s.grad, op="sum")
+
+    def _tied_shard(self) -> Shard:
+        """The shard of the unit that holds this stage's tied embedding copy (it holds nothing else,
+        so the first and last stage's shards line up element by element)."""
+        names = ("transformer.wte.weight", "lm_head.weight")
+        units = [s for s in self.shards if len(s.unit.params) == 1 and s.unit.params[0][0] in names]
+        if len(units) != 1:
+            raise RuntimeError(f"a tied-embedding group, but {len(units)} units hold only a tied embedding")
+        return units[0]
+
+    def found_inf(self) -> bool:
+        """Mixed precision: whether any gradient element on ANY rank of the scaler's group (the world:
+        dp, tp and pp together) is inf or NaN, after the reduction. If so the step is skipped on every
+        rank and the scale lowered. Sends one 8-byte all-reduce over the world. False (sending
+        nothing) without mixed precision."""
+        if self.scaler is None:
+            return False
+        self.reduce_gradients()
+        if not self.scaler.found_inf([s.grad for s in self.shards]):
+            return False
+        self.scaler.update(found_inf=True)
+        self._end_step()
+        return True
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale the gradient shards so that the global L2 norm of the full gradient is at most
@@ -175,7 +279,7 @@ class ZeroOptimizer:
             g = s.param.grad
             sums[0] += (g[s.tensor_parallel & s.counted] ** 2).sum()
             sums[1] += (g[~s.tensor_parallel & s.counted] ** 2).sum()
-        if self.stage > 0:
+        if self.partitions.optimizer_states:
             self.group.all_reduce(sums)
         if self.tp_group is not None:
             self.tp_group.all_reduce(sums[:1])
@@ -193,8 +297,9 @@ class ZeroOptimizer:
 
     def step(self, lr: float | None = None) -> None:
         """Update this rank's shard of every unit with its gradient shard and optimizer state (the
-        element-wise SGD / AdamW of minidist.optim), then, in stages 1 and 2, all-gather each unit's
-        shards so every rank holds the new full parameters (sends its shard to every dp rank)."""
+        element-wise SGD / AdamW of minidist.optim), cast it to the model's dtype, then, in stages 1
+        and 2, all-gather each unit's shards so every rank holds the new full parameters (sends its
+        shard to every dp rank, in the model's dtype)."""
         self.reduce_gradients()
         if lr is not None:
             self.lr = lr
@@ -209,35 +314,75 @@ class ZeroOptimizer:
                 adamw_update(s.param.data, s.param.grad, s.state["exp_avg"], s.state["exp_avg_sq"],
                              step=self.step_count, lr=self.lr, beta1=self.betas[0], beta2=self.betas[1],
                              eps=self.eps, weight_decay=decay)
-            if self.stage in (1, 2):  # in place; overlaps the next unit's update
-                gathers.append(self.group.all_gather(s.param.data, count=s.unit.numel, out=s.flat, async_op=True))
+            if self.mixed_precision:
+                s.compute[...] = to_compute(s.param.data, self.mixed_precision)
+            if self.partitions.optimizer_states and not self.partitions.parameters:  # overlaps the next update
+                gathers.append(self.group.all_gather(s.compute, count=s.unit.numel, out=s.flat, async_op=True))
         for work in gathers:
             work.wait()
+        if self.scaler is not None:
+            self.scaler.update(found_inf=False)
+        self._end_step()
+
+    def _end_step(self) -> None:
+        if self.gatherer is not None:
+            self.gatherer.free_all()  # nothing gathered outlives the step: the shards just changed
         self._reduced = False
+
+    def masters_to_model(self) -> None:
+        """After a checkpoint loaded the master shards: cast them into the model's dtype (stage 3's
+        shards; stages 0-2 read their full parameters from the checkpoint and round them here)."""
+        if not self.mixed_precision:
+            return
+        if self.partitions.parameters:
+            for s in self.shards:
+                s.compute[...] = to_compute(s.param.data, self.mixed_precision)
+        else:
+            for s in self.shards:
+                s.flat[...] = to_compute(s.flat.astype(np.float32), self.mixed_precision)
 
     # ---- inspection -----------------------------------------------------------------------------------
 
     @contextmanager
-    def full_parameters(self):
+    def full_parameters(self, masters: bool = False):
         """Inside the block every parameter of the model holds its full value (stage 3 all-gathers
-        them, collectively, and frees them after): for export, evaluation by hand, checkpoints."""
-        if self.stage == 3:
-            zero3.gather(self.shards, self.group)
+        them, collectively, and frees them after): for export, evaluation by hand, checkpoints. With
+        ``masters`` under mixed precision they hold the float32 masters instead (every stage
+        all-gathers the master shards, float32, and rebinds the model's own values after)."""
+        if masters and self.mixed_precision:
+            for s in self.shards:
+                full = s.param.data  # stage 0: the masters are whole
+                if self.partitions.optimizer_states:
+                    full = s.unit.xp.empty(s.unit.numel, dtype=s.param.data.dtype)  # (numel,) float32
+                    self.group.all_gather(s.param.data, count=s.unit.numel, out=full)
+                s.unit.bind(full)
+        elif self.gatherer is not None:
+            self.gatherer.ensure(self.shards)
         try:
             yield self.model
         finally:
-            if self.stage == 3:
-                zero3.free(self.shards)
+            for s in self.shards:
+                if s.flat is not None:
+                    s.unit.bind(s.flat)
+            if self.gatherer is not None:
+                self.gatherer.free(self.shards)
+                for s in self.shards:
+                    s.unit.release()
 
     def model_state_bytes(self) -> dict:
-        """Bytes this rank holds now in parameters, gradients and optimizer state, measured from the
-        live arrays (a buffer counted once however many views share it). Call it after backward and
+        """Bytes this rank holds now in parameters and gradients (the model's dtype) and optimizer
+        state (moments, and the float32 masters under mixed precision), measured from the live arrays
+        (a buffer counted once however many views share it). Call it after backward and
         :meth:`reduce_gradients`, when the model states are at their largest."""
         params = [p for s in self.shards for _, p in s.unit.params]
+        masters = [s.param.data for s in self.shards] if self.mixed_precision else []
+        grads = [p.grad for p in params] + [s.grad for s in self.shards]
+        if not self.mixed_precision:
+            grads += [s.param.grad for s in self.shards]
         return {
-            "parameters": accounting.unique_nbytes([p.data for p in params] + [s.param.data for s in self.shards]),
-            "gradients": accounting.unique_nbytes([p.grad for p in params] + [s.param.grad for s in self.shards]),
-            "optimizer": accounting.unique_nbytes([a for s in self.shards for a in s.state.values()]),
+            "parameters": accounting.unique_nbytes([p.data for p in params] + [s.compute for s in self.shards]),
+            "gradients": accounting.unique_nbytes(grads),
+            "optimizer": accounting.unique_nbytes(masters + [a for s in self.shards for a in s.state.values()]),
         }
 
     def activation_bytes(self, loss) -> int:
@@ -245,25 +390,20 @@ class ZeroOptimizer:
         return accounting.activation_bytes(loss, exclude=[p.data for s in self.shards for _, p in s.unit.params])
 
     def formula(self) -> dict:
-        """The ZeRO paper's bytes per rank for this stage with our dtypes (one dtype for everything:
-        P = G = numel x itemsize, O = slots x P): stage 1 P + G + O/N, 2 P + (G + O)/N, 3 (P + G + O)/N."""
+        """The ZeRO paper's bytes per rank for this stage: P = G = numel x the model's itemsize,
+        O = K x numel with K = slots x 4 (+ 4 for the float32 masters under mixed precision; AdamW in
+        mixed precision: K = 12). Stage 1 P + G + O/N, 2 P + (G + O)/N, 3 (P + G + O)/N."""
         numel = sum(s.unit.numel for s in self.shards)
         itemsize = self.shards[0].unit.dtype.itemsize if self.shards else 0
-        return accounting.zero_formula(self.stage, numel * itemsize, len(SLOTS[self.optimizer]), self.group.size)
+        k = len(SLOTS[self.optimizer]) * (4 if self.mixed_precision else itemsize) + 4 * bool(self.mixed_precision)
+        return accounting.zero_formula(self.stage, numel * itemsize, numel * k, self.group.size)
 
 
-def check_zero_layout(stage: int, pp: int, model=None) -> None:
-    """Refuse, with a reason, the combinations this ZeRO does not support (before anything is sent)."""
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
-    if stage >= 2 and pp > 1:
-        raise ValueError(f"ZeRO stage {stage} with pipeline parallelism (pp={pp}) is not supported: every "
-                         "micro-batch's backward would reduce-scatter (stage 2) or re-gather (stage 3) the "
-                         "stage's parameters. Use --zero 1 with --pp, or --pp 1.")
-    if stage == 3 and model is not None:
-        if not all(hasattr(model, a) for a in ("embed", "head", "transformer")):
-            raise ValueError("ZeRO stage 3 wraps a GPT's embed / transformer.h / head: "
-                             f"{type(model).__name__} does not have them")
-        if any("forward" in vars(block) for block in model.transformer.h):
-            raise ValueError("ZeRO stage 3 already recomputes every unit in backward: do not combine it "
-                             "with --recompute (the blocks' forward is already wrapped)")
+def reduce_scatter_grads(unit: FlatUnit, group, async_op: bool = False):
+    """Flatten the unit's full parameter gradients, drop them, and reduce-scatter the flat vector
+    (op "avg" over the dp group, in the gradients' dtype): returns this rank's averaged gradient
+    shard (hi - lo,), or with ``async_op`` the Work whose ``wait()`` returns it."""
+    flat = unit.flatten([p.grad for _, p in unit.params])  # (numel,)
+    for _, p in unit.params:
+        p.grad = None
+    return group.reduce_scatter(flat, op="avg", async_op=async_op)  # (hi - lo,)

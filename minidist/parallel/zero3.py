@@ -1,149 +1,183 @@
 """ZeRO stage 3: parameters sharded too, gathered just before each use and freed right after.
 
-Between uses a rank holds only its flat shard of every unit (1/N of the parameters). Each module of
-the GPT (the embedding, every block, the head) runs through :class:`ShardedCall`:
+Between uses a rank holds only its flat shard of every unit (1/N of the parameters). Each module
+call of the model (the embedding, every block, the head; or a pipeline stage's chunks) runs through
+:func:`sharded`, FSDP's pattern:
 
-    forward:   all-gather the shards of the units it uses  -> full parameters (bound to .data);
-               queue the next module's all-gathers (prefetch, on the communication thread)
-               run the module WITHOUT a graph, keep only its input
-               free the full parameters
-    backward:  all-gather again (and prefetch the module before it)
-               re-run the module with a graph and back-propagate through it (recomputation)
-               reduce-scatter the full gradients -> this rank's gradient shard (op "avg" over dp)
-               free the full parameters and full gradients
+    forward:   all-gather the shards of the units it uses -> full parameters (bound to .data),
+               and queue the next call's all-gathers (prefetch, on the communication thread)
+               run the module WITH its graph, under saved-tensor hooks that pack every saved
+               full weight as a small reference (the activations are kept as they are)
+               free the full parameters (reshard after forward)
+    backward:  a pre-backward node on the call's outputs all-gathers the units again (and prefetches
+               the call before it); the hooks unpack each reference into the gathered weight
+               when the grad-ready hooks see a unit's gradients complete, ZeRO reduce-scatters
+               them (zero.py) and frees the full parameters again
 
-Why recompute? A graph recorded in forward would hold the full weight arrays until backward (a
-Linear saves its weight), so freeing them would free nothing. PyTorch's FSDP shrinks the weight's
-storage to 0 bytes and regrows it before backward; a NumPy array cannot be regrown in place, so
-here the module's forward is re-run in backward instead: no weight and no internal activation of a
-unit outlives its call (see recompute.py). Communication per step: two all-gathers and one
-reduce-scatter of every unit each time it is used, 3 (N-1)/N bytes per parameter byte against plain
-data parallelism's 2 (N-1)/N all-reduce: 1.5x (the tied embedding is used twice, by the embedding and
-by the head, and pays twice).
+Nothing is recomputed: a Linear that saved its weight gets it back, gathered, from ``unpack``
+(minidist/autograd/saved_tensors.py). So ZeRO-3 costs ZeRO-2's compute and keeps the activations
+that no ZeRO keeps; ``--recompute`` is a separate choice. Communication per step: two all-gathers
+(forward, backward) and one reduce-scatter of every unit, 3 (N-1)/N bytes per parameter byte
+against data parallelism's 2 (N-1)/N: 1.5x. (The tied embedding is gathered by the embedding and
+again by the head in forward; in backward it stays gathered from the head's use to the embedding's.)
 
-Its Function's inputs are the module's inputs AND the shard tensors of its units, so the autograd
-engine accumulates each reduce-scattered gradient into the shard tensor's ``.grad``: the gradient the
-optimizer of this rank updates its shard with.
+With ``reshard_after_forward=False`` (pipeline parallelism, as torchtitan sets it) the units stay
+gathered from their first forward of a step to their last backward: one all-gather per step
+instead of two per micro-batch, at the price of holding the stage's full parameters while its
+micro-batches are in flight. A call made without a graph (evaluation, generation) always frees.
 """
 from __future__ import annotations
 
-from minidist.autograd import Function, Tensor
-from minidist.parallel.recompute import rerun_backward, run_without_graph
-
-
-class ShardedCall(Function):
-    """``fn(*args)``, the ``index``-th module call of the model, with the units it uses gathered
-    around it in forward and in backward.
-
-    Apply as ``ShardedCall.apply(fn, is_tensor, gatherer, index, *args, *shard_tensors)``; the shard
-    tensors of the call's units come last so that their gradients reach the engine."""
-
-    @staticmethod
-    def forward(ctx, fn, is_tensor, gatherer, index, *inputs):
-        args = inputs[:len(is_tensor)]
-        shards = gatherer.gather(index, direction=+1)  # the next call's units start arriving too
-        out = run_without_graph(fn, args, is_tensor)
-        free(shards)
-        ctx.fn, ctx.is_tensor, ctx.gatherer, ctx.index, ctx.args = fn, is_tensor, gatherer, index, args
-        return out
-
-    @staticmethod
-    def backward(ctx, *grads):
-        n = len(ctx.is_tensor)
-        shards = ctx.gatherer.gather(ctx.index, direction=-1)  # backward runs the calls in reverse
-        arg_grads = rerun_backward(ctx.fn, ctx.args, ctx.is_tensor, ctx.needs_input_grad[4:4 + n], grads)
-        shard_grads = tuple(reduce_scatter_grads(s, ctx.gatherer.group) for s in shards)
-        free(shards)
-        return (None, None, None, None, *arg_grads, *shard_grads)
+from minidist.autograd import Function, Tensor, is_grad_enabled, saved_tensors_hooks
 
 
 class Gatherer:
-    """The all-gathers of ZeRO-3 with prefetch. ``calls[i]`` lists the Shards the i-th module call
-    (embedding, blocks, head, in forward order) uses. Gathering call i waits for its units (queued
-    earlier as a prefetch, or now) and queues the all-gathers of call ``i + direction``, so they run
-    on the group's communication thread while call i computes."""
+    """Which units are gathered now, and the all-gathers that bring them. ``calls[i]`` lists the
+    Shards the i-th module call uses (in forward order); ``prefetch`` queues the next call's
+    all-gathers while the current one computes."""
 
-    def __init__(self, group, calls: list):
-        self.group, self.calls = group, calls
-        self._queued = {}  # call index -> [(shard, full flat array, Work)]
+    def __init__(self, group, calls: list, prefetch: bool = True, reshard_after_forward: bool = True):
+        self.group, self.calls, self.prefetch = group, calls, prefetch
+        self.reshard_after_forward = reshard_after_forward
+        self._full = {}  # id(shard) -> its full flat array (numel,) while gathered
+        self._queued = {}  # id(shard) -> (full flat array, Work) of an all-gather in flight
+        self._by_array = {}  # id(a gathered parameter's array) -> (shard, parameter index): what pack recognises
 
-    def gather(self, index: int, direction: int) -> list:
-        """Bind the full parameters of call ``index``'s units and prefetch the next call's. Each
-        all-gather sends this rank's shard to every dp rank and receives theirs. Returns the Shards."""
-        queued = self._queued.pop(index, None) or self._queue(index)
+    def gather(self, index: int, direction: int) -> None:
+        """Bind the full parameters of call ``index``'s units (waiting for a prefetch, or
+        all-gathering now) and queue those of call ``index + direction``. Each all-gather sends
+        this rank's shard to every dp rank and receives theirs."""
         nxt = index + direction
-        if 0 <= nxt < len(self.calls) and nxt not in self._queued:
-            self._queued[nxt] = self._queue(nxt)
-        for s, full, work in queued:
+        if self.prefetch and 0 <= nxt < len(self.calls):
+            self._queue(self.calls[nxt])
+        self.ensure(self.calls[index])
+
+    def ensure(self, shards) -> None:
+        """Make every unit of ``shards`` gathered (the all-gathers queued if they are not yet)."""
+        self._queue(shards)
+        for s in shards:
+            if id(s) in self._queued:
+                full, work = self._queued.pop(id(s))
+                work.wait()
+                s.unit.bind(full)
+                self._full[id(s)] = full
+                self._by_array.update({id(p.data): (s, i) for i, (_, p) in enumerate(s.unit.params)})
+
+    def _queue(self, shards) -> None:
+        for s in shards:
+            if id(s) not in self._full and id(s) not in self._queued:
+                full = s.unit.xp.empty(s.unit.numel, dtype=s.unit.dtype)  # (numel,)
+                self._queued[id(s)] = (full, self.group.all_gather(s.compute, count=s.unit.numel, out=full,
+                                                                   async_op=True))
+
+    def free(self, shards) -> None:
+        """Drop the full parameters of every unit of ``shards`` (only the shards remain)."""
+        for s in shards:
+            if self._full.pop(id(s), None) is not None:
+                for _, p in s.unit.params:
+                    self._by_array.pop(id(p.data), None)
+                s.unit.release()
+
+    def free_all(self) -> None:
+        """Drop every gathered unit and wait out any prefetch (the end of a step)."""
+        for full, work in self._queued.values():
             work.wait()
-            s.unit.bind(full)
-        return self.calls[index]
+        self._queued.clear()
+        self.free([s for call in self.calls for s in call])
 
-    def _queue(self, index: int) -> list:
-        queued = []
-        for s in self.calls[index]:
-            full = s.unit.xp.empty(s.unit.numel, dtype=s.unit.dtype)  # (numel,)
-            queued.append((s, full, self.group.all_gather(s.param.data, count=s.unit.numel, out=full, async_op=True)))
-        return queued
+    def pack(self, array):
+        """Saved-tensor pack hook: a gathered parameter's full array (a Linear's or a LayerNorm's
+        weight) becomes (shard, parameter index); any other array (an activation) is kept as it is."""
+        return self._by_array.get(id(array), array)
 
-
-def gather(shards, group) -> None:
-    """All-gather every unit's flat shard into a new full flat array (numel,) and bind the unit's
-    parameters to it (blocking; no prefetch). Sends this rank's shard to, and receives every other
-    shard from, all dp ranks."""
-    for s in shards:
-        full = s.unit.xp.empty(s.unit.numel, dtype=s.unit.dtype)  # (numel,)
-        group.all_gather(s.param.data, count=s.unit.numel, out=full)
-        s.unit.bind(full)
+    def unpack(self, ref):
+        """Saved-tensor unpack hook: the parameter ``pack`` named, its unit gathered again."""
+        s, i = ref
+        self.ensure([s])
+        return s.unit.params[i][1].data
 
 
-def free(shards) -> None:
-    """Drop the full parameters of every unit (only the shards remain)."""
-    for s in shards:
-        s.unit.release()
+class PreBackward(Function):
+    """Identity on a call's outputs; its backward (run before any backward inside the call) gathers
+    the call's units again and prefetches the call before it."""
 
+    @staticmethod
+    def forward(ctx, gatherer, index, *outputs):
+        ctx.gatherer, ctx.index = gatherer, index
+        return outputs if len(outputs) > 1 else outputs[0]
 
-def reduce_scatter_grads(shard, group, async_op: bool = False):
-    """Flatten the unit's full parameter gradients, drop them, and reduce-scatter the flat vector
-    (op "avg" over the dp group): returns this rank's averaged gradient shard (hi - lo,), or with
-    ``async_op`` the Work whose ``wait()`` returns it."""
-    unit = shard.unit
-    flat = unit.flatten([p.grad for _, p in unit.params])  # (numel,)
-    for _, p in unit.params:
-        p.grad = None
-    return group.reduce_scatter(flat, op="avg", async_op=async_op)  # (hi - lo,)
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.gatherer.gather(ctx.index, direction=-1)  # backward runs the calls in reverse
+        return (None, None, *grads)
 
 
 def sharded(fn, gatherer, index):
-    """``fn`` made to run through :class:`ShardedCall` as call ``index`` of ``gatherer``."""
+    """``fn`` made to run as call ``index`` of ``gatherer``: its units gathered around it, its saved
+    weights packed, a :class:`PreBackward` on its tensor outputs."""
     def call(*args):
-        is_tensor = tuple(isinstance(a, Tensor) for a in args)
-        shard_tensors = (s.param for s in gatherer.calls[index])
-        return ShardedCall.apply(fn, is_tensor, gatherer, index, *args, *shard_tensors)
+        gatherer.gather(index, direction=+1)
+        shards = gatherer.calls[index]
+        if not is_grad_enabled():  # no backward will come: free at once
+            out = fn(*args)
+            gatherer.free(shards)
+            return out
+        if gatherer.reshard_after_forward:
+            with saved_tensors_hooks(gatherer.pack, gatherer.unpack):
+                out = fn(*args)
+            gatherer.free(shards)
+        else:
+            out = fn(*args)
+        return _pre_backward(out, gatherer, index)
     return call
 
 
-def fully_shard(model, shards, group) -> None:
-    """Route every module of GPT ``model`` through :class:`ShardedCall` (the name is FSDP2's):
-    ``model.embed``, each block's ``forward`` and ``model.head`` now gather the units whose
-    parameters they use. ``shards`` are the model's units' Shard records; their full parameters
-    are freed here, so from now on the model holds only shards between uses."""
-    owner = {id(p): s for s in shards for _, p in s.unit.params}
+def _pre_backward(out, gatherer, index):
+    """``out`` (a Tensor, or a tuple holding Tensors and Nones) with its graph tensors routed
+    through one :class:`PreBackward` node."""
+    outs = out if isinstance(out, tuple) else (out,)
+    slots = [i for i, o in enumerate(outs) if isinstance(o, Tensor) and o.requires_grad]
+    if not slots:
+        return out
+    routed = PreBackward.apply(gatherer, index, *(outs[i] for i in slots))
+    routed = routed if isinstance(routed, tuple) else (routed,)
+    result = list(outs)
+    for i, r in zip(slots, routed):
+        result[i] = r
+    return tuple(result) if isinstance(out, tuple) else result[0]
 
-    def used_by(*modules):
-        ids = {id(p) for m in modules for p in m.parameters()}
-        return [s for s in shards if any(id(p) in ids for _, p in s.unit.params)]
 
+def _used_by(shards, *modules):
+    ids = {id(p) for m in modules for p in m.parameters()}
+    return [s for s in shards if any(id(p) in ids for _, p in s.unit.params)]
+
+
+def fully_shard(model, shards, group, reshard_after_forward: bool = True) -> Gatherer:
+    """Route every module call of ``model`` through :func:`sharded` (the name is FSDP2's): a GPT's
+    ``embed``, each block's ``forward`` and ``head``; a pipeline stage's ``forward`` per chunk.
+    ``shards`` are the model's units' Shard records; their full parameters are freed here, so from
+    now on the model holds only shards between uses. Returns the :class:`Gatherer`."""
+    owner = {id(p) for s in shards for _, p in s.unit.params}
     if len(owner) != sum(1 for _ in model.parameters()):
         raise ValueError("fully_shard: every parameter of the model must belong to one unit")
     t = model.transformer
-    gatherer = Gatherer(group, [used_by(t.wte, t.wpe), *(used_by(b) for b in t.h), used_by(t.ln_f, model.lm_head)])
-    embed, head, last = model.embed, model.head, len(t.h) + 1
-    object.__setattr__(model, "embed", sharded(embed, gatherer, 0))
-    for i, block in enumerate(t.h, start=1):
-        object.__setattr__(block, "forward", sharded(block.forward, gatherer, i))
-    head_call = sharded(head, gatherer, last)
-    logits_call = sharded(lambda x: head(x)[0], gatherer, last)  # no targets: logits only
-    object.__setattr__(model, "head", lambda x, targets=None: (
-        head_call(x, targets) if targets is not None else (logits_call(x), None)))
-    free(shards)
+    if hasattr(model, "stages"):  # a PipelineStage: one call per chunk, gathered for the whole step
+        chunks = [([t.wte, t.wpe] if model.stages[c] == 0 else []) + [t.h[str(i)] for i in model.layers[c]]
+                  + ([t.ln_f, model.lm_head] if model.stages[c] == model.n_stages - 1 else [])
+                  for c in range(len(model.stages))]
+        gatherer = Gatherer(group, [_used_by(shards, *m) for m in chunks], prefetch=False,
+                            reshard_after_forward=reshard_after_forward)
+        forward = model.forward
+        calls = [sharded(lambda x, targets=None, c=c: forward(c, x, targets), gatherer, c) for c in range(len(chunks))]
+        object.__setattr__(model, "forward", lambda chunk, x, targets=None: calls[chunk](x, targets))
+    else:
+        gatherer = Gatherer(group, [_used_by(shards, t.wte, t.wpe), *(_used_by(shards, b) for b in t.h),
+                                    _used_by(shards, t.ln_f, model.lm_head)],
+                            reshard_after_forward=reshard_after_forward)
+        object.__setattr__(model, "embed", sharded(model.embed, gatherer, 0))
+        for i, block in enumerate(t.h, start=1):
+            object.__setattr__(block, "forward", sharded(block.forward, gatherer, i))
+        object.__setattr__(model, "head", sharded(model.head, gatherer, len(t.h) + 1))
+    for s in shards:
+        s.unit.release()
+    return gatherer

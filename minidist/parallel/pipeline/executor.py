@@ -8,9 +8,10 @@ What a step sends, per micro-batch and stage boundary: one (mb, T, C) activation
 (mb, T, C) gradient backward (``p2p.py``). At the end the last stage broadcasts the mean loss over
 the pp group, so every rank can report it.
 
-The loss convention matches one process on the whole batch: each micro-batch's mean loss is scaled
-by 1/m before its backward, so the gradients accumulated over the m micro-batches are those of the
-mean over all the rank's rows.
+The loss convention matches one process on the whole batch, and the plain step's: the last stage
+starts each micro-batch's backward with ``loss_scale / m`` (minidist/parallel/loss_scaling.py), so
+the gradients accumulated over the m micro-batches are those of the mean over all the rank's rows,
+times mixed precision's loss scale.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import contextlib
 
 from minidist.autograd import Tensor, get_array_module, no_grad
 from minidist.data import inputs_and_targets
+from minidist.parallel.loss_scaling import backward_micro_batch
 from minidist.parallel.pipeline.actions import RECVS
 from minidist.parallel.pipeline.p2p import StageLink
 from minidist.parallel.pipeline.schedules import build_schedule
@@ -61,13 +63,13 @@ class PipelineEngine:
         self.dtype, self.xp = first.dtype, get_array_module(first.data)  # received activations go there
         self.peak_in_flight = 0
 
-    def forward_backward(self, micro_batches) -> float:
+    def forward_backward(self, micro_batches, loss_scale: float = 1.0) -> float:
         """One step's forwards and backwards over ``micro_batches`` (m arrays (mb, T+1), the same
-        list on every pp rank: stage 0 reads the inputs, the last stage the targets). Gradients
-        accumulate into the stage's parameters; the tied-embedding copies still need
-        :meth:`all_reduce_tied_grads` (after any data-parallel sync). Returns the mean loss over the
-        micro-batches, on every rank."""
-        return self._run(self.schedule[self.group.rank], micro_batches, training=True)
+        list on every pp rank: stage 0 reads the inputs, the last stage the targets), each backward
+        seeded with ``loss_scale / m``. Gradients accumulate into the stage's parameters; the
+        tied-embedding copies still need :meth:`all_reduce_tied_grads` (after any data-parallel
+        sync; ZeRO does it on its shards). Returns the mean loss over the micro-batches, on every rank."""
+        return self._run(self.schedule[self.group.rank], micro_batches, training=True, loss_scale=loss_scale)
 
     def evaluate(self, micro_batches) -> float:
         """The mean loss over ``micro_batches`` with forwards only (no graph kept), on every rank."""
@@ -79,7 +81,7 @@ class PipelineEngine:
         lm_head gradient (tied copies) so both hold the single-process gradient. A no-op elsewhere."""
         self.stage.all_reduce_tied_grads(self.embedding_group)
 
-    def _run(self, actions, micro_batches, training: bool) -> float:
+    def _run(self, actions, micro_batches, training: bool, loss_scale: float = 1.0) -> float:
         m, stage = self.micro_batches, self.stage
         if len(micro_batches) != m:
             raise ValueError(f"the engine was built for {m} micro-batches, got {len(micro_batches)}")
@@ -103,8 +105,7 @@ class PipelineEngine:
                 with self.trace.record("forward", group=f"stage {a.stage}", seq=a.microbatch, kind="compute"):
                     out = stage(chunk, x, targets)  # (mb, T, C), or the loss on the last stage
                     if a.stage == stage.n_stages - 1:
-                        out = out * (1.0 / m)  # backward from here gives the gradient of the mean
-                        loss_sum += out.item()
+                        loss_sum += out.item() / m
                 outputs[key] = out
                 held += training
                 peak = max(peak, held)
@@ -114,7 +115,10 @@ class PipelineEngine:
                 sync = contextlib.nullcontext() if a == last_backward[a.stage] else self.no_sync()
                 with sync, self.trace.record("backward", group=f"stage {a.stage}", seq=a.microbatch,
                                              kind="compute"):
-                    outputs.pop(key).backward(grads.pop(key, None))
+                    if a.stage == stage.n_stages - 1:
+                        backward_micro_batch(outputs.pop(key), m, loss_scale)
+                    else:
+                        outputs.pop(key).backward(grads.pop(key))
                 held -= 1
             else:  # SEND_B: the gradient of this stage's input goes back to the previous stage
                 link.send(a, inputs.pop(key).grad)

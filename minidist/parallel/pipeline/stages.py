@@ -132,7 +132,7 @@ class PipelineStage(nn.Module):
         if self.holds_last:
             self.lm_head = model.lm_head
             if model.config.tie_embeddings and not self.holds_first:
-                self.lm_head.weight.tied_copy = True  # a copy of the first stage's wte: count it once
+                self.lm_head.weight.tied_copy = True  # a copy of the first stage's wte: counted once (grad_ownership.py)
 
     @property
     def holds_first(self) -> bool:

@@ -1,0 +1,40 @@
+"""Who owns which gradient element: the one rule, read by gradient-norm clipping (clip.py), ZeRO's
+flat shards (flat_buffer.py's masks), the sequence-parallel sync and the checkpoint writer.
+
+It follows from the three tags declared on :class:`~minidist.nn.Parameter`:
+
+    tag                 gradient on this rank                     in the global norm, squares added by
+    tensor_parallel     this rank's shard alone                   every tp rank          ("sharded")
+    (none)              the same on every tp rank                 tp rank 0 only         ("replicated")
+    sequence_parallel   a partial sum over this rank's tokens:    like "replicated", once summed
+                        all-reduce it over tp first
+    tied_copy           a copy of another stage's parameter,      nobody: the stage holding the
+                        summed over the embedding group           original counts it
+
+Data-parallel replicas hold the same (averaged) gradients: nothing is added over dp. Pipeline stages
+hold different parameters: their sums add up.
+"""
+from __future__ import annotations
+
+
+def norm_bucket(p) -> str | None:
+    """Which sum of squares parameter ``p``'s gradient goes to: "sharded" (distinct on each tp rank:
+    summed over tp), "replicated" (the same on every tp rank: counted once), or None (a tied copy:
+    not counted here at all)."""
+    if p.tied_copy:
+        return None
+    return "sharded" if p.tensor_parallel else "replicated"
+
+
+def counted_in_norm(p, tp_rank: int) -> bool:
+    """Whether this rank (tensor-parallel rank ``tp_rank``) adds the squares of ``p``'s gradient
+    when the global gradient norm is summed once per element over tp and pp: tensor-parallel shards
+    on every tp rank, replicated parameters on tp rank 0 only, tied copies never."""
+    bucket = norm_bucket(p)
+    return bucket == "sharded" or (bucket == "replicated" and tp_rank == 0)
+
+
+def summed_over_tp(p) -> bool:
+    """Whether ``p``'s gradient is a partial sum to all-reduce over the tensor-parallel group before
+    it is used (sequence parallelism: replicated, but it saw only this rank's tokens)."""
+    return p.sequence_parallel

@@ -1,0 +1,19 @@
+"""Where the loss is scaled: the one rule the plain step and the pipeline engine both follow.
+
+A step's gradient is that of the MEAN loss over all the rows of the global batch. Each rank runs m
+micro-batches, each giving the mean loss over its rows; the data-parallel average then divides by
+the dp size. So each micro-batch's backward starts from
+
+    d(loss_scale * loss_i / m) / d loss_i = loss_scale / m
+
+(``loss_scale``: mixed precision's dynamic loss scale, which keeps float16 gradients out of the
+underflow zone; 1 otherwise). The optimizer side unscales (amp/master_weights.py, zero.py).
+"""
+from minidist.autograd import get_array_module
+
+
+def backward_micro_batch(loss, micro_batches: int, loss_scale: float = 1.0) -> None:
+    """Back-propagate from ``loss`` (one micro-batch's mean loss, a one-element Tensor) with the seed
+    ``loss_scale / micro_batches``, accumulating into the parameters' ``.grad``. Sends nothing itself
+    (gradient hooks of data parallelism or ZeRO may)."""
+    loss.backward(get_array_module(loss.data).full_like(loss.data, loss_scale / micro_batches))

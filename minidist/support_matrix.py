@@ -1,0 +1,136 @@
+"""The support matrix: every combination of the trainer's features, and whether it runs.
+
+The grid is the product of seven axes (a new user's first questions):
+
+    layout      dp, tp, pp each 1 or 2                              8
+    ZeRO        stage 0, 1, 2, 3                                    4
+    sequence parallelism   off, on                                  2
+    schedule    gpipe, 1f1b, interleaved                            3
+    recompute   off, on                                             2
+    precision   float32, bfloat16, float16                          3
+    checkpoints off, on (save, and resume from the newest)          2      = 1,152 cells
+
+A cell is MEANINGLESS when it asks for something its layout does not have (sequence parallelism
+without tensor parallelism: nothing to split the sequence over; a schedule other than the default
+without pipeline parallelism: with one stage every schedule is the same run, counted once, as 1f1b).
+Every other cell must be accepted by :func:`~minidist.train_config.check_config`: a refusal is a
+debt, and :func:`refusals` lists them (none today). tests/test_composition.py trains the cells
+against one process; the README's matrix is :func:`markdown`, checked against it by a test.
+
+    python -m minidist.support_matrix          # the README's table
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from minidist.train_config import ConfigError, TrainConfig, check_config
+
+LAYOUTS = [dict(dp=dp, tp=tp, pp=pp) for pp in (1, 2) for dp in (1, 2) for tp in (1, 2)]
+AXES = {
+    "layout": LAYOUTS,
+    "zero": [0, 1, 2, 3],
+    "sequence_parallel": [False, True],
+    "schedule": ["gpipe", "1f1b", "interleaved"],
+    "recompute": [False, True],
+    "dtype": ["float32", "bfloat16", "float16"],
+    "checkpoint": [False, True],
+}
+DEFAULT_SCHEDULE = "1f1b"
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One combination: a layout (dp, tp, pp), a ZeRO stage, sequence parallelism, a schedule,
+    recompute, a precision and whether it checkpoints."""
+    dp: int
+    tp: int
+    pp: int
+    zero: int
+    sequence_parallel: bool
+    schedule: str
+    recompute: bool
+    dtype: str
+    checkpoint: bool
+
+    def __str__(self) -> str:
+        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}", f"zero{self.zero}"]
+        parts += ["sp"] * self.sequence_parallel + [self.schedule] * (self.pp > 1) + ["recompute"] * self.recompute
+        return "-".join(parts + [self.dtype] + ["ckpt"] * self.checkpoint)
+
+
+def grid() -> list[Cell]:
+    """All 1,152 cells, in a fixed order."""
+    return [Cell(**layout, zero=z, sequence_parallel=sp, schedule=s, recompute=r, dtype=d, checkpoint=c)
+            for layout, z, sp, s, r, d, c in itertools.product(*AXES.values())]
+
+
+def meaningless(cell: Cell) -> str | None:
+    """Why ``cell`` names a combination that does not exist, or None."""
+    if cell.sequence_parallel and cell.tp == 1:
+        return "sequence parallelism splits the sequence over the tp ranks: with tp 1 there is nothing to split"
+    if cell.pp == 1 and cell.schedule != DEFAULT_SCHEDULE:
+        return "a schedule orders the micro-batches of pipeline stages: with pp 1 every schedule is the same run"
+    return None
+
+
+def config_for(cell: Cell, **sizes) -> TrainConfig:
+    """The TrainConfig of ``cell`` (two micro-batches per step, two virtual stages per rank under
+    the interleaved schedule; ``sizes`` override the model and batch). A checkpointing cell saves
+    into ``ckpt`` (a relative path: only checked, never written here)."""
+    base = dict(n_layer=4, n_head=4, n_embd=16, block_size=16, batch_size=8, micro_batches=2)
+    base.update(sizes)
+    return TrainConfig(**base, dp=cell.dp, tp=cell.tp, pp=cell.pp, zero=cell.zero,
+                       sequence_parallel=cell.sequence_parallel, schedule=cell.schedule,
+                       virtual_stages=2 if cell.schedule == "interleaved" and cell.pp > 1 else 1,
+                       recompute=cell.recompute, dtype=cell.dtype,
+                       ckpt_dir="ckpt" if cell.checkpoint else None, save_every=2 if cell.checkpoint else 0)
+
+
+def refusals() -> dict:
+    """{cell: the trainer's message} for every meaningful cell :func:`check_config` refuses."""
+    refused = {}
+    for cell in grid():
+        if meaningless(cell) is None:
+            try:
+                check_config(config_for(cell), cell.dp * cell.tp * cell.pp)
+            except ConfigError as e:
+                refused[cell] = str(e)
+    return refused
+
+
+FEATURES = {  # a feature: the cells that have it
+    "dp 2": lambda c: c.dp == 2, "tp 2": lambda c: c.tp == 2, "pp 2": lambda c: c.pp == 2,
+    "SP": lambda c: c.sequence_parallel, "ZeRO-1": lambda c: c.zero == 1, "ZeRO-2": lambda c: c.zero == 2,
+    "ZeRO-3": lambda c: c.zero == 3, "GPipe": lambda c: c.pp == 2 and c.schedule == "gpipe",
+    "1F1B": lambda c: c.pp == 2 and c.schedule == "1f1b",
+    "interleaved": lambda c: c.pp == 2 and c.schedule == "interleaved", "recompute": lambda c: c.recompute,
+    "bf16": lambda c: c.dtype == "bfloat16", "fp16": lambda c: c.dtype == "float16",
+    "checkpoints": lambda c: c.checkpoint,
+}
+
+
+def markdown() -> str:
+    """The README's support matrix: for every pair of features, "✓" when every meaningful cell that
+    has both runs, "✗" when one is refused, "·" when no cell can have both (one axis, or a
+    meaningless pair); then the counts and the meaningless kinds."""
+    cells = grid()
+    valid = [c for c in cells if meaningless(c) is None]
+    refused = refusals()
+    names = list(FEATURES)
+    lines = ["| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for a in names:
+        row = []
+        for b in names:
+            both = [c for c in valid if FEATURES[a](c) and FEATURES[b](c)]
+            row.append("·" if not both or a == b else "✗" if any(c in refused for c in both) else "✓")
+        lines.append(f"| **{a}** | " + " | ".join(row) + " |")
+    kinds = sorted({meaningless(c) for c in cells} - {None})
+    lines += ["", f"{len(valid) - len(refused):,} of the {len(cells):,} cells run and {len(refused)} are refused; "
+              f"the other {len(cells) - len(valid):,} are meaningless:"]
+    lines += [f"- {kind}" for kind in kinds]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(markdown())

@@ -1,0 +1,163 @@
+"""The composition grid: every meaningful combination of layout (dp, tp, pp each 1 or 2), ZeRO stage,
+sequence parallelism, pipeline schedule, recompute, precision and checkpointing trains like one
+process on the full batch (minidist/support_matrix.py lists the 2,304 cells; the 1,152 meaningless
+ones name a schedule without a pipeline or sequence parallelism without tensor parallelism).
+
+Each cell trains a 4-block GPT for 4 steps of SGD with momentum (linear in the gradient, so a wrong
+scale shows: Adam would hide it), clipping at 0.5, two micro-batches per step (two virtual stages
+per rank under the interleaved schedule); a checkpointing cell saves at steps 2 and 4, loses the
+second, and resumes from the first. Compared per step: the loss, the gradient norm before clipping
+(a missing 1/N shows there even when clipping hides it in the update), and at the end every weight.
+
+Tolerances:
+- float32 cells run in float64 and equal one process to 1e-10 relative (loss, grad norm; weights
+  to 1e-10 of each tensor's largest value): the layouts add the same numbers in other orders.
+- mixed-precision cells (bfloat16, float16) equal the one-process run IN THE SAME PRECISION.
+  * Which steps overflow (skipped) and every loss scale: exactly equal. The found-inf flag is agreed
+    over the whole world, and a float16 average divides before it sums (comm/ops.py), so a layout
+    overflows where one process does.
+  * Loss and gradient norm: relative 2 S u, with u the compute dtype's unit roundoff (float16 2**-11,
+    bfloat16 2**-8) and S the steps: each step rounds the weights once to the compute dtype, and
+    another reduction order can move each rounding by at most one unit, in either direction.
+  * Master weights: per element |w - w_ref| <= 2 u / (1 - momentum) * sum_t lr_t min(norm_t, clip).
+    A step changes a master by lr_t times its momentum buffer; the gradients of the two runs are
+    the same sums rounded to the compute dtype in different orders, so they differ by at most 2 u
+    of the largest gradient element, itself at most the clipped norm; momentum sums a step's
+    difference into every later step with weights adding up to at most 1 / (1 - momentum).
+"""
+import dataclasses
+import random
+import shutil
+from functools import lru_cache
+
+import numpy as np
+import pytest
+
+from minidist import run_local
+from minidist.checkpoint import step_dir
+from minidist.support_matrix import AXES, Cell, config_for, grid, meaningless, refusals
+from minidist.train import train
+from minidist.train_build import load_data
+from minidist.train_config import TrainConfig
+
+SIZES = dict(n_layer=4, n_head=4, n_embd=16, block_size=16, batch_size=8)
+TRAIN = dict(steps=4, eval_every=100, eval_iters=1, sample_tokens=0, warmup=1, lr=1e-2, grad_clip=0.5,
+             optimizer="sgd", momentum=0.9, bucket_mb=0.01, loss_scale_window=2)
+UNIT_ROUNDOFF = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+CELLS = [c for c in grid() if meaningless(c) is None]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("data"))
+    load_data(TrainConfig(data_dir=path))  # the corpus, once, before thread ranks read it
+    return path
+
+
+def fit(cfg):
+    """(history rows by step, exported weights) of ``cfg`` on its dp * tp * pp thread ranks."""
+    histories = run_local(lambda group: train(cfg, progress=False, world=group)[1], cfg.dp * cfg.tp * cfg.pp)
+    assert all([r["loss"] for r in h] == [r["loss"] for r in histories[0]] for h in histories)
+    return {r["step"]: r for r in histories[0]}, dict(np.load(cfg.export))
+
+
+def run_dtype(dtype: str) -> str:
+    return "float64" if dtype == "float32" else dtype
+
+
+@lru_cache(maxsize=None)
+def reference(dtype: str, data_dir: str):
+    """One process on the full batch, in ``dtype``."""
+    cfg = TrainConfig(**SIZES, **TRAIN, dtype=run_dtype(dtype), data_dir=data_dir, export=f"{data_dir}/ref-{dtype}.npz")
+    return fit(cfg)
+
+
+def train_cell(cell: Cell, data_dir: str, tmp_path):
+    """Train ``cell``: rows of the steps it ran (a checkpointing cell: the resumed steps 2 and 3) and
+    its final weights."""
+    cfg = dataclasses.replace(config_for(cell, **SIZES), **TRAIN, dtype=run_dtype(cell.dtype), data_dir=data_dir,
+                              export=str(tmp_path / "w.npz"))
+    if not cell.checkpoint:
+        return fit(cfg)
+    cfg = dataclasses.replace(cfg, ckpt_dir=str(tmp_path / "ckpt"))
+    fit(cfg)
+    shutil.rmtree(step_dir(cfg.ckpt_dir, 4))  # as if the job died before its last save
+    return fit(dataclasses.replace(cfg, resume=True))
+
+
+def assert_like_one_process(cell: Cell, rows, weights, ref_rows, ref_weights):
+    if cell.checkpoint:
+        assert sorted(rows) == [2, 3], f"{cell}: resumed at {sorted(rows)}"
+    assert weights.keys() == ref_weights.keys()
+    if cell.dtype == "float32":
+        for step, row in rows.items():
+            for key in ("loss", "grad_norm"):
+                ref = ref_rows[step][key]
+                assert abs(row[key] - ref) <= 1e-10 * abs(ref), f"{cell} step {step} {key}: {row[key]} vs {ref}"
+        for name, ref in ref_weights.items():
+            assert np.abs(weights[name] - ref).max() <= 1e-10 * np.abs(ref).max(), f"{cell}: {name}"
+        return
+    u = UNIT_ROUNDOFF[cell.dtype]
+    rtol = 2 * TRAIN["steps"] * u
+    for step, row in rows.items():
+        ref = ref_rows[step]
+        assert (row["skipped"], row["loss_scale"]) == (ref["skipped"], ref["loss_scale"]), f"{cell} step {step}"
+        assert abs(row["loss"] - ref["loss"]) <= rtol * abs(ref["loss"]), f"{cell} step {step} loss"
+        if not ref["skipped"]:
+            assert abs(row["grad_norm"] - ref["grad_norm"]) <= rtol * ref["grad_norm"], f"{cell} step {step} norm"
+    steps = [r for r in ref_rows.values() if not r["skipped"]]
+    bound = 2 * u / (1 - TRAIN["momentum"]) * sum(r["lr"] * min(r["grad_norm"], TRAIN["grad_clip"]) for r in steps)
+    for name, ref in ref_weights.items():
+        assert np.abs(weights[name] - ref).max() <= bound, f"{cell}: {name} {np.abs(weights[name] - ref).max()} > {bound}"
+
+
+def check_cell(cell, data_dir, tmp_path):
+    rows, weights = train_cell(cell, data_dir, tmp_path)
+    ref_rows, ref_weights = reference(cell.dtype, data_dir)
+    assert_like_one_process(cell, rows, weights, ref_rows, ref_weights)
+
+
+def sample(n: int, seed: int = 14) -> list:
+    """``n`` cells, every value of every axis among them: a seeded shuffle, the cells adding an
+    uncovered (axis, value) first."""
+    cells = CELLS[:]
+    random.Random(seed).shuffle(cells)
+    values = lambda c: {("layout", (c.dp, c.tp, c.pp))} | {(a, getattr(c, a)) for a in AXES if a != "layout"}  # noqa: E731
+    covered, chosen = set(), []
+    for c in cells:
+        if values(c) - covered:
+            chosen.append(c)
+            covered |= values(c)
+    return (chosen + [c for c in cells if c not in chosen])[:n]
+
+
+def test_the_grid_has_no_refusals_and_every_axis_value_is_sampled():
+    assert len(grid()) == 2304 and len(CELLS) == 1152
+    assert refusals() == {}  # every meaningful cell is accepted: refusals are debts
+    covered = {(a, v) for c in sample(18) for a, v in [("layout", (c.dp, c.tp, c.pp))]
+               + [(a, getattr(c, a)) for a in AXES if a != "layout"]}
+    assert len(covered) == 8 + 4 + 2 + 3 + 2 + 3 + 2
+
+
+@pytest.mark.parametrize("cell", sample(18), ids=str)
+def test_a_sample_of_the_grid_trains_like_one_process(cell, data_dir, tmp_path):
+    check_cell(cell, data_dir, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cell", CELLS, ids=str)
+def test_every_cell_of_the_grid_trains_like_one_process(cell, data_dir, tmp_path):
+    check_cell(cell, data_dir, tmp_path)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_mixed_precision_layout_run_twice_is_bitwise_identical(dtype, data_dir, tmp_path):
+    cell = Cell(dp=2, tp=2, pp=2, zero=3, sequence_parallel=True, schedule="interleaved", recompute=False,
+                dtype=dtype, checkpoint=False)
+    (rows_a, weights_a), (rows_b, weights_b) = (train_cell(cell, data_dir, tmp_path / name) for name in "ab")
+    assert rows_a.keys() == rows_b.keys()
+    for step in rows_a:
+        assert {k: v for k, v in rows_a[step].items() if k != "tokens_per_s"} == \
+            {k: v for k, v in rows_b[step].items() if k != "tokens_per_s"}
+    for name in weights_a:
+        assert np.array_equal(weights_a[name], weights_b[name]), name
