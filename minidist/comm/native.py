@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.comm.ops import offsets
+from minidist.comm.ops import offsets, same_memory
 
 _OPS = {"sum": "SUM", "prod": "PROD", "max": "MAX", "min": "MIN"}
 _DTYPES = {np.dtype(np.float16): "FLOAT16_T", np.dtype(np.float32): "FLOAT",
@@ -44,9 +44,16 @@ class MPICollectives:
 
     def all_gather(self, shard, counts, out) -> None:
         """Concatenate every rank's ``shard`` (rank r sends ``counts[r]`` elements) into ``out`` on
-        every rank, in rank order (``MPI_Allgatherv``)."""
+        every rank, in rank order (``MPI_Allgatherv``). A ``shard`` that already is this rank's part of
+        ``out`` (ZeRO's updated shard inside its flat parameters) is gathered in place
+        (``MPI_IN_PLACE``): MPI refuses aliased send and receive buffers."""
         mpi_type = self._type(shard.dtype)
-        self.comm.Allgatherv([shard, mpi_type], [out, (list(counts), offsets(counts)), mpi_type])
+        starts = offsets(counts)
+        recv = [out, (list(counts), starts), mpi_type]
+        if same_memory(shard, out[starts[self.rank]:starts[self.rank] + counts[self.rank]]):
+            self.comm.Allgatherv(self.MPI.IN_PLACE, recv)
+        else:
+            self.comm.Allgatherv([shard, mpi_type], recv)
 
     def broadcast(self, buf, root: int) -> None:
         """Copy ``root``'s ``buf`` into every rank's ``buf`` (``MPI_Bcast``)."""
