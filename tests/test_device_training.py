@@ -90,6 +90,9 @@ def test_data_parallel_on_device_arrays_trains_bitwise_like_numpy(cupy, data_dir
     dict(tp=2), dict(tp=2, sequence_parallel=True), dict(dp=2, recompute=True),
     dict(pp=2, schedule="1f1b", micro_batches=2), dict(dp=2, pp=2, zero=1, micro_batches=2),
     dict(dp=2, zero=1), dict(dp=2, zero=2, micro_batches=2), dict(dp=2, zero=3), dict(dp=2, tp=2, zero=3),
+    dict(dp=2, pp=2, zero=3, micro_batches=2), dict(dp=2, tp=2, zero=2, sequence_parallel=True),
+    dict(dp=2, zero=3, recompute=True), dict(dp=2, zero=3, dtype="bfloat16"),
+    dict(dp=2, pp=2, zero=2, micro_batches=2, dtype="bfloat16"),
 ], ids=lambda c: " ".join(f"{k}={v}" for k, v in c.items()))
 def test_parallel_layouts_on_device_arrays_train_bitwise_like_numpy(cupy, data_dir, tmp_path, changes):
     cfg = dataclasses.replace(TrainConfig(**TINY, data_dir=data_dir, optimizer="adamw"), **changes)
