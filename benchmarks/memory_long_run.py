@@ -152,8 +152,8 @@ def main():
         shutil.rmtree(data_dir, ignore_errors=True)
     (HERE / "results").mkdir(exist_ok=True)
     (HERE / "results" / "memory_long_run.json").write_text(json.dumps(rows, indent=1))
-    print(f"\n| ranks | variant | steps | ms / step | RSS after step 1 (MiB) | RSS at the end (MiB) | "
-          f"growth / 1000 steps (KiB) | growth vs old | trace on disk (MiB) |")
+    print("\n| ranks | variant | steps | ms / step | RSS after step 1 (MiB) | RSS at the end (MiB) | "
+          "growth / 1000 steps (KiB) | growth vs old | trace on disk (MiB) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         old = next(o for o in rows if o["ranks"] == r["ranks"] and o["variant"] == "old")

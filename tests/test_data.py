@@ -80,7 +80,7 @@ def test_a_damaged_corpus_cache_is_regenerated_with_a_message_naming_it(tmp_path
 
 
 def test_an_intact_corpus_cache_is_used_silently(tmp_path, capsys):
-    path = default_corpus(tmp_path, n_bytes=20_000)
+    default_corpus(tmp_path, n_bytes=20_000)
     capsys.readouterr()
     default_corpus(tmp_path, n_bytes=20_000)
     assert capsys.readouterr().err == ""

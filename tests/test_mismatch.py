@@ -72,7 +72,7 @@ def test_a_rank_that_calls_something_else_is_named_by_itself_and_its_neighbours(
     for r in (odd - 1, odd, odd + 1):
         error = results[r]
         assert isinstance(error, CollectiveMismatchError), (r, error)
-        assert f"#2 on group 'world': " in str(error) and f"rank {odd} called " in str(error), error
+        assert "#2 on group 'world': " in str(error) and f"rank {odd} called " in str(error), error
         assert text in str(error), error
     assert isinstance(results[0], (CollectiveMismatchError, CommTimeoutError))
 
