@@ -37,11 +37,18 @@ RANK_META_KEYS = {"format", "version", "rank", "step", "file", "bytes", "sha256"
 
 
 def parse_json(data: bytes, where) -> object:
-    """The JSON value in ``data`` (read from ``where``); CheckpointError if it is not strict JSON."""
+    """The JSON value in ``data`` (read from ``where``); CheckpointError if it is not strict JSON, or
+    holds a number no float can (``1e400``: Python would read it as inf, which no checkpoint writes)."""
     def no_constants(name):
         raise ValueError(f"{name} is not a number a checkpoint holds")
+
+    def finite(text):
+        value = float(text)
+        if not math.isfinite(value):
+            raise ValueError(f"{text} is not a number a checkpoint holds")
+        return value
     try:
-        return json.loads(data.decode("utf-8"), parse_constant=no_constants)
+        return json.loads(data.decode("utf-8"), parse_constant=no_constants, parse_float=finite)
     except (ValueError, RecursionError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{where}: unreadable JSON ({e})") from e
 
