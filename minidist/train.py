@@ -54,7 +54,7 @@ from minidist.device import to_device
 from minidist.optim import lr_at
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.sampler import DistributedSampler
-from minidist.parallel.step import train_step
+from minidist.parallel.step import loss_scaler, train_step
 from minidist.train_build import (build_parallel, describe_layout, load_data, memory_table, select_device,
                                   tokenizer_for, with_hf_model, world_of_one)
 from minidist.train_config import ConfigError, check_config, comm_timeout_problems, fault_injection_armed, parse_args
@@ -78,7 +78,7 @@ def train(cfg, progress=True, world=None, keep_history=True):
     mesh = DeviceMesh(world, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp)
     sampler = DistributedSampler(train_tokens, cfg.batch_size, cfg.block_size, cfg.seed, mesh.dp_rank, cfg.dp)
     model, optimizer, dp, engine, amp = build_parallel(cfg, mesh)
-    scaler = optimizer.scaler if cfg.zero else amp.scaler if amp else None  # mixed precision's loss scaler
+    scaler = loss_scaler(optimizer, amp)  # mixed precision's, or None
     if lead:
         n_params = (sum(s.unit.numel for s in optimizer.shards) if cfg.zero  # ZeRO-3 holds shards only
                     else sum(p.data.size for p in model.parameters()))

@@ -23,6 +23,7 @@ from minidist.checkpoint import Checkpoint, CheckpointWriter, Flat, step_dir
 from minidist.checkpoint.layout import load_training_state, training_meta, training_pieces, zero_regions
 from minidist.checkpoint.training import ResumeRefused
 from minidist.parallel.mesh import DeviceMesh
+from minidist.parallel.step import loss_scaler
 from minidist.train import train
 from minidist.train_build import build_parallel, load_data
 from minidist.train_config import ConfigError, TrainConfig, check_config
@@ -45,12 +46,15 @@ def fit(cfg):
 
 
 def resave(cfg, load, root):
-    """Build ``cfg``'s layout, load checkpoint ``load`` into it, save it again as step 0 under ``root``."""
+    """Build ``cfg``'s layout, load checkpoint ``load`` into it (mixed precision's masters and loss
+    scaler too), save it again as step 0 under ``root``."""
     def rank_fn(group):
         mesh = DeviceMesh(group, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp)
-        model, optimizer, *_ = build_parallel(cfg, mesh)
-        load_training_state(Checkpoint(load), model, optimizer, mesh)
-        CheckpointWriter(root, group).save(0, training_pieces(model, optimizer, mesh), training_meta(mesh, optimizer))
+        model, optimizer, _, _, amp = build_parallel(cfg, mesh)
+        scaler, ckpt = loss_scaler(optimizer, amp), Checkpoint(load)
+        load_training_state(ckpt, model, optimizer, mesh, amp, scaler)
+        meta = {**training_meta(mesh, optimizer, scaler), "data_position": 0, "run": ckpt.meta["run"]}
+        CheckpointWriter(root, group).save(0, training_pieces(model, optimizer, mesh, amp), meta)
     run_local(rank_fn, cfg.dp * cfg.pp * cfg.tp)
     return Checkpoint(step_dir(root, 0))
 

@@ -15,13 +15,11 @@ import numpy as np
 import pytest
 
 from minidist import run_local
-from minidist.checkpoint import Checkpoint, CheckpointWriter, step_dir
-from minidist.checkpoint.layout import load_training_state, training_meta, training_pieces
-from minidist.parallel.mesh import DeviceMesh
+from minidist.checkpoint import Checkpoint, step_dir
 from minidist.train import train
-from minidist.train_build import build_parallel, load_data
+from minidist.train_build import load_data
 from minidist.train_config import TrainConfig
-from tests.test_train_checkpoint import assert_same_checkpoint, crash_before_the_last_save
+from tests.test_train_checkpoint import assert_same_checkpoint, crash_before_the_last_save, resave
 
 TINY = dict(n_layer=2, n_head=4, n_embd=16, block_size=16, batch_size=8, steps=6, eval_every=100, eval_iters=1,
             sample_tokens=0, warmup=2, lr=1e-2, grad_clip=0.5, bucket_mb=0.01, loss_scale_window=2)
@@ -61,20 +59,6 @@ def test_resumed_in_the_same_layout_is_bitwise_the_uninterrupted_run(data_dir, t
         assert [r[key] for r in resumed] == [r[key] for r in whole[3:]], key
     for k, v in whole_weights.items():
         assert v.dtype == np.float32 and np.array_equal(weights[k], v), k
-
-
-def resave(cfg, load, root):
-    """Build ``cfg``'s layout, load checkpoint ``load`` into it, save it again as step 0 under ``root``."""
-    def rank_fn(group):
-        mesh = DeviceMesh(group, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp)
-        model, optimizer, _, _, amp = build_parallel(cfg, mesh)
-        scaler = optimizer.scaler if cfg.zero else amp.scaler
-        ckpt = Checkpoint(load)
-        load_training_state(ckpt, model, optimizer, mesh, amp, scaler)
-        meta = {**training_meta(mesh, optimizer, scaler), "data_position": 0, "run": ckpt.meta["run"]}
-        CheckpointWriter(root, group).save(0, training_pieces(model, optimizer, mesh, amp), meta)
-    run_local(rank_fn, cfg.dp * cfg.pp * cfg.tp)
-    return Checkpoint(step_dir(root, 0))
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -94,7 +94,7 @@ class MixedPrecision:
             self.scaler.update(found_inf=True)
             return StepResult(skipped=True, grad_norm=math.nan, loss_scale=scale)
         for (_, p), master in zip(self.pairs, self.masters):
-            master.grad = None if p.grad is None else self._unscale(p.grad, scale)
+            master.grad = None if p.grad is None else unscale(p.grad, scale, self.dtype)
         if mesh is not None:
             grad_norm = clip_grad_norm_parallel(self.masters, max_norm, mesh)
         else:
@@ -103,9 +103,6 @@ class MixedPrecision:
         self.cast_to_model()
         self.scaler.update(found_inf=False)
         return StepResult(skipped=False, grad_norm=grad_norm, loss_scale=scale)
-
-    def _unscale(self, grad, scale: float) -> np.ndarray:
-        return unscale(grad, scale, self.dtype)
 
     def cast_to_model(self) -> None:
         """Write the masters into the model's parameters, in place, rounded to the compute dtype

@@ -46,8 +46,8 @@ def _held(model, mesh, amp=None):
         yield stored, name, p, full_shape(stored, p.data.shape, model.config, tp)
 
 
-def _written_here(stored: str, p, mesh) -> bool:
-    """Whether this rank writes its part of ``p`` (stored as ``stored``): the rank that owns its
+def _written_here(p, mesh) -> bool:
+    """Whether this rank writes its part of ``p``: the rank that owns its
     gradient elements in the norm (:func:`~minidist.parallel.grad_ownership.counted_in_norm`), so
     a tied copy never, a tp-replicated tensor on tp rank 0 only, a tp shard on every tp rank."""
     return counted_in_norm(p, mesh.tp_rank)
@@ -79,7 +79,7 @@ def training_pieces(model, optimizer, mesh, amp=None) -> list:
         return []
     pieces = []
     for stored, name, p, shape in _held(model, mesh, amp):
-        if not _written_here(stored, p, mesh):
+        if not _written_here(p, mesh):
             continue
         arrays = [(stored, p.data)] + [(f"{slot}/{stored}", state[name]) for slot, state in optimizer.state.items()]
         for global_name, local in arrays:
@@ -96,7 +96,7 @@ def _zero_pieces(model, optimizer, mesh) -> list:
     for s in optimizer.shards:
         arrays = [("", s.param.data)] + [(f"{slot}/", state) for slot, state in s.state.items()]
         for stored, p, shape, a, b, flat in zero_regions(s.unit, model.config, mesh.tp_rank, mesh.tp_group.size):
-            if _written_here(stored, p, mesh):
+            if _written_here(p, mesh):
                 pieces += [Piece(prefix + stored, to_numpy(array[a:b]), shape, flat) for prefix, array in arrays]
     return pieces
 

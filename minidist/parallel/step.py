@@ -52,6 +52,12 @@ def forward_backward(model, batches, no_sync=contextlib.nullcontext, trace=None,
     return float(np.mean(losses))
 
 
+def loss_scaler(optimizer, amp=None):
+    """The run's mixed-precision loss scaler: a ZeroOptimizer's own, ``amp``'s (a MixedPrecision
+    beside plain SGD / AdamW), or None in full precision."""
+    return optimizer.scaler if isinstance(optimizer, ZeroOptimizer) else amp.scaler if amp else None
+
+
 def train_step(model, optimizer, batch, lr, grad_clip, *, dp=None, engine=None, mesh=None, n_micro=1,
                sequence_parallel=False, trace=None, amp=None):
     """One step on this rank's (b, T+1) rows, in the order of the module docstring. Returns
@@ -69,7 +75,7 @@ def train_step(model, optimizer, batch, lr, grad_clip, *, dp=None, engine=None, 
     skipped on every rank (grad norm None)."""
     trace = trace or Trace(enabled=False)
     zero = isinstance(optimizer, ZeroOptimizer)
-    scaler = optimizer.scaler if zero else amp.scaler if amp else None
+    scaler = loss_scaler(optimizer, amp)
     loss_scale = scaler.scale if scaler else 1.0
     (dp or optimizer).zero_grad()
     batches = micro_batches(batch, n_micro)
