@@ -31,11 +31,13 @@ def _bytes(n: int) -> str:
 def group_members(mesh) -> dict[str, list[int]]:
     """{group name: its global ranks, in group-rank order} for this rank's world and axis groups."""
     s = mesh.shape
-    d, p, t = mesh.dp_rank, mesh.pp_rank, mesh.tp_rank
+    d, p, c, t = mesh.dp_rank, mesh.pp_rank, mesh.cp_rank, mesh.tp_rank
     return {mesh.world.name: list(range(s.world)),
-            mesh.tp_group.name: [s.rank_of(d, p, i) for i in range(s.tp)],
-            mesh.pp_group.name: [s.rank_of(d, i, t) for i in range(s.pp)],
-            mesh.dp_group.name: [s.rank_of(i, p, t) for i in range(s.dp)]}
+            mesh.tp_group.name: [s.rank_of(d, p, i, c) for i in range(s.tp)],
+            mesh.cp_group.name: [s.rank_of(d, p, t, i) for i in range(s.cp)],
+            mesh.pp_group.name: [s.rank_of(d, i, t, c) for i in range(s.pp)],
+            mesh.dp_group.name: [s.rank_of(i, p, t, c) for i in range(s.dp)],
+            mesh.dp_cp_group.name: [s.rank_of(i, p, t, j) for i in range(s.dp) for j in range(s.cp)]}
 
 
 def holdings(model, tp_size: int) -> list[str]:

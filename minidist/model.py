@@ -41,7 +41,9 @@ def gpt2_init(name: str, shape, seed: int, n_layer: int) -> np.ndarray:
 
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention. The number of heads is read from c_attn's width, so a
-    tensor-parallel shard holding some of the heads runs this same code."""
+    tensor-parallel shard holding some of the heads runs this same code. :meth:`attend` is the
+    attention itself; context parallelism replaces it with one that reaches the other ranks' tokens
+    (minidist/parallel/context_parallel.py)."""
 
     def __init__(self, config: GPTConfig, dtype="float32"):
         super().__init__()
@@ -58,9 +60,13 @@ class CausalSelfAttention(nn.Module):
         q = q.reshape(B, T, n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = k.reshape(B, T, n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         v = v.reshape(B, T, n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        y = scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+        y = self.attend(q, k, v)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, width)  # (B, T, nh * hs): heads side by side
         return self.c_proj(y)  # (B, T, C)
+
+    def attend(self, q, k, v):
+        """Causal attention of q over k, v (B, nh, T, hs): query t sees keys 0..t."""
+        return scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class MLP(nn.Module):
@@ -95,8 +101,11 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """GPT-2: token + position embeddings, ``n_layer`` Blocks, final LayerNorm, LM head.
 
-    ``GPT(config, seed, dtype)`` initialises every parameter with :func:`gpt2_init`.
+    ``GPT(config, seed, dtype)`` initialises every parameter with :func:`gpt2_init`. Under context
+    parallelism ``context_parallel`` says which tokens of each sequence this rank holds (embed and
+    head keep only those; minidist/parallel/context_parallel.py); None: all of them.
     """
+    context_parallel = None
 
     def __init__(self, config: GPTConfig, seed: int = 0, dtype="float32"):
         super().__init__()
@@ -116,10 +125,7 @@ class GPT(nn.Module):
 
     def embed(self, idx):
         """Token ids (B, T) -> token + position embeddings (B, T, C). The first pipeline stage."""
-        T = idx.shape[1]
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        pos = get_array_module(self.transformer.wpe.weight.data).arange(T)
+        idx, pos = local_tokens(self, idx)  # (B, T) and (T,), or this rank's T/cp of them
         tok_emb = self.transformer.wte(idx)  # (B, T, C)
         pos_emb = self.transformer.wpe(pos)  # (T, C)
         return tok_emb + pos_emb  # (B, T, C)
@@ -127,8 +133,9 @@ class GPT(nn.Module):
     def head(self, x, targets=None):
         """Hidden states (B, T, C) -> (logits (B, T, V), mean cross-entropy or None). The last stage."""
         logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, V)
-        loss = cross_entropy(logits, targets) if targets is not None else None
-        return logits, loss
+        if targets is None:
+            return logits, None
+        return logits, sequence_loss(self, cross_entropy, logits, targets)
 
     def forward(self, idx, targets=None):
         """(logits (B, T, V), loss) for token ids ``idx`` (B, T); loss is None without ``targets``."""
@@ -154,6 +161,28 @@ class GPT(nn.Module):
                 nxt = sample_token(to_numpy(logits.data[:, -1, :]), u, temperature, top_k)  # (B,)
                 idx = np.concatenate([idx, nxt[:, None].astype(idx.dtype)], axis=1)
         return idx
+
+
+def local_tokens(model, idx):
+    """(ids, positions) of the tokens of ``idx`` (B, T) that ``model`` computes on: all of them,
+    (B, T) and arange(T), or under context parallelism this rank's (B, T/cp) and their positions."""
+    T = idx.shape[1]
+    if T > model.config.block_size:
+        raise ValueError(f"sequence length {T} exceeds block_size {model.config.block_size}")
+    xp = get_array_module(model.transformer.wpe.weight.data)
+    cp = model.context_parallel
+    if cp is None:
+        return idx, xp.arange(T)
+    return cp.shard(idx), cp.positions(T, xp)
+
+
+def sequence_loss(model, loss_fn, logits, targets):
+    """``loss_fn(logits, targets)``, the mean over the tokens ``model`` computed on; under context
+    parallelism over this rank's targets, averaged over the cp ranks (the whole sequence's mean)."""
+    cp = model.context_parallel
+    if cp is None:
+        return loss_fn(logits, targets)
+    return cp.average_loss(loss_fn(logits, cp.shard(targets)))
 
 
 def sample_token(logits, u, temperature: float = 1.0, top_k=None) -> np.ndarray:

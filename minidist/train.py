@@ -63,7 +63,7 @@ from minidist.train_ps import train_ps
 
 
 def train(cfg, progress=True, world=None, keep_history=True):
-    """Run the training loop of ``cfg`` on ``world`` (a ProcessGroup of dp * pp * tp ranks; None:
+    """Run the training loop of ``cfg`` on ``world`` (a ProcessGroup of dp * pp * cp * tp ranks; None:
     one process). Returns (model, history): this rank's model (or pipeline stage) and one dict per
     step run here (the same on every rank; with ``keep_history=False`` only the last, so a long run's
     memory stays flat); global rank 0 writes ``cfg.out``, ``cfg.export``, and prints; with
@@ -75,7 +75,7 @@ def train(cfg, progress=True, world=None, keep_history=True):
     train_tokens, val_tokens = load_data(cfg)  # may refuse the data: before anything is sent
     select_device(cfg, world)
     lead = world.rank == 0
-    mesh = DeviceMesh(world, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp)
+    mesh = DeviceMesh(world, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp)
     sampler = DistributedSampler(train_tokens, cfg.batch_size, cfg.block_size, cfg.seed, mesh.dp_rank, cfg.dp)
     model, optimizer, dp, engine, amp = build_parallel(cfg, mesh)
     scaler = loss_scaler(optimizer, amp)  # mixed precision's, or None
@@ -159,7 +159,7 @@ def main(argv=None):
     # on all; minidist/parallel/generate.py); with parameter servers rank 0 holds the whole model
     if cfg.sample_tokens > 0 and history and (cfg.mode != "ps" or world.rank == 0):
         pipeline = cfg.mode != "ps" and cfg.pp > 1  # the stages pass activations over the mesh's pp group
-        pp_group = DeviceMesh(world, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp).pp_group if pipeline else None
+        pp_group = DeviceMesh(world, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp).pp_group if pipeline else None
         model.eval()
         text = sample(model, "The ", cfg.sample_tokens, seed=cfg.seed, pp_group=pp_group, tokenizer=tokenizer_for(cfg))
         if world.rank == 0:

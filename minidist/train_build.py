@@ -18,9 +18,11 @@ from minidist.device import require_cupy, use_gpu
 from minidist.model import GPT, GPTConfig
 from minidist.optim import SGD, AdamW
 from minidist.parallel.accounting import format_memory_table
+from minidist.parallel.context_parallel import context_parallel
 from minidist.parallel.data_parallel import DataParallel
 from minidist.parallel.pipeline import PipelineEngine, PipelineStage
 from minidist.parallel.recompute import recompute_blocks
+from minidist.parallel.ring_attention import sequence_chunks
 from minidist.parallel.tensor_parallel import shard_for
 from minidist.parallel.tp_model import build_tp_gpt
 from minidist.parallel.zero import ZeroOptimizer
@@ -146,9 +148,10 @@ def with_hf_model(cfg):
     return dataclasses.replace(cfg, **{f: getattr(config, f) for f in HF_MODEL_FIELDS})
 
 
-def build_model(cfg, tp_group=None):
+def build_model(cfg, tp_group=None, cp_group=None):
     """A byte-level GPT (vocab 256) of the configured size, initialised from ``cfg.seed``; with
-    ``cfg.tp > 1`` this rank's tensor-parallel shard of it over ``tp_group``. Initialised on the host
+    ``cfg.tp > 1`` this rank's tensor-parallel shard of it over ``tp_group``; with ``cfg.cp > 1``
+    running on this rank's tokens of every sequence, attention over ``cp_group`` (context_parallel.py). Initialised on the host
     (the same values on any device), then moved to ``cfg.device``. With ``cfg.init_from_hf`` the
     GPT of that Hugging Face folder (its vocabulary, tied or untied head) holding its weights:
     every rank reads the whole file and keeps its :func:`shard_for` part (the checkpoints' split
@@ -169,6 +172,8 @@ def build_model(cfg, tp_group=None):
         model = build_tp_gpt(config, cfg.seed, dtype, tp_group, sequence_parallel=cfg.sequence_parallel)
     if state is not None:
         load_full_state(model, state, tp_group if cfg.tp > 1 else None)
+    if cfg.cp > 1:
+        context_parallel(model, cp_group, cfg.cp_algorithm)
     return model.to(cfg.device)
 
 
@@ -206,12 +211,13 @@ def build_parallel(cfg, mesh):
 
     ``model``: the GPT, its tensor-parallel shard over ``mesh.tp_group``, and with ``cfg.pp > 1`` the
     PipelineStage of this pp rank (blocks recomputed in backward with ``cfg.recompute``).
-    ``optimizer``: with ``cfg.zero`` a ZeroOptimizer over ``mesh.dp_group``, which then syncs the
+    ``optimizer``: with ``cfg.zero`` a ZeroOptimizer over ``mesh.dp_cp_group`` (the dp group, and
+    under context parallelism the cp ranks too: they hold the same parameters), which then syncs the
     gradients itself (``dp`` None) and under mixed precision holds the sharded float32 masters and
     the loss scaler (``amp`` None); else SGD / AdamW and ``dp`` a DataParallel, and with ``--dtype
     float16 / bfloat16`` ``amp`` the MixedPrecision whose float32 masters the optimizer updates.
     ``engine``: the PipelineEngine running ``cfg.schedule`` (None without pipeline parallelism)."""
-    model = build_model(cfg, mesh.tp_group)
+    model = build_model(cfg, mesh.tp_group, mesh.cp_group)
     if cfg.recompute:
         recompute_blocks(model)
     if cfg.pp > 1:
@@ -221,11 +227,11 @@ def build_parallel(cfg, mesh):
     dp = amp = None
     if cfg.zero > 0:
         hyper = {"betas": ADAMW_BETAS} if cfg.optimizer == "adamw" else {"momentum": cfg.momentum}
-        optimizer = ZeroOptimizer(model, mesh.dp_group, cfg.zero, cfg.optimizer, lr=cfg.lr,
+        optimizer = ZeroOptimizer(model, mesh.dp_cp_group, cfg.zero, cfg.optimizer, lr=cfg.lr,
                                   weight_decay=cfg.weight_decay, tp_group=mesh.tp_group, pp_group=mesh.pp_group,
                                   mixed_precision=mixed, scaler=scaler, reshard_after_forward=cfg.pp == 1, **hyper)
     else:
-        dp = DataParallel(model, mesh.dp_group, bucket_bytes=int(cfg.bucket_mb * 2**20))
+        dp = DataParallel(model, mesh.dp_cp_group, bucket_bytes=int(cfg.bucket_mb * 2**20))
         amp = MixedPrecision(model, cfg.dtype, scaler) if mixed else None
         optimizer = build_optimizer(model, cfg, amp.master_parameters() if amp else None)
     engine = None
@@ -238,8 +244,8 @@ def build_parallel(cfg, mesh):
 
 
 def describe_layout(cfg, mesh, model) -> str:
-    """Who holds what, one line per rank: its (dp, pp, tp) coordinates, the blocks of its pipeline
-    stage(s), and what tensor parallelism and ZeRO cut further."""
+    """Who holds what, one line per rank: its (dp, pp, cp, tp) coordinates, the blocks of its
+    pipeline stage(s), and what tensor parallelism, context parallelism and ZeRO cut further."""
     shape = mesh.shape
     counts = model.layers_per_stage if cfg.pp > 1 else [cfg.n_layer]
     starts = np.cumsum([0] + counts)
@@ -252,16 +258,28 @@ def describe_layout(cfg, mesh, model) -> str:
         parts += ["ln_f, lm_head"] if len(counts) - 1 in stages else []
         held.append(", ".join(parts))
     sharded = ["optimizer states", "gradients and optimizer states", "parameters, gradients and optimizer states"]
+    replicas = shape.dp * shape.cp
     cut = ([f"1/{shape.tp} of its matrices (tp)"] if shape.tp > 1 else []) + (
-        [f"1/{shape.dp} of their {sharded[cfg.zero - 1]} (ZeRO-{cfg.zero})"] if cfg.zero else [])
+        [f"1/{replicas} of their {sharded[cfg.zero - 1]} (ZeRO-{cfg.zero})"] if cfg.zero else [])
     pipeline = f", {cfg.schedule} schedule" if cfg.pp > 1 else ""
-    lines = [f"mesh: dp {shape.dp} x pp {shape.pp} x tp {shape.tp} = {shape.world} ranks, "
+    cp = f" x cp {shape.cp}" if shape.cp > 1 else ""
+    lines = [f"mesh: dp {shape.dp} x pp {shape.pp}{cp} x tp {shape.tp} = {shape.world} ranks, "
              f"per dp rank {cfg.micro_batches} micro-batch(es) x {cfg.batch_size // (cfg.dp * cfg.micro_batches)} "
              f"row(s){pipeline}"]
+    if shape.cp > 1:
+        lines.append(f"  every sequence of {cfg.block_size} tokens is cut over the cp ranks ({cfg.cp_algorithm}): "
+                     + ", ".join(f"cp {c} tokens {_ranges(cfg, c)}" for c in range(shape.cp)))
     for rank in range(shape.world):
-        d, p, t = shape.coords(rank)
-        lines.append(f"  rank {rank}: dp {d} pp {p} tp {t}  holds {held[p]}" + "".join(f"; {c}" for c in cut))
+        d, p, c, t = shape.coords(rank)
+        where = f"dp {d} pp {p}" + (f" cp {c}" if shape.cp > 1 else "") + f" tp {t}"
+        lines.append(f"  rank {rank}: {where}  holds {held[p]}" + "".join(f"; {c}" for c in cut))
     return "\n".join(lines)
+
+
+def _ranges(cfg, cp_rank: int) -> str:
+    """``0-15`` or ``0-7 + 56-63``: the token positions cp rank ``cp_rank`` holds of a block_size sequence."""
+    chunks = sequence_chunks(cfg.block_size, cfg.cp, cp_rank, cfg.cp_algorithm == "zigzag")
+    return " + ".join(f"{a}-{b - 1}" for a, b in chunks)
 
 
 def memory_table(optimizer) -> str:

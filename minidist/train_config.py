@@ -10,6 +10,7 @@ import dataclasses
 from minidist.amp import COMPUTE_DTYPES
 from minidist.checkpoint.paths import ckpt_dir_problems
 from minidist.device import DEVICES
+from minidist.parallel.context_parallel import ALGORITHMS, tokens_multiple
 from minidist.parallel.param_server import check_parameter_server
 from minidist.parallel.pipeline import SCHEDULES
 
@@ -44,7 +45,7 @@ class TrainConfig:
     eval_iters: int = 8
     sample_tokens: int = 200
     out: str | None = None
-    # parallelism (world size = dp * pp * tp; --mode ps: servers + workers) and what it writes
+    # parallelism (world size = dp * pp * cp * tp; --mode ps: servers + workers) and what it writes
     mode: str = "collective"
     backend: str = "ring"
     comm_timeout: float = 300.0
@@ -54,6 +55,8 @@ class TrainConfig:
     dp: int = 1
     pp: int = 1
     tp: int = 1
+    cp: int = 1
+    cp_algorithm: str = "ring"
     sequence_parallel: bool = False
     micro_batches: int = 1
     schedule: str = "1f1b"
@@ -91,7 +94,7 @@ RANGES = {
     "n_layer": "[1, inf)", "n_head": "[1, inf)", "n_embd": "[1, inf)", "block_size": "[1, inf)",
     "eval_every": "[1, inf)", "eval_iters": "[1, inf)", "sample_tokens": "[0, inf)",
     "servers": "[1, inf)", "staleness": "[-1, inf)", "straggler": "[0, inf)",
-    "dp": "[1, inf)", "pp": "[1, inf)", "tp": "[1, inf)", "micro_batches": "[1, inf)", "virtual_stages": "[1, inf)",
+    "dp": "[1, inf)", "pp": "[1, inf)", "tp": "[1, inf)", "cp": "[1, inf)", "micro_batches": "[1, inf)", "virtual_stages": "[1, inf)",
     "bucket_mb": "(0, inf)", "fail_at_step": "[-1, inf)", "fail_rank": "[0, inf)", "zero": "[0, 3]",
 }
 
@@ -139,8 +142,8 @@ def check_config(cfg, world_size: int) -> None:
     problems = range_problems(cfg)
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
-    axes = ("dp", "pp", "tp") if cfg.pp > 1 else ("dp", "tp")
-    n = cfg.dp * cfg.pp * cfg.tp
+    axes = [a for a in ("dp", "pp", "cp", "tp") if a in ("dp", "tp") or getattr(cfg, a) > 1]
+    n = cfg.dp * cfg.pp * cfg.cp * cfg.tp
     if cfg.mode == "ps":
         problems += parameter_server_problems(cfg, world_size)
     elif world_size != n:
@@ -158,6 +161,7 @@ def check_config(cfg, world_size: int) -> None:
     if cfg.sequence_parallel and cfg.block_size % cfg.tp:
         problems.append(f"block_size {cfg.block_size} is not divisible by tp {cfg.tp} (sequence parallelism "
                         f"splits the sequence over the tp ranks)")
+    problems += context_parallel_problems(cfg)
     if cfg.schedule not in SCHEDULES:
         problems.append(f"--schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
     if cfg.pp * cfg.virtual_stages > cfg.n_layer:
@@ -172,6 +176,31 @@ def check_config(cfg, world_size: int) -> None:
     problems += checkpoint_problems(cfg, world_size) + mixed_precision_problems(cfg) + device_problems(cfg)
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+def context_parallel_problems(cfg) -> list[str]:
+    """What --cp and --cp-algorithm cannot run: the sequence must cut into equal parts (2 cp chunks
+    for zig-zag; under sequence parallelism each cp rank's part again into tp), and Ulysses gives
+    each cp rank whole heads of its tp rank's n_head / tp."""
+    if cfg.cp_algorithm not in ALGORITHMS:
+        return [f"--cp-algorithm must be one of {', '.join(ALGORITHMS)}, got {cfg.cp_algorithm!r}"]
+    if cfg.cp == 1:
+        return []
+    problems = []
+    parts = tokens_multiple(cfg.cp, cfg.cp_algorithm)
+    if cfg.block_size % parts:
+        problems.append(f"block_size {cfg.block_size} is not divisible by {parts} (--cp {cfg.cp} "
+                        f"--cp-algorithm {cfg.cp_algorithm} cuts every sequence into {parts} equal parts)")
+    elif cfg.sequence_parallel and (cfg.block_size // cfg.cp) % cfg.tp:
+        problems.append(f"block_size / cp = {cfg.block_size // cfg.cp} tokens per cp rank are not divisible by tp "
+                        f"{cfg.tp} (sequence parallelism splits them again over the tp ranks)")
+    heads = cfg.n_head // cfg.tp if cfg.n_head % cfg.tp == 0 else None
+    if cfg.cp_algorithm == "ulysses" and heads is not None and heads % cfg.cp:
+        problems.append(f"--cp-algorithm ulysses gives each of the {cfg.cp} cp ranks whole heads, and the "
+                        f"{heads} heads of each tp rank (n_head {cfg.n_head} / tp {cfg.tp}) do not divide by "
+                        f"cp {cfg.cp}: use --cp-algorithm ring or zigzag (they cut the sequence, not the heads), "
+                        f"or an n_head divisible by tp * cp = {cfg.tp * cfg.cp}")
+    return problems
 
 
 def comm_timeout_problems(cfg) -> list[str]:
@@ -192,7 +221,7 @@ def parameter_server_problems(cfg, world_size: int) -> list[str]:
         problems = [str(e)]
     else:
         problems = []
-    collective = [f"--{name.replace('_', '-')}" for name in ("dp", "pp", "tp", "micro_batches", "zero", "ckpt_dir",
+    collective = [f"--{name.replace('_', '-')}" for name in ("dp", "pp", "tp", "cp", "micro_batches", "zero", "ckpt_dir",
                                                              "explain", "sequence_parallel", "recompute",
                                                              "export_hf", "init_from_hf")
                   if getattr(cfg, name) not in (1, 0, None, False)]
@@ -254,6 +283,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m minidist.train", description="Train a GPT: ``python -m minidist.train``.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     choices = {"mode": ["collective", "ps"], "dtype": ["float32", "float64", "float16", "bfloat16"], "optimizer": ["sgd", "adamw"], "schedule": list(SCHEDULES),
+               "cp_algorithm": list(ALGORITHMS),
                "zero": [0, 1, 2, 3], "device": list(DEVICES), "backend": ["ring", "mpi", "nccl"]}
     helps = {
         "steps": "optimizer steps", "batch_size": "sequences per step (the global batch)",
@@ -283,6 +313,9 @@ def parse_args(argv=None):
         "staleness bound (-1: synchronous)", "straggler": "--mode ps: seconds of sleep added to every step of worker 0",
         "dp": "data-parallel replicas", "pp": "pipeline stages per replica",
         "tp": "tensor-parallel ranks per pipeline stage",
+        "cp": "context-parallel ranks: each holds 1/cp of every sequence's tokens",
+        "cp_algorithm": "how attention reaches the other cp ranks' tokens: ring (K/V blocks passed around), zigzag "
+                        "(the ring with balanced causal work), ulysses (all-to-alls: heads split over cp)",
         "sequence_parallel": "also split the LayerNorm and residual activations along the sequence over tp",
         "micro_batches": "micro-batches per step and dp rank (gradient accumulation; the pipeline's units)",
         "schedule": "pipeline schedule", "virtual_stages": "model chunks per pipeline rank (interleaved schedule)",

@@ -62,10 +62,11 @@ def estimate_val_loss(model, val_tokens, cfg, engine=None):
 
 def explain_step(cfg, mesh, model, events, batch_shape):
     """``--explain``: every rank's story of the step just run, printed by rank 0 in rank order
-    (collective over the world). An activation is one micro-batch's (b, T, C), T cut by tp under
-    sequence parallelism."""
+    (collective over the world). An activation is one micro-batch's (b, T, C), T cut by cp under
+    context parallelism and by tp under sequence parallelism."""
     rows = batch_shape[0] // cfg.micro_batches
-    seq = cfg.block_size // cfg.tp if cfg.sequence_parallel else cfg.block_size
+    seq = cfg.block_size // cfg.cp
+    seq = seq // cfg.tp if cfg.sequence_parallel else seq
     print_explanation(mesh, model, events, batch_shape=batch_shape, activation_shape=(rows, seq, cfg.n_embd))
 
 

@@ -11,7 +11,8 @@ part of them this rank holds, as boxes (regions.py), using the tensor-parallel l
     vocab        rows [r V_pad/n, (r+1) V_pad/n) clipped to V: padding rows are not stored, and
                  are zero when loaded
 
-Data-parallel replicas hold the same values, so only dp rank 0 writes. Under ZeRO each dp rank holds
+Data-parallel replicas (and context-parallel ranks, which hold the same parameters) hold the same
+values, so only rank 0 of the dp x cp group writes. Under ZeRO each dp x cp rank holds
 elements ``lo:hi`` of every unit's flat vector (flat_buffer.py), so each writes its own flat pieces:
 where the shard crosses a parameter (or one box of its tp shard), a
 :class:`~minidist.checkpoint.regions.Flat` range of that box. Pipeline stages hold different
@@ -75,7 +76,7 @@ def training_pieces(model, optimizer, mesh, amp=None) -> list:
     flat shards, float32 masters under mixed precision), each tensor written once over the whole mesh."""
     if isinstance(optimizer, ZeroOptimizer) and optimizer.stage > 0:
         return _zero_pieces(model, optimizer, mesh)
-    if mesh.dp_rank != 0:
+    if mesh.dp_cp_group.rank != 0:  # a replica of what rank 0 of the dp x cp group writes
         return []
     pieces = []
     for stored, name, p, shape in _held(model, mesh, amp):
@@ -90,7 +91,7 @@ def training_pieces(model, optimizer, mesh, amp=None) -> list:
 
 
 def _zero_pieces(model, optimizer, mesh) -> list:
-    """Every dp rank's own flat pieces: its shard of the parameters (``shard.param``, which ZeRO-3
+    """Every dp x cp rank's own flat pieces: its shard of the parameters (``shard.param``, which ZeRO-3
     keeps alone) and of each optimizer slot."""
     pieces = []
     for s in optimizer.shards:
@@ -105,7 +106,7 @@ def training_meta(mesh, optimizer, scaler=None) -> dict:
     """The layout and optimizer step count, for the manifest (other fields are the trainer's); under
     mixed precision the loss scaler's state (scale, clean and skipped steps) too."""
     s = mesh.shape
-    meta = {"layout": {"dp": s.dp, "pp": s.pp, "tp": s.tp}, "optimizer_step": optimizer.step_count}
+    meta = {"layout": {"dp": s.dp, "pp": s.pp, "cp": s.cp, "tp": s.tp}, "optimizer_step": optimizer.step_count}
     if scaler is not None:
         meta["loss_scaler"] = {k: v.item() for k, v in scaler.state_dict().items()}
     return meta

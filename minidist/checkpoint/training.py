@@ -66,8 +66,9 @@ class TrainingCheckpoints:
                                 "--ckpt-dir)")
         load_training_state(ckpt, model, optimizer, self.mesh, amp, scaler)
         saved = ckpt.meta["layout"]
+        cp = f"cp {saved['cp']} x " if saved.get("cp", 1) > 1 else ""
         self.say(f"resumed from {found} (step {ckpt.meta['data_position']}, saved by dp {saved['dp']} x "
-                 f"pp {saved['pp']} x tp {saved['tp']} = {ckpt.world_size} ranks)")
+                 f"pp {saved['pp']} x {cp}tp {saved['tp']} = {ckpt.world_size} ranks)")
         return ckpt.meta["data_position"], ckpt.meta
 
     def after_step(self, step: int, model, optimizer, meta: dict, amp=None, scaler=None) -> None:

@@ -58,11 +58,11 @@ def gather_state_dicts(state: dict, group, dst: int = 0) -> dict | None:
 
 def full_state_dict(model, mesh) -> dict | None:
     """The whole model's {GPT-2 name: full array} on global rank 0, None elsewhere. ``model`` is this
-    rank's GPT, tensor-parallel GPT or PipelineStage. Collective over the mesh: dp rank 0's tp groups
+    rank's GPT, tensor-parallel GPT or PipelineStage. Collective over the mesh: dp x cp rank 0's tp groups
     consolidate their shards (:func:`consolidated_state_dict`), then their tp rank 0 sends its stage's
-    dict to pp rank 0 (:func:`gather_state_dicts`); the other dp replicas hold the same values and send
-    nothing. With tied embeddings ``lm_head.weight`` comes from the last stage (the same values)."""
-    if mesh.dp_rank != 0:
+    dict to pp rank 0 (:func:`gather_state_dicts`); the other dp replicas and cp ranks hold the same
+    values and send nothing. With tied embeddings ``lm_head.weight`` comes from the last stage (the same values)."""
+    if mesh.dp_cp_group.rank != 0:  # dp replicas and cp ranks hold the same parameters
         return None
     state = consolidated_state_dict(model, mesh)
     if mesh.tp_rank != 0:

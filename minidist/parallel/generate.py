@@ -13,13 +13,16 @@ of the model, then :func:`~minidist.model.sample_token`, the one-process samplin
     sequence parallelism      the context is padded on the right to a multiple of tp (token 0); causal
                               attention keeps the padding out of the real positions, whose logits are
                               read at the last real position
+    context parallelism       padded the same way, to what the cp split needs (cp parts, 2 cp for
+                              zig-zag, each again by tp under sequence parallelism); the cp rank that
+                              holds the last real position broadcasts its (B, V_pad/tp) logits over cp
     pipeline parallelism      stage s sends its (B, T, C) activation (T/tp under sequence
                               parallelism) to stage s + 1, in stage order (interleaved chunks too); the
                               last stage samples and broadcasts the B new tokens (int64) over pp
 
 What one new token sends, per rank, beyond the model's own forward (tp's all-reduces, ZeRO-3's
-all-gathers): one all-gather of B x V_pad/tp logits over tp; under pp, one (B, T, C) activation per
-stage boundary and one broadcast of B int64 over pp. Every rank draws ``rng.random((B, 1))`` for
+all-gathers): one all-gather of B x V_pad/tp logits over tp; under cp, one broadcast of them over
+cp first; under pp, one (B, T, C) activation per stage boundary and one broadcast of B int64 over pp. Every rank draws ``rng.random((B, 1))`` for
 every token, used or not, so all ranks' Generators stay in step with one process's.
 """
 from __future__ import annotations
@@ -28,6 +31,7 @@ import numpy as np
 
 from minidist.autograd import Tensor, get_array_module, no_grad, to_numpy
 from minidist.model import sample_token
+from minidist.parallel.context_parallel import tokens_multiple
 from minidist.parallel.pipeline.actions import Action
 from minidist.parallel.pipeline.p2p import StageLink
 from minidist.parallel.pipeline.stages import PipelineStage
@@ -59,7 +63,8 @@ def generate(model, idx, max_new_tokens: int, temperature: float = 1.0, top_k=No
                 logits = model(padded)[0]  # (B, T', V_pad/tp)
             nxt = np.zeros(len(idx), dtype=np.int64)  # (B,)
             if logits is not None:  # the last stage (every rank without a pipeline)
-                last = gather_vocab(model, logits.data[:, context.shape[1] - 1, :])  # (B, V)
+                last = gather_vocab(model, position_logits(model, logits.data, context.shape[1] - 1,
+                                                           padded.shape[1]))  # (B, V)
                 nxt[:] = sample_token(to_numpy(last), u, temperature, top_k)
             if pipeline:
                 pp_group.broadcast(nxt, src=pp_group.size - 1)  # the last stage's choice, to every stage
@@ -68,15 +73,33 @@ def generate(model, idx, max_new_tokens: int, temperature: float = 1.0, top_k=No
 
 
 def pad_for_sequence_parallel(model, context) -> np.ndarray:
-    """``context`` (B, T), with token 0 appended up to a multiple of tp under sequence parallelism
-    (which cuts the sequence into tp equal parts); unchanged otherwise. Nothing sent."""
-    n = model.tp_group.size if getattr(model, "sequence_parallel", False) else 1
+    """``context`` (B, T), with token 0 appended up to the shortest length the model's sequence
+    splits cut evenly: cp parts (2 cp for zig-zag) under context parallelism, each of them (or the
+    whole sequence) into tp parts under sequence parallelism; unchanged without them. Nothing sent."""
+    tp = model.tp_group.size if getattr(model, "sequence_parallel", False) else 1
+    cp = model.context_parallel
+    parts, per_rank = (1, 1) if cp is None else (tokens_multiple(cp.size, cp.algorithm), cp.size)
     B, T = context.shape
-    length = -(-T // n) * n
+    length = T
+    while length % parts or (length // per_rank) % tp:
+        length += 1
     if length > model.config.block_size:
-        raise ValueError(f"sequence parallelism over tp = {n} pads a {T}-token context to {length} tokens, more "
-                         f"than block_size {model.config.block_size}: use a block_size divisible by tp")
+        raise ValueError(f"the sequence splits (cp parts {parts}, tp {tp}) pad a {T}-token context to {length} "
+                         f"tokens, more than block_size {model.config.block_size}: use a block_size they divide")
     return np.concatenate([context, np.zeros((B, length - T), dtype=context.dtype)], axis=1)  # (B, length)
+
+
+def position_logits(model, logits, position: int, T: int):
+    """The logits (B, V_pad/tp) at ``position`` of a T-token sequence from this rank's ``logits``
+    (B, T_local, V_pad/tp). Under context parallelism the cp rank holding that position broadcasts
+    them over the cp group (B x V_pad/tp values); without it they are here."""
+    cp = model.context_parallel
+    if cp is None:
+        return logits[:, position, :]
+    owner, local = cp.owner(position, T)
+    xp = get_array_module(logits)
+    row = xp.ascontiguousarray(logits[:, local, :]) if cp.group.rank == owner else xp.empty_like(logits[:, 0, :])
+    return cp.group.broadcast(row, src=owner)
 
 
 def gather_vocab(model, logits):

@@ -1,68 +1,91 @@
-"""The device mesh: the world's ranks as a (dp, pp, tp) grid, and one process group per axis.
+"""The device mesh: the world's ranks as a (dp, pp, cp, tp) grid, and one process group per axis.
 
-Ranks are numbered with tp varying fastest, then pp, then dp:
+Ranks are numbered with tp varying fastest, then cp, then pp, then dp:
 
-    rank = (dp_rank * pp + pp_rank) * tp + tp_rank
+    rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank
 
 so the ranks of one tensor-parallel group are adjacent (on a real cluster: the GPUs of one node,
-joined by the fastest links), and data-parallel replicas are furthest apart. With dp=2, pp=2, tp=2:
+joined by the fastest links), the context-parallel ring comes next (it moves a K/V block per
+attention step, so it wants the next-fastest links), and data-parallel replicas are furthest apart.
+With dp=2, pp=2, cp=1, tp=2:
 
     rank:  0  1  2  3  4  5  6  7
     dp:    0  0  0  0  1  1  1  1
     pp:    0  0  1  1  0  0  1  1
     tp:    0  1  0  1  0  1  0  1
 
-A rank's tp group holds the ranks that share its (dp, pp); its pp group those that share (dp, tp);
-its dp group those that share (pp, tp). No global state: build a mesh and pass it around.
+and with dp=1, pp=1, cp=2, tp=2: ranks 0, 1 hold the first half of every sequence (tp 0, 1), ranks
+2, 3 the second.
+
+A rank's tp group holds the ranks that share its (dp, pp, cp); its cp group those that share
+(dp, pp, tp); its pp group those that share (dp, cp, tp); its dp group those that share (pp, cp, tp).
+Context-parallel ranks hold the same parameters and see different tokens of the same rows, so for
+the gradients they are data-parallel replicas: ``dp_cp_group`` (the ranks that share (pp, tp); the
+dp group itself when cp = 1) is the group gradients are averaged and ZeRO shards over, as in
+Megatron-LM. No global state: build a mesh and pass it around.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class Coords(NamedTuple):
+    """A rank's place on each axis, in mesh order."""
+    dp: int
+    pp: int
+    cp: int
+    tp: int
 
 
 @dataclass(frozen=True)
 class MeshShape:
-    """The sizes of the three axes; ``world`` is their product."""
+    """The sizes of the four axes; ``world`` is their product."""
     dp: int = 1
     pp: int = 1
     tp: int = 1
+    cp: int = 1
 
     @property
     def world(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
 
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(dp_rank, pp_rank, tp_rank) of a global ``rank``."""
-        return rank // (self.pp * self.tp), (rank // self.tp) % self.pp, rank % self.tp
+    def coords(self, rank: int) -> Coords:
+        """(dp_rank, pp_rank, cp_rank, tp_rank) of a global ``rank``."""
+        return Coords(rank // (self.pp * self.cp * self.tp), (rank // (self.cp * self.tp)) % self.pp,
+                      (rank // self.tp) % self.cp, rank % self.tp)
 
-    def rank_of(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
+    def rank_of(self, dp_rank: int, pp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
         """The global rank at these coordinates."""
-        return (dp_rank * self.pp + pp_rank) * self.tp + tp_rank
+        return ((dp_rank * self.pp + pp_rank) * self.cp + cp_rank) * self.tp + tp_rank
 
 
 class DeviceMesh:
-    """This rank's place in the (dp, pp, tp) grid and its three axis groups.
+    """This rank's place in the (dp, pp, cp, tp) grid and its axis groups.
 
-    Building it is collective over ``world`` (three ``split`` calls: every rank must build the same
-    shape). ``world.size`` must equal dp * pp * tp.
+    Building it is collective over ``world`` (one ``split`` per axis, and one more for ``dp_cp_group``
+    when cp > 1: every rank must build the same shape). ``world.size`` must equal dp * pp * cp * tp.
     """
 
-    def __init__(self, world, dp: int = 1, pp: int = 1, tp: int = 1):
-        self.shape = MeshShape(dp, pp, tp)
-        if world.size != self.shape.world:
-            raise ValueError(f"world size {world.size} != dp*pp*tp = {dp}*{pp}*{tp} = {self.shape.world}")
+    def __init__(self, world, dp: int = 1, pp: int = 1, tp: int = 1, cp: int = 1):
+        self.shape = s = MeshShape(dp, pp, tp, cp)
+        if world.size != s.world:
+            raise ValueError(f"world size {world.size} != dp*pp*cp*tp = {dp}*{pp}*{cp}*{tp} = {s.world}")
         self.world = world
         self.rank = world.rank
-        self.dp_rank, self.pp_rank, self.tp_rank = self.shape.coords(world.rank)
-        d, p, t = self.dp_rank, self.pp_rank, self.tp_rank
-        self.tp_group = world.split(d * pp + p, key=t, name=f"tp[dp{d},pp{p}]")
-        self.pp_group = world.split(d * tp + t, key=p, name=f"pp[dp{d},tp{t}]")
-        self.dp_group = world.split(p * tp + t, key=d, name=f"dp[pp{p},tp{t}]")
+        self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = d, p, c, t = s.coords(world.rank)
+        self.tp_group = world.split((d * pp + p) * cp + c, key=t, name=f"tp[dp{d},pp{p}{_cp(c, cp)}]")
+        self.cp_group = world.split((d * pp + p) * tp + t, key=c, name=f"cp[dp{d},pp{p},tp{t}]")
+        self.pp_group = world.split((d * cp + c) * tp + t, key=p, name=f"pp[dp{d}{_cp(c, cp)},tp{t}]")
+        self.dp_group = world.split((p * cp + c) * tp + t, key=d, name=f"dp[pp{p}{_cp(c, cp)},tp{t}]")
+        self.dp_cp_group = self.dp_group if cp == 1 else world.split(p * tp + t, key=d * cp + c,
+                                                                     name=f"dp_cp[pp{p},tp{t}]")
 
     @property
     def name(self) -> str:
-        """A readable name such as ``DP(1)-PP(0)-TP(1)-Rank(5)``."""
-        return f"DP({self.dp_rank})-PP({self.pp_rank})-TP({self.tp_rank})-Rank({self.rank})"
+        """A readable name such as ``DP(1)-PP(0)-TP(1)-Rank(5)`` (with ``-CP(c)`` when cp > 1)."""
+        cp = f"-CP({self.cp_rank})" if self.shape.cp > 1 else ""
+        return f"DP({self.dp_rank})-PP({self.pp_rank}){cp}-TP({self.tp_rank})-Rank({self.rank})"
 
     @property
     def is_first_stage(self) -> bool:
@@ -84,4 +107,10 @@ class DeviceMesh:
 
     def __repr__(self) -> str:
         s = self.shape
-        return f"DeviceMesh(dp={s.dp}, pp={s.pp}, tp={s.tp}, {self.name})"
+        cp = f", cp={s.cp}" if s.cp > 1 else ""
+        return f"DeviceMesh(dp={s.dp}, pp={s.pp}{cp}, tp={s.tp}, {self.name})"
+
+
+def _cp(cp_rank: int, cp: int) -> str:
+    """The cp coordinate in a group's name, only when there is a cp axis (names stay as they were)."""
+    return f",cp{cp_rank}" if cp > 1 else ""

@@ -15,8 +15,7 @@ cross-entropy costs 3 small all-reduces.
 """
 
 from minidist import nn
-from minidist.autograd import get_array_module
-from minidist.model import MLP, Block, CausalSelfAttention, GPTConfig, gpt2_init
+from minidist.model import MLP, Block, CausalSelfAttention, GPTConfig, gpt2_init, local_tokens, sequence_loss
 from minidist.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, enter_tensor_parallel_region
 from minidist.parallel.tp_layout import global_shape, padded_vocab_size, shard_for
 from minidist.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
@@ -68,6 +67,7 @@ class TensorParallelGPT(nn.Module):
     (logits, loss): logits (B, T, V_pad/n) are this rank's slice of the padded vocabulary (rank r holds
     columns [r V_pad/n, (r+1) V_pad/n); columns >= vocab_size are padding), loss is the full mean
     cross-entropy, bitwise the same on every rank."""
+    context_parallel = None  # or this rank's part of context parallelism, as in minidist.model.GPT
 
     def __init__(self, config: GPTConfig, seed: int, dtype, tp_group, sequence_parallel: bool = False):
         super().__init__()
@@ -94,16 +94,14 @@ class TensorParallelGPT(nn.Module):
     def embed(self, idx):
         """Token ids (B, T) -> embeddings (B, T, C), or this rank's tokens (B, T/n, C) under sequence
         parallelism. The first pipeline stage."""
+        idx, pos = local_tokens(self, idx)  # (B, T) and (T,), or this cp rank's T/cp of them
         T, n = idx.shape[1], self.tp_group.size
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         if self.sequence_parallel and T % n:
             raise ValueError(f"sequence parallelism splits the sequence: T = {T} is not divisible by tp = {n}")
-        xp = get_array_module(self.transformer.wpe.weight.data)
         tok_emb = self.transformer.wte(idx)  # (B, T, C) or (B, T/n, C): summed over the group inside
-        first, count = (self.tp_group.rank * T // n, T // n) if self.sequence_parallel else (0, T)
-        pos_emb = self.transformer.wpe(xp.arange(first, first + count))  # (T, C) or (T/n, C)
-        return tok_emb + pos_emb
+        if self.sequence_parallel:
+            pos = pos[self.tp_group.rank * T // n:(self.tp_group.rank + 1) * T // n]  # my T/n of them
+        return tok_emb + self.transformer.wpe(pos)  # (T, C) or (T/n, C) broadcast over B
 
     def head(self, x, targets=None):
         """Hidden states -> (this rank's logits (B, T, V_pad/n), mean cross-entropy or None)."""
@@ -111,7 +109,10 @@ class TensorParallelGPT(nn.Module):
         logits = self.lm_head(x)  # (B, T, V_pad/n)
         if targets is None:
             return logits, None
-        return logits, vocab_parallel_cross_entropy(logits, targets, self.tp_group, self.config.vocab_size)
+
+        def loss_fn(logits, targets):
+            return vocab_parallel_cross_entropy(logits, targets, self.tp_group, self.config.vocab_size)
+        return logits, sequence_loss(self, loss_fn, logits, targets)
 
     def forward(self, idx, targets=None):
         """(logits (B, T, V_pad/n), loss) for token ids ``idx`` (B, T); loss is None without targets."""

@@ -23,7 +23,7 @@ import numpy as np
 from minidist import nn
 from minidist.autograd import Tensor, get_array_module
 
-_SHARED_ATTRIBUTES = ("config", "tp_group", "sequence_parallel")  # what the model's embed/head read
+_SHARED_ATTRIBUTES = ("config", "tp_group", "sequence_parallel", "context_parallel")  # what embed/head read
 
 
 def estimate_layer_costs(config) -> tuple[float, list[float], float]:
@@ -157,7 +157,10 @@ class PipelineStage(nn.Module):
         return x
 
     def activation_shape(self, batch_rows: int, seq_len: int) -> tuple[int, int, int]:
-        """The (B, T, C) shape stages send each other (T / tp under sequence parallelism)."""
+        """The (B, T, C) shape stages send each other (T / cp under context parallelism, and / tp
+        under sequence parallelism)."""
+        if self.context_parallel is not None:
+            seq_len //= self.context_parallel.size
         if getattr(self, "sequence_parallel", False):
             seq_len //= self.tp_group.size
         return batch_rows, seq_len, self.config.n_embd

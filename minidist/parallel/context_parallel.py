@@ -1,0 +1,114 @@
+"""Context parallelism: every sequence cut over the ranks of a cp group, attention joining the pieces.
+
+Long sequences make the activations, not the weights, the memory that runs out: each layer keeps
+(B, T, C) values and attention's (T x T) scores. Context parallelism gives each of the n ranks of
+the cp group 1/n of every sequence's tokens, everywhere in the model: embeddings, LayerNorms, MLPs,
+the LM head and the loss all work token by token, so they run on the local tokens unchanged. Only
+attention needs other tokens (a query attends to every earlier key), and three algorithms bring them:
+
+    ring      rank r holds tokens [r T/n, (r+1) T/n); K/V blocks travel around the ring,
+              partial results merged with the online softmax (ring_attention.py)
+    zigzag    the ring, with the sequence cut into 2n chunks and rank r holding chunks r and
+              2n-1-r, so that every rank does the same causal work
+    ulysses   two all-to-alls swap the sequence split for a head split around ordinary attention
+              (ulysses.py); needs the heads to divide by n
+
+Parameters are not split: cp ranks hold the same weights and see different tokens of the same
+rows, so for gradients they are data-parallel replicas. Each rank's backward starts from its own
+tokens' mean loss, and the gradient average over dp x cp (``mesh.dp_cp_group``: DataParallel or
+ZeRO) makes it the gradient of the whole sequence's mean loss. The loss a rank reports is averaged
+over the cp group in forward (one scalar all-reduce), so every rank reports the one-process loss.
+
+Composition: tensor parallelism splits the heads first; ring attention then runs on this tp rank's
+heads, Ulysses splits them further by n. Sequence parallelism cuts this rank's T/n tokens again by
+tp. Pipelines pass (B, T/n, C) activations. ZeRO shards over dp x cp.
+"""
+from __future__ import annotations
+
+from minidist.autograd import Function, get_array_module
+from minidist.parallel.ring_attention import ring_attention, sequence_chunks
+from minidist.parallel.ulysses import ulysses_attention
+
+ALGORITHMS = ("ring", "zigzag", "ulysses")
+
+
+def tokens_multiple(cp_size: int, algorithm: str) -> int:
+    """What the sequence length must divide by: 2 cp for zig-zag (2 cp equal chunks), else cp."""
+    return 2 * cp_size if algorithm == "zigzag" else cp_size
+
+
+class AverageOverContextParallel(Function):
+    """Forward: the mean of the cp ranks' losses (an all-reduce of one value), so every rank
+    reports the whole sequence's loss. Backward: identity, each rank's own tokens' loss, since the
+    gradient average over dp x cp completes the mean (a cp-average taken twice would divide by n twice)."""
+
+    @staticmethod
+    def forward(ctx, loss, group):
+        return group.all_reduce(loss.reshape(1).copy(), op="avg").reshape(loss.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class ContextParallel:
+    """This rank's part of context parallelism over ``group`` with ``algorithm`` (ring, zigzag or
+    ulysses): which tokens of each sequence it holds (:meth:`positions`), its attention
+    (:meth:`attend`), and the loss average. :func:`context_parallel` attaches one to a model."""
+
+    def __init__(self, group, algorithm: str = "ring"):
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"cp algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}")
+        self.group, self.algorithm = group, algorithm
+
+    @property
+    def size(self) -> int:
+        return self.group.size
+
+    def chunks(self, T: int) -> list[tuple[int, int]]:
+        """The (start, stop) token ranges of a T-token sequence this rank holds, in local order."""
+        if T % tokens_multiple(self.size, self.algorithm):
+            raise ValueError(f"context parallelism ({self.algorithm}) over cp = {self.size} cuts a sequence into "
+                             f"{tokens_multiple(self.size, self.algorithm)} equal parts: T = {T} does not divide")
+        return sequence_chunks(T, self.size, self.group.rank, self.algorithm == "zigzag")
+
+    def positions(self, T: int, xp):
+        """This rank's token positions (T/cp,) of a T-token sequence, an index array of module ``xp``."""
+        return xp.concatenate([xp.arange(a, b) for a, b in self.chunks(T)])
+
+    def shard(self, tokens):
+        """This rank's tokens (B, T/cp) of ``tokens`` (B, T): the input ids or the targets."""
+        return tokens[:, self.positions(tokens.shape[1], get_array_module(tokens))]
+
+    def owner(self, position: int, T: int) -> tuple[int, int]:
+        """(cp rank, local index) of the token at ``position`` of a T-token sequence."""
+        for rank in range(self.size):
+            offset = 0
+            for a, b in sequence_chunks(T, self.size, rank, self.algorithm == "zigzag"):
+                if a <= position < b:
+                    return rank, offset + position - a
+                offset += b - a
+        raise ValueError(f"position {position} is outside a {T}-token sequence")
+
+    def attend(self, q, k, v):
+        """Causal attention of this rank's q, k, v (B, nh, T/cp, hs) over the whole sequence."""
+        if self.algorithm == "ulysses":
+            return ulysses_attention(q, k, v, self.group)
+        return ring_attention(q, k, v, self.group, zigzag=self.algorithm == "zigzag")
+
+    def average_loss(self, loss):
+        """The mean of the cp ranks' losses, the same on every rank (:class:`AverageOverContextParallel`)."""
+        return AverageOverContextParallel.apply(loss, self.group)
+
+
+def context_parallel(model, group, algorithm: str = "ring"):
+    """Make ``model`` (a GPT or a tensor-parallel GPT, before it is cut into pipeline stages) run on
+    this rank's 1/cp of every sequence: its embed keeps this rank's tokens, its attention layers
+    attend over ``group`` with ``algorithm``, its head keeps this rank's targets and averages the
+    loss over the group. Returns ``model``. Sends nothing; every later forward is collective over
+    ``group``."""
+    cp = ContextParallel(group, algorithm)
+    model.context_parallel = cp
+    for block in model.transformer.h:
+        block.attn.attend = cp.attend
+    return model
