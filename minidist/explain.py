@@ -67,6 +67,10 @@ def holdings(model, tp_size: int) -> list[str]:
 def _partners(e, members, me: int) -> str:
     """``with ranks 0, 2`` (a collective's other members) or ``to rank 2 (pp rank 1)`` (a message)."""
     ranks = members.get(e.group)
+    if e.op.startswith("ring sendrecv"):  # a hop around the ring: on to the next rank, in from the previous
+        prev = (e.peer - 2) % len(ranks) if ranks else None
+        return (f"to rank {ranks[e.peer]}, from rank {ranks[prev]} ({e.group}), overlapping the attention math"
+                if ranks else f"to {e.group} rank {e.peer}")
     if e.kind == "p2p":
         where = "to" if "send" in e.op else "from"
         return f"{where} rank {ranks[e.peer]} ({e.group} rank {e.peer})" if ranks else f"{where} {e.group} rank {e.peer}"
@@ -97,7 +101,12 @@ def step_story(events, members: dict[str, list[int]], me: int, activation_shape=
         if last is not None:
             lines.append(("  " if repeat == 1 else f"  {repeat} x ") + last)
 
+    hop = None  # the last ring hop span (ring attention): its own isend / irecv are told by it
     for e in sorted(events, key=lambda e: e.start):
+        if e.op.startswith("ring sendrecv"):
+            hop = e
+        elif hop is not None and e.op in ("isend", "irecv") and e.group == hop.group and e.start <= hop.end:
+            continue
         if e.kind == "compute":
             flush()
             last, repeat = None, 0
@@ -137,6 +146,11 @@ def explain_first_step(mesh, model, events, *, activation_shape=None, batch_shap
     lines = [f"=== rank {mesh.rank}: {mesh.name} ===", "groups: " + ("; ".join(groups) or "none (one rank)")]
     if batch_shape is not None:
         lines.append(f"reads a batch of {tuple(batch_shape)} token ids")
+        cp = getattr(model, "context_parallel", None)
+        if cp is not None:
+            T = batch_shape[1] - 1
+            lines.append(f"computes on tokens {' + '.join(f'{a}-{b - 1}' for a, b in cp.chunks(T))} of each {T}-token "
+                         f"sequence (context parallelism, {cp.algorithm})")
     lines += holdings(model, mesh.shape.tp)
     if state_bytes:
         lines.append("model states: " + ", ".join(f"{k} {_bytes(v)}" for k, v in state_bytes.items()))

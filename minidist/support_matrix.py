@@ -1,18 +1,21 @@
 """The support matrix: every combination of the trainer's features, and whether it runs.
 
-The grid is the product of seven axes (a new user's first questions):
+The grid is the product of nine axes (a new user's first questions):
 
     layout      dp, tp, pp each 1 or 2                              8
+    context parallelism    cp 1 or 2                                2
+    cp algorithm           ring, zigzag, ulysses                    3
     ZeRO        stage 0, 1, 2, 3                                    4
     sequence parallelism   off, on                                  2
     schedule    gpipe, 1f1b, interleaved                            3
     recompute   off, on                                             2
     precision   float32, bfloat16, float16                          3
-    checkpoints off, on (save, and resume from the newest)          2      = 1,152 cells
+    checkpoints off, on (save, and resume from the newest)          2      = 13,824 cells
 
 A cell is MEANINGLESS when it asks for something its layout does not have (sequence parallelism
 without tensor parallelism: nothing to split the sequence over; a schedule other than the default
-without pipeline parallelism: with one stage every schedule is the same run, counted once, as 1f1b).
+without pipeline parallelism: with one stage every schedule is the same run, counted once, as 1f1b;
+likewise a cp algorithm other than ring with cp 1).
 Every other cell must be accepted by :func:`~minidist.train_config.check_config`: a refusal is a
 debt, and :func:`refusals` lists them (none today). tests/test_composition.py trains the cells
 against one process; the README's matrix is :func:`markdown`, checked against it by a test.
@@ -29,6 +32,8 @@ from minidist.train_config import ConfigError, TrainConfig, check_config
 LAYOUTS = [dict(dp=dp, tp=tp, pp=pp) for pp in (1, 2) for dp in (1, 2) for tp in (1, 2)]
 AXES = {
     "layout": LAYOUTS,
+    "cp": [1, 2],
+    "cp_algorithm": ["ring", "zigzag", "ulysses"],
     "zero": [0, 1, 2, 3],
     "sequence_parallel": [False, True],
     "schedule": ["gpipe", "1f1b", "interleaved"],
@@ -36,16 +41,18 @@ AXES = {
     "dtype": ["float32", "bfloat16", "float16"],
     "checkpoint": [False, True],
 }
-DEFAULT_SCHEDULE = "1f1b"
+DEFAULT_SCHEDULE, DEFAULT_CP_ALGORITHM = "1f1b", "ring"
 
 
 @dataclasses.dataclass(frozen=True)
 class Cell:
-    """One combination: a layout (dp, tp, pp), a ZeRO stage, sequence parallelism, a schedule,
-    recompute, a precision and whether it checkpoints."""
+    """One combination: a layout (dp, tp, pp), context parallelism (cp and its algorithm), a ZeRO
+    stage, sequence parallelism, a schedule, recompute, a precision and whether it checkpoints."""
     dp: int
     tp: int
     pp: int
+    cp: int
+    cp_algorithm: str
     zero: int
     sequence_parallel: bool
     schedule: str
@@ -54,15 +61,21 @@ class Cell:
     checkpoint: bool
 
     def __str__(self) -> str:
-        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}", f"zero{self.zero}"]
+        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"] + [f"cp{self.cp}-{self.cp_algorithm}"] * (self.cp > 1)
+        parts += [f"zero{self.zero}"]
         parts += ["sp"] * self.sequence_parallel + [self.schedule] * (self.pp > 1) + ["recompute"] * self.recompute
         return "-".join(parts + [self.dtype] + ["ckpt"] * self.checkpoint)
 
 
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+
 def grid() -> list[Cell]:
-    """All 1,152 cells, in a fixed order."""
-    return [Cell(**layout, zero=z, sequence_parallel=sp, schedule=s, recompute=r, dtype=d, checkpoint=c)
-            for layout, z, sp, s, r, d, c in itertools.product(*AXES.values())]
+    """All 13,824 cells, in a fixed order."""
+    return [Cell(**layout, cp=cp, cp_algorithm=a, zero=z, sequence_parallel=sp, schedule=s, recompute=r, dtype=d,
+                 checkpoint=c) for layout, cp, a, z, sp, s, r, d, c in itertools.product(*AXES.values())]
 
 
 def meaningless(cell: Cell) -> str | None:
@@ -71,6 +84,8 @@ def meaningless(cell: Cell) -> str | None:
         return "sequence parallelism splits the sequence over the tp ranks: with tp 1 there is nothing to split"
     if cell.pp == 1 and cell.schedule != DEFAULT_SCHEDULE:
         return "a schedule orders the micro-batches of pipeline stages: with pp 1 every schedule is the same run"
+    if cell.cp == 1 and cell.cp_algorithm != DEFAULT_CP_ALGORITHM:
+        return "a cp algorithm says how attention reaches the other cp ranks' tokens: with cp 1 every one is the same run"
     return None
 
 
@@ -80,7 +95,8 @@ def config_for(cell: Cell, **sizes) -> TrainConfig:
     into ``ckpt`` (a relative path: only checked, never written here)."""
     base = dict(n_layer=4, n_head=4, n_embd=16, block_size=16, batch_size=8, micro_batches=2)
     base.update(sizes)
-    return TrainConfig(**base, dp=cell.dp, tp=cell.tp, pp=cell.pp, zero=cell.zero,
+    return TrainConfig(**base, dp=cell.dp, tp=cell.tp, pp=cell.pp, cp=cell.cp, cp_algorithm=cell.cp_algorithm,
+                       zero=cell.zero,
                        sequence_parallel=cell.sequence_parallel, schedule=cell.schedule,
                        virtual_stages=2 if cell.schedule == "interleaved" and cell.pp > 1 else 1,
                        recompute=cell.recompute, dtype=cell.dtype,
@@ -93,7 +109,7 @@ def refusals() -> dict:
     for cell in grid():
         if meaningless(cell) is None:
             try:
-                check_config(config_for(cell), cell.dp * cell.tp * cell.pp)
+                check_config(config_for(cell), cell.world)
             except ConfigError as e:
                 refused[cell] = str(e)
     return refused
@@ -101,6 +117,9 @@ def refusals() -> dict:
 
 FEATURES = {  # a feature: the cells that have it
     "dp 2": lambda c: c.dp == 2, "tp 2": lambda c: c.tp == 2, "pp 2": lambda c: c.pp == 2,
+    "cp ring": lambda c: c.cp == 2 and c.cp_algorithm == "ring",
+    "cp zigzag": lambda c: c.cp == 2 and c.cp_algorithm == "zigzag",
+    "Ulysses": lambda c: c.cp == 2 and c.cp_algorithm == "ulysses",
     "SP": lambda c: c.sequence_parallel, "ZeRO-1": lambda c: c.zero == 1, "ZeRO-2": lambda c: c.zero == 2,
     "ZeRO-3": lambda c: c.zero == 3, "GPipe": lambda c: c.pp == 2 and c.schedule == "gpipe",
     "1F1B": lambda c: c.pp == 2 and c.schedule == "1f1b",

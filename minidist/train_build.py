@@ -229,9 +229,10 @@ def build_parallel(cfg, mesh):
         hyper = {"betas": ADAMW_BETAS} if cfg.optimizer == "adamw" else {"momentum": cfg.momentum}
         optimizer = ZeroOptimizer(model, mesh.dp_cp_group, cfg.zero, cfg.optimizer, lr=cfg.lr,
                                   weight_decay=cfg.weight_decay, tp_group=mesh.tp_group, pp_group=mesh.pp_group,
-                                  mixed_precision=mixed, scaler=scaler, reshard_after_forward=cfg.pp == 1, **hyper)
+                                  mixed_precision=mixed, scaler=scaler, reshard_after_forward=cfg.pp == 1,
+                                  replicas=cfg.dp, **hyper)
     else:
-        dp = DataParallel(model, mesh.dp_cp_group, bucket_bytes=int(cfg.bucket_mb * 2**20))
+        dp = DataParallel(model, mesh.dp_cp_group, bucket_bytes=int(cfg.bucket_mb * 2**20), replicas=cfg.dp)
         amp = MixedPrecision(model, cfg.dtype, scaler) if mixed else None
         optimizer = build_optimizer(model, cfg, amp.master_parameters() if amp else None)
     engine = None

@@ -1,7 +1,14 @@
-"""The composition grid: every meaningful combination of layout (dp, tp, pp each 1 or 2), ZeRO stage,
-sequence parallelism, pipeline schedule, recompute, precision and checkpointing trains like one
-process on the full batch (minidist/support_matrix.py lists the 2,304 cells; the 1,152 meaningless
-ones name a schedule without a pipeline or sequence parallelism without tensor parallelism).
+"""The composition grid: every meaningful combination of layout (dp, tp, pp each 1 or 2), context
+parallelism (cp 1 or 2, ring, zig-zag or Ulysses), ZeRO stage, sequence parallelism, pipeline
+schedule, recompute, precision and checkpointing trains like one process on the full batch
+(minidist/support_matrix.py lists the 13,824 cells; the meaningless ones name a schedule without a
+pipeline, sequence parallelism without tensor parallelism, or a cp algorithm without cp).
+
+``--slow`` trains every one of the 4,608 meaningful cells (1,152 without cp, 3,456 with cp 2). The
+default run trains a sample: 18 cells without cp that hold every value of every axis, and the
+first 8 cells of a pairwise cover of the cp cells (34 cells in which every pair of values of any
+two axes, such as zig-zag x fp16 or Ulysses x ZeRO-3, occurs at least once; its first 8 hold every
+algorithm, ZeRO stage and precision).
 
 Each cell trains a 4-block GPT for 4 steps of SGD with momentum (linear in the gradient, so a wrong
 scale shows: Adam would hide it; a sample of the float32 cells runs AdamW too), clipping at 0.5, two micro-batches per step (two virtual stages
@@ -26,6 +33,7 @@ Tolerances:
     difference into every later step with weights adding up to at most 1 / (1 - momentum).
 """
 import dataclasses
+import itertools
 import random
 import shutil
 from functools import lru_cache
@@ -45,6 +53,7 @@ TRAIN = dict(steps=4, eval_every=100, eval_iters=1, sample_tokens=0, warmup=1, l
              optimizer="sgd", momentum=0.9, bucket_mb=0.01, loss_scale_window=2)
 UNIT_ROUNDOFF = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
 CELLS = [c for c in grid() if meaningless(c) is None]
+CP1_CELLS = [c for c in CELLS if c.cp == 1]
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +64,8 @@ def data_dir(tmp_path_factory):
 
 
 def fit(cfg):
-    """(history rows by step, exported weights) of ``cfg`` on its dp * tp * pp thread ranks."""
-    histories = run_local(lambda group: train(cfg, progress=False, world=group)[1], cfg.dp * cfg.tp * cfg.pp)
+    """(history rows by step, exported weights) of ``cfg`` on its dp * tp * pp * cp thread ranks."""
+    histories = run_local(lambda group: train(cfg, progress=False, world=group)[1], cfg.dp * cfg.tp * cfg.pp * cfg.cp)
     assert all([r["loss"] for r in h] == [r["loss"] for r in histories[0]] for h in histories)
     return {r["step"]: r for r in histories[0]}, dict(np.load(cfg.export))
 
@@ -118,12 +127,17 @@ def check_cell(cell, data_dir, tmp_path):
     assert_like_one_process(cell, rows, weights, ref_rows, ref_weights)
 
 
+def axis_values(c: Cell) -> list:
+    """(axis, value) of every axis of ``c``, the layout as (dp, tp, pp)."""
+    return [("layout", (c.dp, c.tp, c.pp))] + [(a, getattr(c, a)) for a in AXES if a != "layout"]
+
+
 def sample(n: int, seed: int = 14) -> list:
-    """``n`` cells, every value of every axis among them: a seeded shuffle, the cells adding an
-    uncovered (axis, value) first."""
-    cells = CELLS[:]
+    """``n`` cells without cp, every value of every axis among them: a seeded shuffle, the cells
+    adding an uncovered (axis, value) first."""
+    cells = CP1_CELLS[:]
     random.Random(seed).shuffle(cells)
-    values = lambda c: {("layout", (c.dp, c.tp, c.pp))} | {(a, getattr(c, a)) for a in AXES if a != "layout"}  # noqa: E731
+    values = lambda c: set(axis_values(c))  # noqa: E731
     covered, chosen = set(), []
     for c in cells:
         if values(c) - covered:
@@ -132,12 +146,33 @@ def sample(n: int, seed: int = 14) -> list:
     return (chosen + [c for c in cells if c not in chosen])[:n]
 
 
+def pairwise_cover(cells, seed: int = 17) -> list:
+    """Cells of ``cells`` in which every pair of (axis, value)s that any cell of ``cells`` has occurs
+    at least once: greedily, the cell covering most uncovered pairs first (a seeded order breaks ties)."""
+    cells = cells[:]
+    random.Random(seed).shuffle(cells)
+    pairs = [frozenset(itertools.combinations(axis_values(c), 2)) for c in cells]
+    uncovered, chosen = set().union(*pairs), []
+    while uncovered:
+        best = max(range(len(cells)), key=lambda i: len(pairs[i] & uncovered))
+        chosen.append(cells[best])
+        uncovered -= pairs[best]
+    return chosen
+
+
+CP_CELLS = pairwise_cover([c for c in CELLS if c.cp == 2])
+
+
 def test_the_grid_has_no_refusals_and_every_axis_value_is_sampled():
-    assert len(grid()) == 2304 and len(CELLS) == 1152
+    assert len(grid()) == 13824 and len(CP1_CELLS) == 1152 and len(CELLS) == 1152 + 3456
     assert refusals() == {}  # every meaningful cell is accepted: refusals are debts
-    covered = {(a, v) for c in sample(18) for a, v in [("layout", (c.dp, c.tp, c.pp))]
-               + [(a, getattr(c, a)) for a in AXES if a != "layout"]}
-    assert len(covered) == 8 + 4 + 2 + 3 + 2 + 3 + 2
+    covered = {v for c in sample(18) for v in axis_values(c)}
+    assert len(covered) == 8 + 1 + 1 + 4 + 2 + 3 + 2 + 3 + 2  # (cp 1: one cp value, one algorithm)
+    first = {v for c in CP_CELLS[:8] for v in axis_values(c)}
+    assert {v for v in first if v[0] in ("cp_algorithm", "zero", "dtype")} == {
+        ("cp_algorithm", a) for a in AXES["cp_algorithm"]} | {("zero", z) for z in AXES["zero"]} | {
+        ("dtype", d) for d in AXES["dtype"]}  # the default run trains every algorithm, ZeRO stage and precision
+    assert len(CP_CELLS) == 34
 
 
 @pytest.mark.parametrize("cell", sample(18), ids=str)
@@ -145,7 +180,7 @@ def test_a_sample_of_the_grid_trains_like_one_process(cell, data_dir, tmp_path):
     check_cell(cell, data_dir, tmp_path)
 
 
-ADAMW_CELLS = [Cell(dp, tp, pp, zero, sp, schedule, recompute, "float32", ckpt) for dp, tp, pp, zero, sp, schedule,
+ADAMW_CELLS = [Cell(dp, tp, pp, 1, "ring", zero, sp, schedule, recompute, "float32", ckpt) for dp, tp, pp, zero, sp, schedule,
                recompute, ckpt in [(2, 2, 1, 1, True, "1f1b", False, False), (2, 1, 2, 2, False, "1f1b", False, True),
                                    (2, 2, 2, 3, True, "interleaved", False, True), (2, 1, 1, 3, False, "1f1b", True, False),
                                    (1, 2, 2, 0, False, "gpipe", True, False), (2, 2, 2, 2, True, "1f1b", True, False)]]
@@ -160,6 +195,11 @@ def test_a_sample_of_the_float32_cells_trains_like_one_process_with_adamw_too(ce
     assert_like_one_process(cell, rows, weights, *reference(cell.dtype, data_dir, "adamw"))
 
 
+@pytest.mark.parametrize("cell", CP_CELLS[:8], ids=str)
+def test_a_sample_of_the_context_parallel_cells_trains_like_one_process(cell, data_dir, tmp_path):
+    check_cell(cell, data_dir, tmp_path)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("cell", CELLS, ids=str)
 def test_every_cell_of_the_grid_trains_like_one_process(cell, data_dir, tmp_path):
@@ -168,7 +208,7 @@ def test_every_cell_of_the_grid_trains_like_one_process(cell, data_dir, tmp_path
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_a_mixed_precision_layout_run_twice_is_bitwise_identical(dtype, data_dir, tmp_path):
-    cell = Cell(dp=2, tp=2, pp=2, zero=3, sequence_parallel=True, schedule="interleaved", recompute=False,
+    cell = Cell(dp=2, tp=2, pp=2, cp=1, cp_algorithm="ring", zero=3, sequence_parallel=True, schedule="interleaved", recompute=False,
                 dtype=dtype, checkpoint=False)
     (rows_a, weights_a), (rows_b, weights_b) = (train_cell(cell, data_dir, tmp_path / name) for name in "ab")
     assert rows_a.keys() == rows_b.keys()

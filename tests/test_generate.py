@@ -1,8 +1,9 @@
 """Generation in every layout (minidist/parallel/generate.py): after the same training, every rank of
-dp, tp, tp + sequence parallelism, ZeRO-3, pp (1F1B and interleaved) and 3D (dp2 x pp2 x tp2) writes
+dp, tp, tp + sequence parallelism, ZeRO-3, pp (1F1B and interleaved), 3D (dp2 x pp2 x tp2) and
+context parallelism (ring, zig-zag with tp + sequence parallelism, Ulysses under a pipeline) writes
 exactly the text one process's ``GPT.generate`` writes with the same seed, in float64. The 40 new
 tokens outgrow block_size 16 (the context is cropped) and pass through context lengths that are not
-multiples of tp (sequence parallelism pads them)."""
+multiples of tp or cp (the sequence splits pad them)."""
 import dataclasses
 
 import numpy as np
@@ -41,13 +42,13 @@ def reference(data_dir):
 
 
 def texts(cfg):
-    """Every rank's sample after training ``cfg`` on dp * pp * tp in-process ranks."""
+    """Every rank's sample after training ``cfg`` on dp * pp * cp * tp in-process ranks."""
     def rank(group):
         model, _ = train(cfg, progress=False, world=group)
-        pp_group = DeviceMesh(group, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp).pp_group if cfg.pp > 1 else None
+        pp_group = DeviceMesh(group, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp).pp_group if cfg.pp > 1 else None
         model.eval()
         return sample(model, PROMPT, NEW_TOKENS, seed=SEED, pp_group=pp_group)
-    return run_local(rank, cfg.dp * cfg.pp * cfg.tp)
+    return run_local(rank, cfg.dp * cfg.pp * cfg.cp * cfg.tp)
 
 
 @pytest.mark.parametrize("changes", [
@@ -55,7 +56,10 @@ def texts(cfg):
     dict(pp=2, schedule="1f1b", micro_batches=2),
     dict(pp=2, schedule="interleaved", virtual_stages=2, micro_batches=2, n_layer=4),
     dict(dp=2, tp=2, pp=2, zero=1, schedule="1f1b", micro_batches=2),
-], ids=["dp2", "tp2", "tp2-sp", "zero3", "pp2-1f1b", "pp2-interleaved", "3d"])
+    dict(cp=2), dict(cp=2, cp_algorithm="zigzag", tp=2, sequence_parallel=True),
+    dict(cp=2, cp_algorithm="ulysses", pp=2, micro_batches=2), dict(dp=2, cp=4, cp_algorithm="zigzag", zero=3),
+], ids=["dp2", "tp2", "tp2-sp", "zero3", "pp2-1f1b", "pp2-interleaved", "3d", "cp2-ring", "cp2-zigzag-tp2-sp",
+        "cp2-ulysses-pp2", "dp2-cp4-zigzag-zero3"])
 def test_every_layout_generates_the_text_of_one_process(data_dir, reference, changes):
     if changes.get("n_layer") == 4:  # its own one-process reference: a 4-layer model
         model, _ = train(TrainConfig(**dict(TINY, n_layer=4), data_dir=data_dir), progress=False)

@@ -40,8 +40,8 @@ def data_dir(tmp_path_factory):
 
 
 def fit(cfg):
-    """Train ``cfg`` on dp * pp * tp thread ranks; (losses of the steps run, exported weights)."""
-    histories = run_local(lambda group: train(cfg, progress=False, world=group)[1], cfg.dp * cfg.pp * cfg.tp)
+    """Train ``cfg`` on dp * pp * cp * tp thread ranks; (losses of the steps run, exported weights)."""
+    histories = run_local(lambda group: train(cfg, progress=False, world=group)[1], cfg.dp * cfg.pp * cfg.cp * cfg.tp)
     return np.array([r["loss"] for r in histories[0]]), dict(np.load(cfg.export))
 
 
@@ -49,13 +49,13 @@ def resave(cfg, load, root):
     """Build ``cfg``'s layout, load checkpoint ``load`` into it (mixed precision's masters and loss
     scaler too), save it again as step 0 under ``root``."""
     def rank_fn(group):
-        mesh = DeviceMesh(group, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp)
+        mesh = DeviceMesh(group, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp)
         model, optimizer, _, _, amp = build_parallel(cfg, mesh)
         scaler, ckpt = loss_scaler(optimizer, amp), Checkpoint(load)
         load_training_state(ckpt, model, optimizer, mesh, amp, scaler)
         meta = {**training_meta(mesh, optimizer, scaler), "data_position": 0, "run": ckpt.meta["run"]}
         CheckpointWriter(root, group).save(0, training_pieces(model, optimizer, mesh, amp), meta)
-    run_local(rank_fn, cfg.dp * cfg.pp * cfg.tp)
+    run_local(rank_fn, cfg.dp * cfg.pp * cfg.cp * cfg.tp)
     return Checkpoint(step_dir(root, 0))
 
 
@@ -102,7 +102,9 @@ def test_a_zero_shard_is_flat_ranges_of_the_global_tensors(data_dir):
 
 
 @pytest.mark.parametrize("changes", [dict(dp=4, zero=3), dict(dp=2, zero=2), dict(tp=2), dict(dp=2, pp=2, zero=1,
-                                                                                               micro_batches=2)])
+                                                                                               micro_batches=2),
+                                     dict(dp=2, cp=2, zero=3), dict(cp=4, cp_algorithm="zigzag", zero=2),
+                                     dict(cp=2, cp_algorithm="ulysses", tp=2)])
 def test_a_zero_checkpoint_loads_identically_into_another_layout(data_dir, tmp_path, changes):
     cfg = TrainConfig(**{**TINY, "steps": 2}, data_dir=data_dir, dp=2, tp=2, zero=1, ckpt_dir=str(tmp_path / "a"),
                       save_every=2, export=str(tmp_path / "a.npz"))
@@ -123,6 +125,22 @@ def test_resumed_in_another_zero_layout_equals_its_uninterrupted_run(data_dir, t
     ref_losses, reference = fit(dataclasses.replace(then, ckpt_dir=None, export=str(tmp_path / "whole.npz")))
     assert len(losses) == 3 and np.abs(losses - ref_losses[3:]).max() <= 1e-10 * np.abs(ref_losses).max()
     assert_close(weights, reference, 1e-10)
+
+
+def test_resumed_across_context_parallel_sizes_equals_the_uninterrupted_run(data_dir, tmp_path):
+    """Saved by dp 2 x cp 2 (ring, ZeRO-2: shards over the 4 ranks of dp x cp), resumed by cp 4
+    (zig-zag, ZeRO-3) and by one process: both continue as their uninterrupted runs."""
+    first = TrainConfig(**TINY, data_dir=data_dir, dp=2, cp=2, zero=2, ckpt_dir=str(tmp_path / "ckpt"), save_every=3,
+                        export=str(tmp_path / "first.npz"))
+    fit(first)
+    crash_before_the_last_save(first.ckpt_dir, 6)
+    for then in (dataclasses.replace(first, dp=1, cp=4, cp_algorithm="zigzag", zero=3),
+                 dataclasses.replace(first, dp=1, cp=1, zero=0)):
+        then = dataclasses.replace(then, save_every=0, export=str(tmp_path / "resumed.npz"))
+        losses, weights = fit(dataclasses.replace(then, resume=True))
+        ref_losses, reference = fit(dataclasses.replace(then, ckpt_dir=None, export=str(tmp_path / "whole.npz")))
+        assert len(losses) == 3 and np.abs(losses - ref_losses[3:]).max() <= 1e-10 * np.abs(ref_losses).max()
+        assert_close(weights, reference, 1e-10)
 
 
 def test_resumed_in_the_same_zero_layout_is_bitwise_the_uninterrupted_run(data_dir, tmp_path):

@@ -14,10 +14,12 @@ attention needs other tokens (a query attends to every earlier key), and three a
               (ulysses.py); needs the heads to divide by n
 
 Parameters are not split: cp ranks hold the same weights and see different tokens of the same
-rows, so for gradients they are data-parallel replicas. Each rank's backward starts from its own
-tokens' mean loss, and the gradient average over dp x cp (``mesh.dp_cp_group``: DataParallel or
-ZeRO) makes it the gradient of the whole sequence's mean loss. The loss a rank reports is averaged
-over the cp group in forward (one scalar all-reduce), so every rank reports the one-process loss.
+rows. The loss is the mean over the cp ranks' token means (one scalar all-reduce in forward, so
+every rank reports the one-process loss), and its backward is that mean's exact derivative, 1/cp
+to each rank: every activation gradient then has the value it has in one process (in float16 a
+smaller slice of tokens does not scale gradients up toward overflow). A rank's parameter gradient
+is the part its tokens contribute, so the gradient sync over dp x cp (``mesh.dp_cp_group``,
+DataParallel or ZeRO with ``replicas = dp``) sums over cp and averages over dp.
 
 Composition: tensor parallelism splits the heads first; ring attention then runs on this tp rank's
 heads, Ulysses splits them further by n. Sequence parallelism cuts this rank's T/n tokens again by
@@ -39,16 +41,17 @@ def tokens_multiple(cp_size: int, algorithm: str) -> int:
 
 class AverageOverContextParallel(Function):
     """Forward: the mean of the cp ranks' losses (an all-reduce of one value), so every rank
-    reports the whole sequence's loss. Backward: identity, each rank's own tokens' loss, since the
-    gradient average over dp x cp completes the mean (a cp-average taken twice would divide by n twice)."""
+    reports the whole sequence's loss. Backward: its derivative with respect to this rank's loss,
+    ``grad / cp`` (no communication: the other ranks' terms are theirs)."""
 
     @staticmethod
     def forward(ctx, loss, group):
+        ctx.n = group.size
         return group.all_reduce(loss.reshape(1).copy(), op="avg").reshape(loss.shape)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad / ctx.n, None
 
 
 class ContextParallel:

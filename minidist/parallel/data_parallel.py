@@ -59,16 +59,21 @@ class DataParallel:
     ``zero_grad()``; then backward passes (all but the last inside ``no_sync()``); then ``finish()``,
     after which every ``p.grad`` holds the gradient averaged over the dp ranks. Sends: one
     ``all_reduce(op="avg")`` of each bucket's flat buffer per step, in bucket order.
+
+    ``replicas`` (default: every rank of the group) is how many of the group's ranks are data
+    replicas; under context parallelism the group is dp x cp and the cp ranks' gradients are parts
+    of one replica's gradient, so they are summed and only the dp replicas averaged
+    (:func:`average_over_replicas`).
     """
 
-    def __init__(self, model, dp_group, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    def __init__(self, model, dp_group, bucket_bytes: int = DEFAULT_BUCKET_BYTES, replicas: int | None = None):
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         named = list(model.named_parameters())
         dtypes = {p.data.dtype for _, p in named}
         if len(dtypes) != 1:
             raise ValueError(f"one dtype for all parameters, please (buckets are flat): got {sorted(map(str, dtypes))}")
-        self.group = dp_group
+        self.group, self.replicas = dp_group, replicas
         self.bucket_bytes = bucket_bytes
         for _, p in named:
             dp_group.broadcast(p.data, src=0)
@@ -130,8 +135,22 @@ class DataParallel:
             bucket = self.buckets[self._next_launch]
             if bucket.pending > 0 and not force:
                 return
-            bucket.work = self.group.all_reduce(bucket.buffer, op="avg", async_op=True)
+            op = average_over_replicas(bucket.buffer, self.group, self.replicas)
+            bucket.work = self.group.all_reduce(bucket.buffer, op=op, async_op=True)
             self._next_launch += 1
+
+
+def average_over_replicas(flat, group, replicas: int | None) -> str:
+    """The rule for a gradient reduction over ``group`` whose ranks hold ``replicas`` data replicas
+    (None: every rank is one): returns the reduce op to send ``flat`` with. Every rank a replica:
+    "avg". Otherwise the other ranks hold parts of one replica's gradient (context parallelism: the
+    cp ranks' tokens), which add up: ``flat`` is divided by ``replicas`` in place (before the sum,
+    as a float16 average is) and summed, "sum"."""
+    if replicas is None or replicas == group.size:
+        return "avg"
+    if replicas != 1:
+        flat *= 1.0 / replicas
+    return "sum"
 
 
 def _fill_buckets(named_params: list, bucket_bytes: int, dtype) -> list[Bucket]:

@@ -51,6 +51,7 @@ from minidist.amp import to_compute, unscale
 from minidist.autograd import Tensor
 from minidist.optim import adamw_update, clip_coef, sgd_update
 from minidist.parallel import accounting, zero3
+from minidist.parallel.data_parallel import average_over_replicas
 from minidist.parallel.flat_buffer import FlatUnit, units_by_module
 
 SLOTS = {"sgd": ("momentum_buf",), "adamw": ("exp_avg", "exp_avg_sq")}
@@ -109,7 +110,7 @@ class ZeroOptimizer:
     def __init__(self, model, dp_group, stage: int, optimizer: str = "adamw", *, lr: float,
                  momentum: float = 0.0, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
                  tp_group=None, pp_group=None, tied_group=None, mixed_precision: str | None = None, scaler=None,
-                 reshard_after_forward: bool = True):
+                 reshard_after_forward: bool = True, replicas: int | None = None):
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
         if optimizer not in SLOTS:
@@ -117,6 +118,7 @@ class ZeroOptimizer:
         if (mixed_precision is None) != (scaler is None):
             raise ValueError("mixed precision needs both its compute dtype and a loss scaler")
         self.model, self.group, self.stage, self.optimizer = model, dp_group, stage, optimizer
+        self.replicas = replicas  # data replicas among the group's ranks (None: all; cp ranks add up)
         self.partitions = STAGES[stage]
         self.lr, self.momentum, self.betas, self.eps, self.weight_decay = lr, momentum, betas, eps, weight_decay
         self.tp_group, self.pp_group, self.tied_group = tp_group, pp_group, tied_group
@@ -191,7 +193,7 @@ class ZeroOptimizer:
         s.ready = 0
         if not self._no_sync:
             self._collect()
-            s.work = reduce_scatter_grads(s.unit, self.group, async_op=True)
+            s.work = reduce_scatter_grads(s.unit, self.group, self.replicas, async_op=True)
             self._in_flight = s
         if self.gatherer is not None and (not self._no_sync or self.gatherer.reshard_after_forward):
             self.gatherer.free([s])
@@ -215,10 +217,11 @@ class ZeroOptimizer:
         for s in self.shards:
             if s.grad_flat is None:
                 continue
+            op = average_over_replicas(s.grad_flat, self.group, self.replicas)
             if self.partitions.optimizer_states:  # my part of the average, written over my part of the buffer
-                s.grad = self.group.reduce_scatter(s.grad_flat, op="avg", out=s.grad_flat[s.unit.lo:s.unit.hi])
+                s.grad = self.group.reduce_scatter(s.grad_flat, op=op, out=s.grad_flat[s.unit.lo:s.unit.hi])
             else:
-                s.grad = self.group.all_reduce(s.grad_flat, op="avg")  # in place: (numel,)
+                s.grad = self.group.all_reduce(s.grad_flat, op=op)  # in place: (numel,)
         self._collect()
         missing = [s.unit.name for s in self.shards if s.ready or s.grad is None]
         if missing:
@@ -399,11 +402,12 @@ class ZeroOptimizer:
         return accounting.zero_formula(self.stage, numel * itemsize, numel * k, self.group.size)
 
 
-def reduce_scatter_grads(unit: FlatUnit, group, async_op: bool = False):
+def reduce_scatter_grads(unit: FlatUnit, group, replicas: int | None = None, async_op: bool = False):
     """Flatten the unit's full parameter gradients, drop them, and reduce-scatter the flat vector
-    (op "avg" over the dp group, in the gradients' dtype): returns this rank's averaged gradient
-    shard (hi - lo,), or with ``async_op`` the Work whose ``wait()`` returns it."""
+    (op "avg" over the dp group, in the gradients' dtype; over ``replicas`` of a dp x cp group:
+    :func:`~minidist.parallel.data_parallel.average_over_replicas`): returns this rank's averaged
+    gradient shard (hi - lo,), or with ``async_op`` the Work whose ``wait()`` returns it."""
     flat = unit.flatten([p.grad for _, p in unit.params])  # (numel,)
     for _, p in unit.params:
         p.grad = None
-    return group.reduce_scatter(flat, op="avg", async_op=async_op)  # (hi - lo,)
+    return group.reduce_scatter(flat, op=average_over_replicas(flat, group, replicas), async_op=async_op)  # (hi - lo,)
