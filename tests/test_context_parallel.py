@@ -152,3 +152,31 @@ def test_a_sequence_that_does_not_cut_evenly_is_refused():
         minidist.run_local(lambda w: ContextParallel(w, "zigzag").positions(6, np), 2)
     with pytest.raises(ValueError, match="one of ring, zigzag, ulysses"):
         ContextParallel(None, "tree")
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "zigzag", "ulysses"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_attention_on_gpu_buffers_over_nccl(algorithm, cp):
+    """Over backend "nccl" (the fake NCCL: ranks as threads, messages matched by order alone, no
+    tags) on device arrays: every hop's sends and receives pair up and nothing deadlocks; the result
+    is one process's attention."""
+    from tests.doubles import fake_cupy, fake_nccl
+    from tests.test_nccl_backend import run_nccl
+    T = 16
+    (q, k, v, dy), expected = _reference(nh=4, T=T)
+    device = fake_cupy.install(nccl=fake_nccl)
+    try:
+        def fn(group):
+            cp_ = ContextParallel(group, algorithm)
+            idx = cp_.positions(T, np)
+            Q, K, V = (Tensor(device.asarray(a[:, :, idx]), requires_grad=True) for a in (q, k, v))
+            y = cp_.attend(Q, K, V)
+            y.backward(device.asarray(dy[:, :, idx]))
+            assert type(y.data) is device.ndarray and type(K.grad) is device.ndarray
+            return idx, [a.get() for a in (y.data, Q.grad, K.grad, V.grad)]
+        results = run_nccl(fn, cp, timeout=10.0)
+    finally:
+        fake_cupy.uninstall()
+    for idx, got in results:
+        for a, b in zip(got, expected):
+            assert _relative_error(a, b[:, :, idx]) < 1e-10

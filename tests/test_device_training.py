@@ -5,7 +5,7 @@ with NumPy arrays (TypeError), as CuPy's do. So a run on device arrays must give
 and weights of the same run on NumPy, and any host buffer the training stack makes for a device
 model (a gradient bucket, a ZeRO flat buffer, a pipeline receive buffer, an optimizer state, a
 loss-scaling seed) fails here as it would on a GPU. Covered: one process (SGD with momentum, AdamW),
-data, tensor, sequence and pipeline parallelism, ZeRO 1-3, recomputation, float16 mixed precision,
+data, tensor, sequence, context and pipeline parallelism, ZeRO 1-3, recomputation, float16 mixed precision,
 checkpoints, and the command line's refusals.
 """
 import dataclasses
@@ -50,7 +50,7 @@ def run(cfg):
         model, history = train(cfg, progress=False, world=group)
         return ([r["loss"] for r in history], [r["val_loss"] for r in history if "val_loss" in r], model.state_dict(),
                 {type(p.data) for p in model.parameters()})
-    return run_local(body, cfg.dp * cfg.pp * cfg.tp)
+    return run_local(body, cfg.dp * cfg.pp * cfg.cp * cfg.tp)
 
 
 def assert_same_arrays(got: dict, want: dict, rtol: float, atol: float) -> None:
@@ -93,6 +93,8 @@ def test_data_parallel_on_device_arrays_trains_bitwise_like_numpy(cupy, data_dir
     dict(dp=2, pp=2, zero=3, micro_batches=2), dict(dp=2, tp=2, zero=2, sequence_parallel=True),
     dict(dp=2, zero=3, recompute=True), dict(dp=2, zero=3, dtype="bfloat16"),
     dict(dp=2, pp=2, zero=2, micro_batches=2, dtype="bfloat16"),
+    dict(cp=2), dict(cp=2, cp_algorithm="zigzag", tp=2, sequence_parallel=True),
+    dict(cp=2, cp_algorithm="ulysses", dp=2, zero=3), dict(cp=2, cp_algorithm="zigzag", pp=2, micro_batches=2),
 ], ids=lambda c: " ".join(f"{k}={v}" for k, v in c.items()))
 def test_parallel_layouts_on_device_arrays_train_bitwise_like_numpy(cupy, data_dir, tmp_path, changes):
     cfg = dataclasses.replace(TrainConfig(**TINY, data_dir=data_dir, optimizer="adamw"), **changes)

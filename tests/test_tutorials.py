@@ -55,6 +55,15 @@ LESSONS = [
         (r"step 2 rank \d: .* SKIPPED, scale 65536 -> 32768, skipped steps 1", 4),
         (r"step 3 rank \d: .* updated, scale 32768", 4),
         r"Mixed-precision ZeRO holds what the paper says, skips an overflow on every rank"]),
+    ("10_context_parallel.py", 4, ["--local", "4"], [
+        r"     1  kv 12-15 +- +kv 0-3 +F +kv 4-7 +F +kv 8-11 +F",  # contiguous: rank 0 skips, the others compute
+        r"     1  kv 6-7,8-9 +--FF +kv 0-1,14-15 +F-F-",  # zig-zag: half of every block it meets
+        (r"  hop \d: 0->1  1->2  2->3  3->0", 3),  # from the trace of a real ring_attention call
+        r"zig-zag +2 +2 +2 +2 +max/min 1\n",
+        r"rank 3: \(1, 4, 4, 8\) heads 0-3, tokens 12-15 +->  \(1, 1, 16, 8\) head 3, tokens 0-15",
+        r"the 6 heads of each tp rank .* do not divide by cp 4: use --cp-algorithm ring or zigzag",
+        (r"  (ring|zigzag|ulysses) +\d\.\de[-+]\d\d +3\.\d{12} \(", 3),
+        r"Ring, zig-zag and Ulysses attention equal one process's to 1e-10; zig-zag balances the causal work"]),
 ]
 SECONDS = 60
 
