@@ -67,9 +67,11 @@ def block_plan(q_chunks, kv_chunks) -> list[tuple[int, int, str]]:
 
 
 def causal_work(T: int, cp_size: int, zigzag: bool) -> list[float]:
-    """Attention work per cp rank in one forward, in (T/cp x T/cp)-block units: a pair without mask
-    counts its full area, a causal pair half of it. Contiguous: rank r does r + 1/2; zig-zag: every
-    rank cp / 2 (the same for all). This is what :class:`RingAttention` computes, pair for pair."""
+    """Useful attention work per cp rank in one forward, in (T/cp x T/cp)-block units: the
+    unmasked area of the pairs :class:`RingAttention` computes (:func:`block_plan`), a pair without
+    mask counting its full area, a causal pair half of it. Contiguous: rank r does r + 1/2; zig-zag:
+    every rank cp / 2. (A causal pair is computed whole and then half masked, so the area actually
+    computed is r + 1 blocks, and cp / 2 + 1/4 for zig-zag: balanced all the same.)"""
     area = (T / cp_size) ** 2
     work = []
     for r in range(cp_size):
