@@ -3,25 +3,32 @@
     mpiexec -n 4 python benchmarks/collectives.py --json out/collectives.json --plot out/busbw.png
     mpiexec -n 2 python benchmarks/collectives.py --quick
     mpiexec -n 2 python benchmarks/collectives.py --device cuda     # GPU buffers: ring vs NCCL
+    mpiexec -n 4 python benchmarks/collectives.py --collectives all_to_all --all-to-all-algorithms
 
 ``--device cuda`` puts every buffer on the GPU (CuPy) and compares backend "ring" (over MPI, staged
 through pinned host memory unless MPI is CUDA-aware) with backend "nccl" (NCCL's own collectives);
 "mpi" joins only when MPI is CUDA-aware. NCCL needs one GPU per rank. Each timed repeat ends by
 synchronising the GPU, so kernels still queued are counted.
 
-For each collective (all_reduce, reduce_scatter, all_gather) and each size (bytes of the full,
-unsharded float32 buffer), the two backends are timed ALTERNATELY within one run, so a noisy
-neighbour hurts both equally: backend "ring" (minidist's algorithms over point-to-point; for
-all_reduce, ``algorithm="auto"`` picks recursive doubling for small buffers) and backend "mpi" (MPI's
-own MPI_Allreduce & co). A repeat times ``iters`` back-to-back calls after a barrier; its time is the
-slowest rank's; the table shows the median over repeats.
+For each collective (all_reduce, reduce_scatter, all_gather, all_to_all) and each size (bytes of the
+full, unsharded float32 buffer; for all_to_all, of each rank's input, cut into n equal chunks), the
+two backends are timed ALTERNATELY within one run, so a noisy neighbour hurts both equally: backend
+"ring" (minidist's algorithms over point-to-point; for all_reduce, ``algorithm="auto"`` picks
+recursive doubling for small buffers; for all_to_all, the scattered exchange for chunks under 1 MiB,
+else pairwise) and backend "mpi" (MPI's own MPI_Allreduce & co, MPI_Alltoall for all_to_all). A
+repeat times ``iters`` back-to-back calls after a barrier; its time is the slowest rank's; the table
+shows the median over repeats.
 
 Bandwidths, as nccl-tests defines them: algbw = size / time; busbw = algbw * factor, with factor
-2(n-1)/n for all-reduce and (n-1)/n for reduce-scatter and all-gather: the bytes each rank must put on
-the wire, so busbw is comparable across world sizes and with the link's speed.
+2(n-1)/n for all-reduce and (n-1)/n for reduce-scatter, all-gather and all-to-all: the bytes each
+rank must put on the wire, so busbw is comparable across world sizes and with the link's speed.
 
 #wrong: before timing, each collective runs once on integer-valued inputs (exact in float32) in both
 backends; #wrong counts elements, summed over ranks, where "ring" differs from "mpi".
+
+``--all-to-all-algorithms`` adds two more ring groups to the all_to_all rows, one that always runs the
+pairwise exchange and one that always runs the scattered one, timed alternately with the others:
+the measurement behind ``alltoall.SCATTERED_BELOW_BYTES``.
 """
 from __future__ import annotations
 
@@ -38,8 +45,11 @@ import minidist
 from minidist.comm.ops import bus_factor
 from minidist.device import synchronize, to_numpy
 
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
-STYLES = {"ring": ("o-", "ring (minidist)"), "mpi": ("s--", "mpi (MPI's own)"), "nccl": ("^--", "nccl (NCCL's own)")}
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+STYLES = {"ring": ("o-", "ring (minidist)"), "mpi": ("s--", "mpi (MPI's own)"), "nccl": ("^--", "nccl (NCCL's own)"),
+          "pairwise": ("v:", "all_to_all pairwise (minidist)"), "scattered": ("x:", "all_to_all scattered (minidist)")}
+ALL_TO_ALL_ALGORITHMS = {"pairwise": 0, "scattered": 1 << 62}
+"""``--all-to-all-algorithms``: ring groups whose ``scattered_below_bytes`` forces one algorithm."""
 
 
 def parse_size(text: str) -> int:
@@ -62,21 +72,28 @@ def make_call(group, collective: str, count: int, seed: int | None, xp=np):
         scratch = xp.asarray(full.copy())
         out = xp.empty(np.array_split(full, n)[r].size, np.float32)  # (count/n,)
         return (lambda: group.reduce_scatter(scratch, out=out)), (lambda: out)
+    if collective == "all_to_all":  # n equal chunks: count rounded down to a multiple of n
+        x = xp.asarray(full[:count // n * n].copy())  # (count,)
+        out = xp.empty(count // n * n, np.float32)  # (count,)
+        return (lambda: group.all_to_all(x, out=out)), (lambda: out)
     shard = xp.asarray(np.ascontiguousarray(np.array_split(full, n)[r]))  # (count/n,)
     out = xp.empty(count, np.float32)  # (count,)
     return (lambda: group.all_gather(shard, count=count, out=out)), (lambda: out)
 
 
 def count_wrong(groups, collective: str, count: int, xp) -> int:
-    """Elements (summed over ranks) where backend "ring" and the reference backend (the last one:
-    "mpi" on the host, "nccl" on the GPU) disagree."""
+    """Elements (summed over ranks and groups) where a hand-written group ("ring", and any forced
+    all-to-all algorithm) and the reference backend (the last one: "mpi" on the host, "nccl" on the
+    GPU) disagree."""
     results = {}
     for name, group in groups.items():
         call, result = make_call(group, collective, count, seed=count, xp=xp)
         call()
         results[name] = to_numpy(result())
     reference = list(groups)[-1]
-    return MPI.COMM_WORLD.allreduce(int(np.count_nonzero(results["ring"] != results[reference])))
+    wrong = sum(int(np.count_nonzero(got != results[reference])) for name, got in results.items()
+                if name == "ring" or name in ALL_TO_ALL_ALGORITHMS)
+    return MPI.COMM_WORLD.allreduce(wrong)
 
 
 def time_calls(call, iters: int, buf) -> float:
@@ -93,6 +110,8 @@ def time_calls(call, iters: int, buf) -> float:
 def measure(groups, collective: str, nbytes: int, repeats: int, budget_bytes: int, xp=np) -> list[dict]:
     """One table row per backend for ``collective`` on ``nbytes``, timed alternately."""
     n = MPI.COMM_WORLD.size
+    if collective != "all_to_all":  # the forced all-to-all algorithms have nothing else to show
+        groups = {name: g for name, g in groups.items() if name not in ALL_TO_ALL_ALGORITHMS}
     count = nbytes // 4
     wrong = count_wrong(groups, collective, count, xp)
     calls = {name: make_call(g, collective, count, seed=None, xp=xp) for name, g in groups.items()}
@@ -108,32 +127,32 @@ def measure(groups, collective: str, nbytes: int, repeats: int, budget_bytes: in
         seconds = statistics.median(times[name])
         algbw = nbytes / seconds / 1e9
         rows.append(dict(collective=collective, backend=name, device=xp.__name__, size=nbytes, count=count, type="float",
-                         redop="sum" if collective != "all_gather" else "none", time_us=seconds * 1e6,
+                         redop="none" if collective in ("all_gather", "all_to_all") else "sum", time_us=seconds * 1e6,
                          algbw=algbw, busbw=algbw * bus_factor(collective, n), wrong=wrong,
                          iters=iters, repeats=repeats))
     return rows
 
 
 def format_row(row: dict) -> str:
-    return (f"{row['collective']:>14} {row['backend']:>5} {row['size']:>10} {row['count']:>9} {row['type']:>6} "
+    return (f"{row['collective']:>14} {row['backend']:>9} {row['size']:>10} {row['count']:>9} {row['type']:>6} "
             f"{row['redop']:>5} {row['time_us']:>11.1f} {row['algbw']:>7.3f} {row['busbw']:>7.3f} {row['wrong']:>6}")
 
 
-HEADER = (f"{'collective':>14} {'back':>5} {'size(B)':>10} {'count':>9} {'type':>6} {'redop':>5} "
+HEADER = (f"{'collective':>14} {'backend':>9} {'size(B)':>10} {'count':>9} {'type':>6} {'redop':>5} "
           f"{'time(us)':>11} {'algbw':>7} {'busbw':>7} {'#wrong':>6}\n"
-          f"{'':>14} {'end':>5} {'':>10} {'':>9} {'':>6} {'':>5} {'':>11} {'(GB/s)':>7} {'(GB/s)':>7}")
+          f"{'':>14} {'':>9} {'':>10} {'':>9} {'':>6} {'':>5} {'':>11} {'(GB/s)':>7} {'(GB/s)':>7}")
 
 
 def plot(runs: list[tuple[int, list[dict]]], path: str) -> None:
-    """busbw against size: one row of panels per run (world size), one panel per collective, one
-    line per backend."""
+    """busbw against size: one row of panels per run (world size), one panel per collective measured,
+    one line per backend."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(len(runs), len(COLLECTIVES), figsize=(5 * len(COLLECTIVES), 3.6 * len(runs)),
-                             squeeze=False)
+    shown = [c for c in COLLECTIVES if any(r["collective"] == c for _, rows in runs for r in rows)]
+    fig, axes = plt.subplots(len(runs), len(shown), figsize=(5 * len(shown), 3.6 * len(runs)), squeeze=False)
     for (n, rows), row_axes in zip(runs, axes):
-        for ax, collective in zip(row_axes, COLLECTIVES):
+        for ax, collective in zip(row_axes, shown):
             for backend, (style, label) in STYLES.items():
                 pts = [(r["size"], r["busbw"]) for r in rows
                        if r["collective"] == collective and r["backend"] == backend]
@@ -143,9 +162,14 @@ def plot(runs: list[tuple[int, list[dict]]], path: str) -> None:
             ax.set(xscale="log", title=f"{collective}, {n} ranks{on}", xlabel="size (bytes, float32)",
                    ylabel="busbw (GB/s)")
             ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend()
+    for ax in axes[0]:
+        ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def size_label(size: int) -> str:
+    return f"{size // 2**20} MiB" if size >= 2**20 else f"{size // 2**10} KiB"
 
 
 def markdown(runs: list[tuple[int, list[dict]]]) -> str:
@@ -166,11 +190,19 @@ def markdown(runs: list[tuple[int, list[dict]]]) -> str:
                     "|---:|---:|---:|---:|---:|---:|---:|"]
             for size in sizes:
                 ring, other = by[("ring", size)], by[(ref, size)]
-                label = f"{size // 2**20} MiB" if size >= 2**20 else f"{size // 2**10} KiB"
-                out.append(f"| {label} | {ring['time_us']:.1f} | {other['time_us']:.1f} | {ring['busbw']:.3f} | "
-                           f"{other['busbw']:.3f} | {ring['busbw'] / other['busbw']:.2f} | "
+                out.append(f"| {size_label(size)} | {ring['time_us']:.1f} | {other['time_us']:.1f} | "
+                           f"{ring['busbw']:.3f} | {other['busbw']:.3f} | {ring['busbw'] / other['busbw']:.2f} | "
                            f"{ring['wrong'] + other['wrong']} |")
             out.append("")
+            if any((name, sizes[0]) in by for name in ALL_TO_ALL_ALGORITHMS):
+                out += [f"### {collective} algorithms, {n} ranks", "",
+                        f"| size | pairwise (us) | scattered (us) | auto (us) | {ref} (us) | scattered / pairwise |",
+                        "|---:|---:|---:|---:|---:|---:|"]
+                for size in sizes:
+                    pw, sc = by[("pairwise", size)]["time_us"], by[("scattered", size)]["time_us"]
+                    out.append(f"| {size_label(size)} | {pw:.1f} | {sc:.1f} | {by[('ring', size)]['time_us']:.1f} | "
+                               f"{by[(ref, size)]['time_us']:.1f} | {sc / pw:.2f} |")
+                out.append("")
     return "\n".join(out)
 
 
@@ -187,6 +219,8 @@ def main() -> None:
                                              "doubling (default: the library's)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the buffers live: host memory (ring vs MPI's own) or the GPU (ring vs NCCL)")
+    p.add_argument("--all-to-all-algorithms", action="store_true",
+                   help="also time all_to_all's pairwise and scattered exchanges, each forced")
     p.add_argument("--quick", action="store_true", help="smoke test: 1K..64K, 2 repeats, small budget")
     p.add_argument("--json", help="write the rows and the machine description to this JSON file")
     p.add_argument("--plot", help="write a PNG of busbw against size to this path")
@@ -220,6 +254,12 @@ def main() -> None:
         groups["nccl"] = nccl  # last: the reference the ring is checked against
     else:
         groups = {"ring": group("ring"), "mpi": group("mpi")}
+    if args.all_to_all_algorithms:  # before the reference, which stays last
+        forced = {name: group("ring") for name in ALL_TO_ALL_ALGORITHMS}
+        for name, g in forced.items():
+            g.scattered_below_bytes = ALL_TO_ALL_ALGORITHMS[name]
+        *others, reference = groups
+        groups = {**{name: groups[name] for name in others}, **forced, reference: groups[reference]}
     if args.segment_bytes:
         groups["ring"].segment_bytes = parse_size(args.segment_bytes)
     if args.threshold_bytes:

@@ -5,7 +5,7 @@
     mpiexec -n 2 python benchmarks/mismatch_check.py --train dp2,tp2     # what it costs a training step
 
 Two groups over the same MPI transport: one with ``check_calls=True`` (the default: every collective
-first swaps a 48-byte fingerprint with its ring neighbours, ``minidist/comm/fingerprint.py``), one with
+first swaps a 56-byte fingerprint with its ring neighbours, ``minidist/comm/fingerprint.py``), one with
 ``check_calls=False``; a third, ``debug=True``, all-gathers the fingerprints instead. They are timed
 ALTERNATELY, repeat by repeat, so a noisy neighbour hurts all of them alike. A repeat times ``iters``
 back-to-back float32 all-reduces after a barrier; its time is the slowest rank's; the table shows the

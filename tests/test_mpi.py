@@ -1,9 +1,10 @@
 """The collective engine under real MPI: separate processes started by mpiexec.
 
 Each test launches one mpiexec job (a rank script in tests/mpi/) and reads what the ranks printed.
-The hand-written ring must equal MPI's own collectives bit for bit on 2, 3 and 4 ranks; a rank that
-skips a collective, a debug-mode mismatch, and a crashing rank must each end the job with a clear
-error, never a hang (the harness kills a job that outlives its timeout, failing the test).
+The hand-written ring and all-to-all must equal MPI's own collectives bit for bit on 2, 3 and 4
+ranks; a rank that skips a collective, a debug-mode mismatch, and a crashing rank must each end the
+job with a clear error, never a hang (the harness kills a job that outlives its timeout, failing the
+test).
 """
 import json
 import re
@@ -22,6 +23,13 @@ needs_mpi = pytest.mark.skipif(find_mpiexec() is None, reason="mpiexec not found
 @needs_mpi
 def test_ring_equals_mpi_for_every_collective_dtype_op_and_count(n):
     run = run_mpi(n, "ring_equals_mpi.py", timeout=120)
+    assert re.search(rf"OK \d+ checks on {n} ranks", run.stdout), run.output
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@needs_mpi
+def test_all_to_all_equals_mpis_own_and_refuses_counts_that_disagree(n):
+    run = run_mpi(n, "all_to_all_equals_mpi.py", timeout=60)
     assert re.search(rf"OK \d+ checks on {n} ranks", run.stdout), run.output
 
 
@@ -66,7 +74,7 @@ def test_benchmark_quick_runs_and_the_backends_agree(tmp_path):
     run_mpi(3, script, "--quick", "--json", tmp_path / "b.json", "--plot", tmp_path / "b.png", timeout=120)
     rows = json.loads((tmp_path / "b.json").read_text())["rows"]
     assert {(r["collective"], r["backend"]) for r in rows} == {
-        (c, b) for c in ("all_reduce", "reduce_scatter", "all_gather") for b in ("ring", "mpi")}
+        (c, b) for c in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all") for b in ("ring", "mpi")}
     for r in rows:
         assert r["wrong"] == 0 and r["time_us"] > 0
         assert r["algbw"] == pytest.approx(r["size"] / r["time_us"] / 1e3)  # GB/s

@@ -23,7 +23,7 @@ why NCCL, Horovod and this library use the ring for large buffers.
 Part 3 shows what goes wrong when ranks do not play along, on 4 ranks as threads: one rank asks for 4
 float64 while the others ask for 8 float32 (the same 32 bytes: the ring alone would happily add them
 up), and one rank that sleeps through an all-reduce. Before every collective each rank swaps a
-48-byte fingerprint of the call with its two ring neighbours, so the first is caught before any data
+56-byte fingerprint of the call with its two ring neighbours, so the first is caught before any data
 moves; the second ends in a time-out whose census names the sleeper, not the neighbour waiting on it.
 """
 import argparse

@@ -13,7 +13,7 @@ import numpy as np
 
 from minidist.comm.ops import DTYPES, GROUP_OPS, split_counts
 from minidist.comm.tags import COLLECTIVE_TAG_BASE
-from minidist.device import get_array_module, is_cupy
+from minidist.device import data_pointer, get_array_module, is_cupy
 
 ALGORITHMS = ("auto", "ring", "doubling")
 """What ``all_reduce(algorithm=...)`` accepts."""
@@ -109,3 +109,51 @@ def out_array(group, out, shape, dtype, like):
         raise ValueError(f"rank {group.rank}: out must hold {math.prod(shape)} x {np.dtype(dtype)} "
                          f"(shape {shape}), got {out.size} x {out.dtype}")
     return out
+
+
+def all_to_all_rows(group, x, send_counts, recv_counts) -> tuple[list[int], list[int] | None]:
+    """The rows of ``x`` (along axis 0) this rank sends to each rank, and the rows it receives from
+    each: both equal splits when the counts are None (``x.shape[0]`` must be divisible by the group
+    size), else ``group.size`` non-negative ints each, ``send_counts`` summing to ``x.shape[0]``. The
+    received rows are None when ``send_counts`` is given without ``recv_counts``: the peers tell."""
+    n, rank, rows = group.size, group.rank, x.shape[0]
+    if send_counts is None:
+        if rows % n:
+            raise ValueError(f"rank {rank}: all_to_all without send_counts cuts x into {n} equal chunks along "
+                             f"axis 0, but x has {rows} rows, not a multiple of {n}; pass send_counts for "
+                             f"uneven chunks")
+        send = [rows // n] * n
+    else:
+        send = _rank_counts(group, send_counts, "send_counts")
+        if sum(send) != rows:
+            raise ValueError(f"rank {rank}: send_counts {send} sum to {sum(send)}, but x has {rows} rows "
+                             f"along axis 0")
+    if recv_counts is None:
+        return send, (list(send) if send_counts is None else None)
+    recv = _rank_counts(group, recv_counts, "recv_counts")
+    if recv[rank] != send[rank]:
+        raise ValueError(f"rank {rank}: sends itself {send[rank]} rows (send_counts[{rank}]) but expects "
+                         f"{recv[rank]} (recv_counts[{rank}])")
+    return send, recv
+
+
+def _rank_counts(group, counts, what) -> list[int]:
+    """``counts`` as a list of ``group.size`` non-negative ints (rows per rank), or a ValueError."""
+    try:
+        values = list(counts)
+    except TypeError:
+        values = None
+    if (values is None or len(values) != group.size
+            or not all(isinstance(c, (int, np.integer)) and not isinstance(c, bool) and c >= 0 for c in values)):
+        raise ValueError(f"rank {group.rank}: {what} must be {group.size} non-negative ints (rows per rank, "
+                         f"one per rank of group '{group.name}'), got {counts!r}")
+    return [int(c) for c in values]
+
+
+def apart(group, out, x) -> None:
+    """``out`` does not overlap ``x`` (an all-to-all cannot work in place: it would overwrite chunks
+    it has yet to send)."""
+    if out.nbytes and x.nbytes and is_cupy(out) == is_cupy(x):
+        lo_out, lo_x = data_pointer(out), data_pointer(x)
+        if lo_out < lo_x + x.nbytes and lo_x < lo_out + out.nbytes:
+            raise ValueError(f"rank {group.rank}: out overlaps x; all_to_all needs a separate output")

@@ -11,16 +11,16 @@ never answers surfaces as :class:`CommTimeoutError` naming the operation, its nu
 the peer, and, from a census of the group (``census.py``), the rank that never arrived. Message tags:
 ``tags.py``.
 
-``async_op=True`` (all_reduce, reduce_scatter, all_gather) queues the collective on the group's
-communication thread and returns a :class:`~minidist.comm.work.Work` at once (see ``work.py``):
-queued collectives run in issue order, and a blocking collective waits for them first.
+``async_op=True`` (all_reduce, reduce_scatter, all_gather, all_to_all) queues the collective on the
+group's communication thread and returns a :class:`~minidist.comm.work.Work` at once (see
+``work.py``): queued collectives run in issue order, and a blocking collective waits for them first.
 
-``backend="ring"`` runs the hand-written algorithms (``ring``, ``doubling``, ``rooted``) over the
-transport; ``backend="mpi"`` hands the collectives to MPI's own (``native``), which needs an
-``MPITransport``; ``backend="nccl"`` hands collectives and point-to-point calls on GPU (CuPy) arrays
-to NCCL (``nccl``), one communicator per group, while host (NumPy) arrays, such as a flag or a
-gathered log line, still go over the transport with the hand-written algorithms. ``algorithm="ring"``
-or ``"doubling"`` forces a hand-written all-reduce on any.
+``backend="ring"`` runs the hand-written algorithms (``ring``, ``doubling``, ``rooted``,
+``alltoall``) over the transport; ``backend="mpi"`` hands the collectives to MPI's own (``native``),
+which needs an ``MPITransport``; ``backend="nccl"`` hands collectives and point-to-point calls on GPU
+(CuPy) arrays to NCCL (``nccl``), one communicator per group, while host (NumPy) arrays, such as a
+flag or a gathered log line, still go over the transport with the hand-written algorithms.
+``algorithm="ring"`` or ``"doubling"`` forces a hand-written all-reduce on any.
 """
 from __future__ import annotations
 
@@ -30,12 +30,12 @@ from functools import partial
 
 import numpy as np
 
-from minidist.comm import census, checks, doubling, ring, rooted
+from minidist.comm import alltoall, census, checks, doubling, ring, rooted
 from minidist.comm.fingerprint import check_call
 from minidist.comm.ops import Workspace, averages_first, divide_by_size, split_counts
 from minidist.comm.tags import TAG_GATHER_BYTES
 from minidist.comm.trace import Trace
-from minidist.comm.transport import CommTimeoutError, PeerTimeout, Request
+from minidist.comm.transport import CollectiveMismatchError, CommTimeoutError, PeerTimeout, Request
 from minidist.comm.work import CommStream
 from minidist.device import device_of, is_cupy
 
@@ -54,13 +54,15 @@ class ProcessGroup:
     ``rank``/``size`` are this rank's number and the group's size; ``trace`` records every call
     (pass one to share it, e.g. between a group and its sub-groups); ``threshold_bytes`` is where
     ``all_reduce(algorithm="auto")`` switches from recursive doubling to the ring; ``segment_bytes``
-    is the ring's segment size; ``check_calls`` compares every collective's fingerprint with the ring
-    neighbours first, ``debug`` with every rank.
+    is the ring's segment size; ``scattered_below_bytes`` is the mean chunk size below which
+    ``all_to_all`` posts all its messages at once rather than in pairwise steps; ``check_calls``
+    compares every collective's fingerprint with the ring neighbours first, ``debug`` with every rank.
     """
 
     def __init__(self, transport, *, backend: str = "ring", trace: Trace | None = None, debug: bool = False,
                  threshold_bytes: int = DEFAULT_THRESHOLD_BYTES, name: str = "world",
-                 segment_bytes: int = ring.SEGMENT_BYTES, flight_recorder=None, check_calls: bool = True):
+                 segment_bytes: int = ring.SEGMENT_BYTES, flight_recorder=None, check_calls: bool = True,
+                 scattered_below_bytes: int = alltoall.SCATTERED_BELOW_BYTES):
         if backend not in ("ring", "mpi", "nccl"):
             raise ValueError(f"backend must be 'ring', 'mpi' or 'nccl', got {backend!r}")
         self.transport = transport
@@ -68,6 +70,7 @@ class ProcessGroup:
         self.backend, self.debug, self.name, self.check_calls = backend, debug, name, check_calls
         self.trace = trace if trace is not None else Trace(transport.rank)
         self.threshold_bytes, self.segment_bytes = threshold_bytes, segment_bytes
+        self.scattered_below_bytes = scattered_below_bytes
         self.flight_recorder = flight_recorder  # dumps the trace's last calls when one times out
         self.seq = 0  # collectives called so far: the same on every rank
         self.p2p_seq = 0  # point-to-point calls so far: differs between ranks
@@ -171,6 +174,80 @@ class ProcessGroup:
         return self._dispatch("all_gather", run, self._algorithm("ring", shard), out.nbytes, async_op=async_op,
                               like=shard, dtype=shard.dtype, count=out.size)
 
+    def all_to_all(self, x, send_counts=None, recv_counts=None, out=None, async_op: bool = False):
+        """Rank r sends chunk j of ``x`` (along axis 0) to rank j and returns the chunks it receives
+        from ranks 0..n-1, concatenated along axis 0 in rank order (torch.distributed's
+        ``all_to_all_single``, with counts in rows). The trailing axes and the dtype must be the same
+        on every rank; ``x`` is not modified.
+
+        ``send_counts``: the rows of ``x`` for each rank, n non-negative ints summing to
+        ``x.shape[0]`` (zeros allowed); None cuts ``x`` into n equal chunks (``x.shape[0]`` must be
+        divisible by n). ``recv_counts``: the rows this rank receives from each rank. The ranks pass
+        their counts the same way (the fingerprint checks it), one of
+
+        - neither: equal chunks, and every rank's ``x`` has as many rows (checked too);
+        - ``recv_counts`` (and ``send_counts`` or not): given;
+        - ``send_counts`` alone: learned, the peers say what they send (below).
+
+        ``out``: where the result goes (the right dtype and size, not overlapping ``x``). With
+        ``async_op``: a Work whose ``wait()`` returns the result.
+
+        What it sends: this rank's chunk j to rank j, one message per peer (``alltoall.py``: n-1
+        sendrecv steps, or all at once when its mean chunk is under ``scattered_below_bytes``;
+        ``MPI_Alltoall(v)`` on backend "mpi"; one NCCL group of sends and receives on "nccl"); its own
+        chunk is a local copy. (n-1)/n of ``x`` crosses the links. Before the chunks, a small
+        all-to-all of the counts (``alltoall.exchange_counts``: 2 int64 per pair of ranks, over the
+        host transport) when the counts are
+
+        - learned: it is how each rank learns what it will receive (``out`` is sized, and checked,
+          only then);
+        - given, on backends "mpi" and "nccl" with ``check_calls`` (the default): what each rank
+          expects is compared with what its peers send before the library gets the counts, since
+          MPI and NCCL do not notice a message shorter than its receive. Both ranks of a pair that
+          disagree raise CollectiveMismatchError. ``check_calls=False`` trusts the counts, as MPI
+          and NCCL do;
+        - given, in ``debug`` mode, on every backend (the same check).
+
+        On backend "ring" each message's size is checked against its receive buffer by the
+        transport, so a peer that sends other than given ``recv_counts`` say fails there (a
+        ValueError naming it) with no exchange needed. As for every collective, the fingerprint
+        checked first covers the dtype and the elements per row (as its ``count``)."""
+        checks.check_array(self, x, "x", writeable=False, min_ndim=1)
+        send_rows, recv_rows = checks.all_to_all_rows(self, x, send_counts, recv_counts)
+        row = math.prod(x.shape[1:])  # elements per row
+        if out is not None:
+            checks.check_array(self, out, "out", like=x)
+            checks.apart(self, out, x)
+        if recv_rows is not None:  # sized now; else once the peers have said (below)
+            out = checks.out_array(self, out, (sum(recv_rows),) + x.shape[1:], x.dtype, like=x)
+        native = self._native_for(x)
+        if send_counts is None and recv_counts is None:
+            how = x.shape[0]  # equal chunks: every rank must have as many rows (the fingerprint checks)
+        else:
+            how = "learned" if recv_rows is None else "given"
+        exchange = how == "learned" or how == "given" and (self.debug or self.check_calls and native is not None)
+        algorithm = alltoall.pick(x.nbytes, self.size, self.scattered_below_bytes)  # by this rank's chunk size
+
+        def run():
+            result, rows = out, recv_rows
+            if exchange:
+                learned, problems = alltoall.exchange_counts(self.transport, send_rows, recv_rows)
+                if problems:
+                    raise CollectiveMismatchError(f"all_to_all #{self.seq} on group '{self.name}': "
+                                                  + "; ".join(problems))
+                if rows is None:
+                    rows = learned
+                    result = checks.out_array(self, out, (sum(rows),) + x.shape[1:], x.dtype, like=x)
+            sent, received = [c * row for c in send_rows], [c * row for c in rows]  # elements per rank
+            if native:
+                native.all_to_all(x.reshape(-1), sent, result.reshape(-1), received, equal=isinstance(how, int))
+            else:
+                alltoall.all_to_all(self.transport, x.reshape(-1), sent, result.reshape(-1), received,
+                                    algorithm=algorithm)
+            return result
+        return self._dispatch("all_to_all", run, self._algorithm(algorithm, x), x.nbytes, async_op=async_op,
+                              like=x, dtype=x.dtype, count=row, recv_counts=how)
+
     def broadcast(self, x, src: int = 0):
         """Every rank's ``x`` becomes ``src``'s ``x``, in place; returns ``x``."""
         checks.check_array(self, x, "x")
@@ -255,7 +332,7 @@ class ProcessGroup:
             return None
         return ProcessGroup(sub, backend=self.backend, trace=self.trace, debug=self.debug,
                             threshold_bytes=self.threshold_bytes, segment_bytes=self.segment_bytes,
-                            check_calls=self.check_calls,
+                            check_calls=self.check_calls, scattered_below_bytes=self.scattered_below_bytes,
                             flight_recorder=self.flight_recorder, name=name if name is not None else f"{self.name}/split{self._splits}.{color}")
 
     # ---- point to point -----------------------------------------------------------------------------
@@ -298,14 +375,16 @@ class ProcessGroup:
     # ---- bookkeeping ------------------------------------------------------------------------------
 
     def _dispatch(self, name, run, algorithm, nbytes, *, async_op=False, like=None, op=None, dtype=None, count=0,
-                  root=-1):
+                  root=-1, recv_counts=None):
         """The one path of every collective, once its arguments are checked: after the collectives
         queued before it, number it, check its fingerprint, record it in the trace and ``run()`` it,
         now or (``async_op``) on the group's communication thread, returning its Work. ``op``,
-        ``dtype``, ``count`` and ``root`` describe the call for the fingerprint. A GPU array's kernels
-        must run on its own GPU, so the communication thread makes ``like``'s GPU current for the call."""
+        ``dtype``, ``count``, ``root`` and ``recv_counts`` describe the call for the fingerprint. A GPU
+        array's kernels must run on its own GPU, so the communication thread makes ``like``'s GPU
+        current for the call."""
         def collective():
-            with self._collective(name, algorithm, nbytes, op=op, dtype=dtype, count=count, root=root):
+            with self._collective(name, algorithm, nbytes, op=op, dtype=dtype, count=count, root=root,
+                                  recv_counts=recv_counts):
                 return run()
         if async_op:
             def on_its_gpu():
@@ -332,7 +411,7 @@ class ProcessGroup:
         return self.backend if self._native_for(x) else hand_written
 
     @contextmanager
-    def _collective(self, name, algorithm, nbytes, *, op=None, dtype=None, count=0, root=-1):
+    def _collective(self, name, algorithm, nbytes, *, op=None, dtype=None, count=0, root=-1, recv_counts=None):
         """Number a collective, record it in the trace, check that the ranks called the same one
         (``fingerprint.py``: with the ring neighbours, or in debug mode with everyone), and report a
         peer that never answers as CommTimeoutError naming the ranks that never arrived."""
@@ -340,7 +419,8 @@ class ProcessGroup:
         with self._timeouts(name, self.seq, collective=True), self.trace.record(
                 name, group=self.name, algorithm=algorithm, nbytes=nbytes, seq=self.seq):
             if self.debug or self.check_calls:
-                check_call(self.transport, self.name, name, op, dtype, count, root, self.seq, everyone=self.debug)
+                check_call(self.transport, self.name, name, op, dtype, count, root, self.seq, everyone=self.debug,
+                           recv_counts=recv_counts)
             yield
 
     @contextmanager

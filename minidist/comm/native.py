@@ -1,9 +1,10 @@
 """backend="mpi": MPI's own collectives, with the meaning of the hand-written algorithms.
 
-``ring.py``, ``doubling.py`` and ``rooted.py`` build every collective from point-to-point messages.
-This file hands the same calls to the MPI library instead (``MPI_Allreduce``, ``MPI_Reduce_scatter``,
-``MPI_Allgatherv``, ...), which picks its own algorithm. It is the reference the hand-written ring is
-tested against and the peer the benchmark measures it against.
+``ring.py``, ``doubling.py``, ``rooted.py`` and ``alltoall.py`` build every collective from
+point-to-point messages. This file hands the same calls to the MPI library instead (``MPI_Allreduce``,
+``MPI_Reduce_scatter``, ``MPI_Allgatherv``, ``MPI_Alltoallv``, ...), which picks its own algorithm.
+It is the reference the hand-written ring is tested against and the peer the benchmark measures it
+against.
 
 :class:`MPICollectives` is bound to one :class:`~minidist.comm.mpi_transport.MPITransport` (it uses
 its ``comm``); its methods take flat, contiguous 1-D arrays and have the names and meaning of
@@ -54,6 +55,21 @@ class MPICollectives:
             self.comm.Allgatherv(self.MPI.IN_PLACE, recv)
         else:
             self.comm.Allgatherv([shard, mpi_type], recv)
+
+    def all_to_all(self, send, send_counts, recv, recv_counts, equal: bool = False) -> None:
+        """Send ``send``'s chunk j (``send_counts[j]`` elements, at ``sum(send_counts[:j])``) to rank j
+        and receive rank j's chunk for this rank into ``recv`` at ``sum(recv_counts[:j])``
+        (``MPI_Alltoallv``). With ``equal``, which every rank must pass alike (the group's
+        fingerprint checks it), the chunks are all one size and ``MPI_Alltoall`` moves them: MPICH
+        runs it pairwise for large chunks, where its ``MPI_Alltoallv`` posts everything at once, and
+        measured up to 2x faster (benchmarks/RESULTS.md). Ranks must call the same MPI collective,
+        and one rank's counts being equal says nothing about another's, hence the flag."""
+        mpi_type = self._type(send.dtype)
+        if equal:
+            self.comm.Alltoall([send, mpi_type], [recv, mpi_type])
+        else:
+            self.comm.Alltoallv([send, (list(send_counts), offsets(send_counts)), mpi_type],
+                                [recv, (list(recv_counts), offsets(recv_counts)), mpi_type])
 
     def broadcast(self, buf, root: int) -> None:
         """Copy ``root``'s ``buf`` into every rank's ``buf`` (``MPI_Bcast``)."""

@@ -145,6 +145,34 @@ class NCCLCollectives:
         for r, (start, c) in enumerate(zip(offsets(counts), counts)):
             out[start:start + c] = gathered[r * m:r * m + c]
 
+    def all_to_all(self, send, send_counts, recv, recv_counts, equal: bool = False) -> None:
+        """Send ``send``'s chunk j (``send_counts[j]`` elements, at ``sum(send_counts[:j])``) to rank j
+        and receive rank j's chunk for this rank into ``recv`` at ``sum(recv_counts[:j])``
+        (``equal``, equal chunks on every rank, changes nothing here).
+
+        NCCL has no all-to-all of its own: as torch's ``all_to_all_single`` does, it is one NCCL
+        group (``groupStart()``/``groupEnd()``) of an ``ncclSend`` and an ``ncclRecv`` per peer, which
+        NCCL schedules together, so no send waits for a receive posted after it. Empty chunks post
+        nothing (both sides know the size); this rank's own chunk is a copy on the GPU. NCCL cannot
+        tell a short message from a right one: ``ProcessGroup.all_to_all`` checks the counts first."""
+        r, itemsize = self.rank, send.itemsize
+        s_at, r_at = offsets(send_counts), offsets(recv_counts)
+        dtype, nccl = self._dtype(send), self.nccl
+        send_p, recv_p = data_pointer(send), data_pointer(recv)
+
+        def issue(stream):
+            recv[r_at[r]:r_at[r] + recv_counts[r]] = send[s_at[r]:s_at[r] + send_counts[r]]  # on this stream
+            nccl.groupStart()
+            try:
+                for j in range(self.size):
+                    if j != r and send_counts[j]:
+                        self.comm.send(send_p + s_at[j] * itemsize, send_counts[j], dtype, j, stream)
+                    if j != r and recv_counts[j]:
+                        self.comm.recv(recv_p + r_at[j] * itemsize, recv_counts[j], dtype, j, stream)
+            finally:
+                nccl.groupEnd()
+        self._run("all_to_all", issue)
+
     def broadcast(self, buf, root: int) -> None:
         """Copy ``root``'s ``buf`` into every rank's ``buf`` (``ncclBroadcast``, in place)."""
         if buf.size:

@@ -91,11 +91,12 @@ class Workspace:
 
 def bus_factor(op: str, n: int) -> float | None:
     """nccl-tests' bus-bandwidth factor of ``op`` on ``n`` ranks: the bytes each rank's link carries
-    per byte of buffer. All-reduce 2(n-1)/n; reduce-scatter (of its input) and all-gather (of its
-    output) (n-1)/n; broadcast, reduce and point-to-point 1. ``None`` for anything else."""
+    per byte of buffer. All-reduce 2(n-1)/n; reduce-scatter (of its input), all-gather (of its
+    output) and all-to-all (of its input) (n-1)/n; broadcast, reduce and point-to-point 1. ``None`` for
+    anything else."""
     if op == "all_reduce":
         return 2 * (n - 1) / n
-    if op in ("reduce_scatter", "all_gather"):
+    if op in ("reduce_scatter", "all_gather", "all_to_all"):
         return (n - 1) / n
     if op in ("broadcast", "reduce", "send", "recv", "isend", "irecv", "sendrecv"):
         return 1.0

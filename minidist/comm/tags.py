@@ -3,15 +3,17 @@
 Point-to-point messages match by (peer, tag), so each collective algorithm sends on a tag of its own
 and two of them in flight between the same ranks can never take each other's messages::
 
-    tag                  used by                what it carries
-    TAG_REDUCE_SCATTER   ring.reduce_scatter    segments of the chunk being reduced
-    TAG_ALL_GATHER       ring.all_gather        segments of the chunk being passed on
-    TAG_DOUBLING         doubling.all_reduce    whole-buffer swaps (and the fold-in and fold-out)
-    TAG_BROADCAST        rooted.broadcast       the buffer, parent to child (the barrier's way down)
-    TAG_REDUCE           rooted.reduce          partial reductions, child to parent (its way up)
-    TAG_GATHER_BYTES     group.gather_bytes     a length (one int64), then the bytes (uint8)
-    TAG_FINGERPRINT      fingerprint.check_*    6-int64 call descriptions, before every collective
-    TAG_CENSUS           census.take            (seq, collective) after a collective timed out
+    tag                   used by                   what it carries
+    TAG_REDUCE_SCATTER    ring.reduce_scatter       segments of the chunk being reduced
+    TAG_ALL_GATHER        ring.all_gather           segments of the chunk being passed on
+    TAG_DOUBLING          doubling.all_reduce       whole-buffer swaps (and the fold-in and fold-out)
+    TAG_BROADCAST         rooted.broadcast          the buffer, parent to child (the barrier's way down)
+    TAG_REDUCE            rooted.reduce             partial reductions, child to parent (its way up)
+    TAG_GATHER_BYTES      group.gather_bytes        a length (one int64), then the bytes (uint8)
+    TAG_FINGERPRINT       fingerprint.check_*       7-int64 call descriptions, before every collective
+    TAG_CENSUS            census.take               (seq, collective) after a collective timed out
+    TAG_ALL_TO_ALL        alltoall.all_to_all       one chunk to each peer, from each peer
+    TAG_ALL_TO_ALL_COUNTS alltoall.exchange_counts  the counts before the chunks: (sent, expected), 2 int64
 
 So ``all_reduce`` sends on the ring's two tags or on ``TAG_DOUBLING``, and ``barrier`` on
 ``TAG_REDUCE`` then ``TAG_BROADCAST``. Backends "mpi" and "nccl" run their collectives without these
@@ -35,3 +37,5 @@ TAG_REDUCE = COLLECTIVE_TAG_BASE + 5          # rooted.reduce
 TAG_GATHER_BYTES = COLLECTIVE_TAG_BASE + 6    # ProcessGroup.gather_bytes
 TAG_FINGERPRINT = COLLECTIVE_TAG_BASE + 7     # fingerprint.check_neighbours, before every collective
 TAG_CENSUS = COLLECTIVE_TAG_BASE + 8          # census.take, after a collective timed out
+TAG_ALL_TO_ALL = COLLECTIVE_TAG_BASE + 9      # alltoall.all_to_all
+TAG_ALL_TO_ALL_COUNTS = COLLECTIVE_TAG_BASE + 10  # alltoall.exchange_counts, before the chunks
