@@ -124,7 +124,8 @@ class GPT(nn.Module):
             p.data[...] = gpt2_init(name, p.shape, seed, config.n_layer)
 
     def embed(self, idx):
-        """Token ids (B, T) -> token + position embeddings (B, T, C). The first pipeline stage."""
+        """Token ids (B, T) -> token + position embeddings (B, T, C), or this rank's (B, T/cp, C)
+        under context parallelism. The first pipeline stage."""
         idx, pos = local_tokens(self, idx)  # (B, T) and (T,), or this rank's T/cp of them
         tok_emb = self.transformer.wte(idx)  # (B, T, C)
         pos_emb = self.transformer.wpe(pos)  # (T, C)

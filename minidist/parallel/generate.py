@@ -56,7 +56,7 @@ def generate(model, idx, max_new_tokens: int, temperature: float = 1.0, top_k=No
         for _ in range(max_new_tokens):
             context = idx[:, -model.config.block_size:]  # (B, T)
             u = rng.random((len(idx), 1))  # (B, 1) on every rank: the streams stay in step
-            padded = xp.asarray(pad_for_sequence_parallel(model, context))  # (B, T')
+            padded = xp.asarray(pad_for_sequence_splits(model, context))  # (B, T')
             if pipeline:
                 logits = pipeline_logits(model, padded, pp_group, first.dtype)  # (B, T', V_pad/tp) or None
             else:
@@ -72,7 +72,7 @@ def generate(model, idx, max_new_tokens: int, temperature: float = 1.0, top_k=No
     return idx
 
 
-def pad_for_sequence_parallel(model, context) -> np.ndarray:
+def pad_for_sequence_splits(model, context) -> np.ndarray:
     """``context`` (B, T), with token 0 appended up to the shortest length the model's sequence
     splits cut evenly: cp parts (2 cp for zig-zag) under context parallelism, each of them (or the
     whole sequence) into tp parts under sequence parallelism; unchanged without them. Nothing sent."""

@@ -93,7 +93,7 @@ class TensorParallelGPT(nn.Module):
 
     def embed(self, idx):
         """Token ids (B, T) -> embeddings (B, T, C), or this rank's tokens (B, T/n, C) under sequence
-        parallelism. The first pipeline stage."""
+        parallelism; T is this cp rank's T/cp under context parallelism. The first pipeline stage."""
         idx, pos = local_tokens(self, idx)  # (B, T) and (T,), or this cp rank's T/cp of them
         T, n = idx.shape[1], self.tp_group.size
         if self.sequence_parallel and T % n:
