@@ -110,16 +110,20 @@ def test_zigzag_chunks_pair_each_early_chunk_with_a_late_one():
     assert [sequence_chunks(16, 4, r, False) for r in range(4)] == [[(0, 4)], [(4, 8)], [(8, 12)], [(12, 16)]]
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float16"])
 @pytest.mark.parametrize("zigzag", [False, True])
-def test_the_ring_sends_what_its_docstring_says(zigzag):
-    """Forward: cp - 1 K/V blocks to the next rank; backward: cp - 1 K/V blocks and cp dK/dV sums,
-    each 2 x B x nh x L x hs float64 values. Nothing else."""
+def test_the_ring_sends_what_its_docstring_says(zigzag, dtype):
+    """Forward: cp - 1 K/V blocks to the next rank, 2 x B x nh x L x hs values in the inputs'
+    dtype; backward: cp - 1 K/V blocks again and cp dK/dV sums, the sums in float32 for float16
+    inputs (float64 for float64). Nothing else."""
     cp, B, nh, T, hs = 4, 1, 2, 16, 3
-    block = 2 * B * nh * (T // cp) * hs * 8
+    values = 2 * B * nh * (T // cp) * hs
+    kv, dkv = values * np.dtype(dtype).itemsize, values * (8 if dtype == "float64" else 4)
 
     def fn(world):
         rng = np.random.default_rng(world.rank)
-        Q, K, V = (Tensor(rng.standard_normal((B, nh, T // cp, hs)), requires_grad=True) for _ in range(3))
+        Q, K, V = (Tensor(rng.standard_normal((B, nh, T // cp, hs)).astype(dtype), requires_grad=True)
+                   for _ in range(3))
         with world.trace.capture() as forward:
             y = ring_attention(Q, K, V, world, zigzag)
         with world.trace.capture() as backward:
@@ -128,8 +132,8 @@ def test_the_ring_sends_what_its_docstring_says(zigzag):
 
     for rank, (forward, backward) in enumerate(minidist.run_local(fn, cp)):
         nxt = (rank + 1) % cp
-        assert forward == [("isend", nxt, block)] * (cp - 1)
-        assert sorted(backward) == [("isend", nxt, block)] * (2 * cp - 1)
+        assert forward == [("isend", nxt, kv)] * (cp - 1)
+        assert sorted(backward) == sorted([("isend", nxt, kv)] * (cp - 1) + [("isend", nxt, dkv)] * cp)
 
 
 def test_ulysses_sends_two_all_to_alls_each_way():

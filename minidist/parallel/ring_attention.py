@@ -20,8 +20,9 @@ Backward is a ring too (flash attention's backward, block by block, from the sav
 log-sum-exp): the K/V blocks travel around again, and beside each one travels the running sum of
 its gradient dK, dV; after the last hop that sum arrives back at the block's owner, complete.
 
-What one call sends, per rank: forward n - 1 K/V blocks (2 x B x nh x L x hs values) to the next
-rank; backward n - 1 K/V blocks and n dK/dV sums of the same size. Each K/V hop is posted before
+What one call sends, per rank: forward n - 1 K/V blocks (2 x B x nh x L x hs values, in the inputs'
+dtype: half the bytes in float16) to the next rank; backward n - 1 K/V blocks and n dK/dV sums of
+the same size, the sums in float32 (float64 for float64 inputs), as they accumulate. Each K/V hop is posted before
 the step's compute and waited after it, so the exchange overlaps the attention math (the trace's
 "ring sendrecv kv" events, kind p2p, span from posting to arrival).
 
@@ -166,7 +167,7 @@ class RingAttention(Function):
         rows = _chunk_slices(mine)
         out = xp.zeros(q.shape, dtype=acc)  # (B, nh, L, hs)
         lse = xp.full(q.shape[:-1], -xp.inf, dtype=acc)  # (B, nh, L)
-        kv = xp.ascontiguousarray(xp.stack([k, v]), dtype=acc)  # (2, B, nh, L, hs): one message per hop
+        kv = xp.ascontiguousarray(xp.stack([k, v]))  # (2, B, nh, L, hs) in k's dtype: one message per hop
         spare = xp.empty(kv.shape, kv.dtype)
         ring = _Ring(group, TAG_KV)
         for s in range(n):
@@ -175,8 +176,8 @@ class RingAttention(Function):
                 ring.start(kv, spare)
             theirs = sequence_chunks(T, n, src, zigzag)
             for i, j, kind in block_plan(mine, theirs):
-                o, block_lse = attention_block(qa[:, :, rows[i]], kv[0][:, :, rows[j]], kv[1][:, :, rows[j]],
-                                               scale, mine[i], theirs[j], kind)
+                kj, vj = (a[:, :, rows[j]].astype(acc, copy=False) for a in kv)
+                o, block_lse = attention_block(qa[:, :, rows[i]], kj, vj, scale, mine[i], theirs[j], kind)
                 merge_partial(out[:, :, rows[i]], lse[:, :, rows[i]], o, block_lse)
             if s < n - 1:
                 ring.wait()
@@ -197,7 +198,7 @@ class RingAttention(Function):
         mine = sequence_chunks(T, n, r, zigzag)
         rows = _chunk_slices(mine)
         dq = xp.zeros(q.shape, dtype=acc)
-        kv = xp.ascontiguousarray(xp.stack([ctx.k, ctx.v]), dtype=acc)  # (2, B, nh, L, hs)
+        kv = xp.ascontiguousarray(xp.stack([ctx.k, ctx.v]))  # (2, B, nh, L, hs) in k's dtype
         spare = xp.empty(kv.shape, kv.dtype)
         kv_ring, dkv_ring = _Ring(group, TAG_KV), _Ring(group, TAG_DKV)
         dkv = None  # the dK/dV sum this rank sends on, once its own share is added
@@ -205,13 +206,14 @@ class RingAttention(Function):
             src = (r - s) % n
             if s < n - 1:
                 kv_ring.start(kv, spare)
-            incoming = xp.empty(kv.shape, kv.dtype)
+            incoming = xp.empty(kv.shape, acc)
             if s > 0:  # the sum so far for block src, from the ranks it visited before this one
                 dkv_ring.start(dkv, incoming)
             theirs = sequence_chunks(T, n, src, zigzag)
-            mine_dkv = xp.zeros(kv.shape, kv.dtype)  # (2, B, nh, L, hs): this rank's share of dK, dV of block src
+            mine_dkv = xp.zeros(kv.shape, acc)  # (2, B, nh, L, hs): this rank's share of dK, dV of block src
             for i, j, kind in block_plan(mine, theirs):
-                qi, doi, ki, vi = qa[:, :, rows[i]], do[:, :, rows[i]], kv[0][:, :, rows[j]], kv[1][:, :, rows[j]]
+                ki, vi = (a[:, :, rows[j]].astype(acc, copy=False) for a in kv)
+                qi, doi = qa[:, :, rows[i]], do[:, :, rows[i]]
                 p = _scores(qi, ki, scale, mine[i], theirs[j], kind, xp)
                 xp.exp(p - ctx.lse[:, :, rows[i], None], out=p)  # P: the block's final probabilities
                 mine_dkv[1][:, :, rows[j]] += matmul(p.swapaxes(-1, -2), doi)  # dV = P^T dO
