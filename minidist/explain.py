@@ -21,6 +21,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from minidist.parallel.ring_attention import token_ranges
 from minidist.parallel.tp_layout import global_shape, tp_layout
 
 
@@ -149,7 +150,7 @@ def explain_first_step(mesh, model, events, *, activation_shape=None, batch_shap
         cp = getattr(model, "context_parallel", None)
         if cp is not None:
             T = batch_shape[1] - 1
-            lines.append(f"computes on tokens {' + '.join(f'{a}-{b - 1}' for a, b in cp.chunks(T))} of each {T}-token "
+            lines.append(f"computes on tokens {token_ranges(cp.chunks(T))} of each {T}-token "
                          f"sequence (context parallelism, {cp.algorithm})")
     lines += holdings(model, mesh.shape.tp)
     if state_bytes:

@@ -22,7 +22,7 @@ from minidist.parallel.context_parallel import context_parallel
 from minidist.parallel.data_parallel import DataParallel
 from minidist.parallel.pipeline import PipelineEngine, PipelineStage
 from minidist.parallel.recompute import recompute_blocks
-from minidist.parallel.ring_attention import sequence_chunks
+from minidist.parallel.ring_attention import sequence_chunks, token_ranges
 from minidist.parallel.tensor_parallel import shard_for
 from minidist.parallel.tp_model import build_tp_gpt
 from minidist.parallel.zero import ZeroOptimizer
@@ -268,19 +268,15 @@ def describe_layout(cfg, mesh, model) -> str:
              f"per dp rank {cfg.micro_batches} micro-batch(es) x {cfg.batch_size // (cfg.dp * cfg.micro_batches)} "
              f"row(s){pipeline}"]
     if shape.cp > 1:
+        zigzag = cfg.cp_algorithm == "zigzag"
         lines.append(f"  every sequence of {cfg.block_size} tokens is cut over the cp ranks ({cfg.cp_algorithm}): "
-                     + ", ".join(f"cp {c} tokens {_ranges(cfg, c)}" for c in range(shape.cp)))
+                     + ", ".join(f"cp {c} tokens {token_ranges(sequence_chunks(cfg.block_size, cfg.cp, c, zigzag))}"
+                                 for c in range(shape.cp)))
     for rank in range(shape.world):
         d, p, c, t = shape.coords(rank)
         where = f"dp {d} pp {p}" + (f" cp {c}" if shape.cp > 1 else "") + f" tp {t}"
         lines.append(f"  rank {rank}: {where}  holds {held[p]}" + "".join(f"; {c}" for c in cut))
     return "\n".join(lines)
-
-
-def _ranges(cfg, cp_rank: int) -> str:
-    """``0-15`` or ``0-7 + 56-63``: the token positions cp rank ``cp_rank`` holds of a block_size sequence."""
-    chunks = sequence_chunks(cfg.block_size, cfg.cp, cp_rank, cfg.cp_algorithm == "zigzag")
-    return " + ".join(f"{a}-{b - 1}" for a, b in chunks)
 
 
 def memory_table(optimizer) -> str:

@@ -1,4 +1,6 @@
-"""Session-wide: the test report's header says which GPU, if any, the GPU tests ran on."""
+"""Session-wide: the test report's header says which GPU, if any, the GPU tests ran on; ``--slow``;
+and ``cp``, the fake CuPy with the fake NCCL (tests/doubles), for the tests of backend "nccl"."""
+import pytest
 
 
 def pytest_report_header(config):
@@ -22,3 +24,13 @@ def pytest_collection_modifyitems(config, items):
     if slow:
         config.hook.pytest_deselected(items=slow)
         items[:] = [item for item in items if "slow" not in item.keywords]
+
+
+@pytest.fixture(scope="module")
+def cp():
+    """The fake-CuPy module with the fake NCCL installed, for one test module (uninstalled after)."""
+    from tests.doubles import fake_cupy, fake_nccl
+    try:
+        yield fake_cupy.install(nccl=fake_nccl)
+    finally:
+        fake_cupy.uninstall()

@@ -271,15 +271,6 @@ def test_debug_mode_checks_the_counts_and_names_the_pair_on_both_ranks():
 
 # ---- device arrays (fake CuPy) and backend "nccl" (fake NCCL) --------------------------------------------------
 
-@pytest.fixture(scope="module")
-def cp():
-    from tests.doubles import fake_cupy, fake_nccl
-    try:
-        yield fake_cupy.install(nccl=fake_nccl)
-    finally:
-        fake_cupy.uninstall()
-
-
 def on_device_run(cp, runner, n, counts, tail, dtype, seed, counts_mode, give_out, **kwargs):
     inputs = rank_inputs(counts, tail, dtype, seed)
 

@@ -25,19 +25,11 @@ from minidist.parallel.pipeline.actions import stage_rank
 from minidist.parallel.pipeline.schedules import build_schedule
 from minidist.train import train
 from minidist.train_config import TrainConfig
-from tests.doubles import fake_cupy, fake_nccl
+from tests.doubles import fake_nccl
 from tests.test_device_training import TINY, run
 from tests.test_collectives import SETTINGS, assert_all_equal, dtypes, expected, ops, rank_inputs, seeds
 
 worlds = st.integers(1, 5)
-
-
-@pytest.fixture(scope="module")
-def cp():
-    try:
-        yield fake_cupy.install(nccl=fake_nccl)
-    finally:
-        fake_cupy.uninstall()
 
 
 def run_nccl(fn, world_size, timeout=30.0, choose_gpu=True, **group_kwargs):

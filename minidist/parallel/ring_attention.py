@@ -54,6 +54,11 @@ def sequence_chunks(T: int, cp_size: int, cp_rank: int, zigzag: bool) -> list[tu
     return [(cp_rank * c, (cp_rank + 1) * c)]
 
 
+def token_ranges(chunks) -> str:
+    """``0-7`` or ``0-3 + 28-31``: the token positions of ``chunks`` ((start, stop) ranges), for people."""
+    return " + ".join(f"{a}-{b - 1}" for a, b in chunks)
+
+
 def block_plan(q_chunks, kv_chunks) -> list[tuple[int, int, str]]:
     """Which (query chunk i, key chunk j) pairs to compute, as (i, j, "full" | "causal"): a pair
     whose keys all come after its queries is skipped (fully masked), one whose keys all come first
@@ -206,8 +211,8 @@ class RingAttention(Function):
             src = (r - s) % n
             if s < n - 1:
                 kv_ring.start(kv, spare)
-            incoming = xp.empty(kv.shape, acc)
             if s > 0:  # the sum so far for block src, from the ranks it visited before this one
+                incoming = xp.empty(kv.shape, acc)
                 dkv_ring.start(dkv, incoming)
             theirs = sequence_chunks(T, n, src, zigzag)
             mine_dkv = xp.zeros(kv.shape, acc)  # (2, B, nh, L, hs): this rank's share of dK, dV of block src
