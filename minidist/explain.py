@@ -22,7 +22,8 @@ from contextlib import contextmanager
 import numpy as np
 
 from minidist.parallel.ring_attention import token_ranges
-from minidist.parallel.tp_layout import global_shape, tp_layout
+from minidist.parallel.tp_layout import ep_block, is_expert, tp_layout
+from minidist.parallel.tp_model import full_shape
 
 
 def _bytes(n: int) -> str:
@@ -33,7 +34,13 @@ def group_members(mesh) -> dict[str, list[int]]:
     """{group name: its global ranks, in group-rank order} for this rank's world and axis groups."""
     s = mesh.shape
     d, p, c, t = mesh.dp_rank, mesh.pp_rank, mesh.cp_rank, mesh.tp_rank
-    return {mesh.world.name: list(range(s.world)),
+    experts = {}
+    if mesh.ep_group is not None:
+        block = d - d % s.ep
+        experts = {mesh.ep_group.name: [s.rank_of(block + i, p, t, c) for i in range(s.ep)],
+                   mesh.expert_dp_group.name: [s.rank_of(i * s.ep + d % s.ep, p, t, j)
+                                               for i in range(s.dp // s.ep) for j in range(s.cp)]}
+    return experts | {mesh.world.name: list(range(s.world)),
             mesh.tp_group.name: [s.rank_of(d, p, i, c) for i in range(s.tp)],
             mesh.cp_group.name: [s.rank_of(d, p, t, i) for i in range(s.cp)],
             mesh.pp_group.name: [s.rank_of(d, i, t, c) for i in range(s.pp)],
@@ -41,10 +48,11 @@ def group_members(mesh) -> dict[str, list[int]]:
             mesh.dp_cp_group.name: [s.rank_of(i, p, t, j) for i in range(s.dp) for j in range(s.cp)]}
 
 
-def holdings(model, tp_size: int) -> list[str]:
+def holdings(model, tp_size: int, ep_rank: int = 0, ep_size: int = 1) -> list[str]:
     """One line per parameter of ``model`` (blocks folded: ``h.{0,1}``): its shape on this rank
     and, when tensor parallelism cuts it, which shard of which full shape (tp_layout.py's table: the
-    vocabulary's full shape has ``model.config.vocab_size`` rows, its padding is not part of it)."""
+    vocabulary's full shape has ``model.config.vocab_size`` rows, its padding is not part of it);
+    when expert parallelism cuts it (ep rank ``ep_rank`` of ``ep_size``), which experts."""
     folded: dict[str, tuple[list[str], tuple]] = {}
     for name, p in model.named_parameters():
         block = re.search(r"\.h\.(\d+)\.", name)
@@ -57,11 +65,33 @@ def holdings(model, tp_size: int) -> list[str]:
         name = key.replace("{}", "{" + ",".join(blocks) + "}")
         first = key.replace("{}", "0")
         layout = tp_layout(first) if tp_size > 1 else "replicated"
+        experts = ""
+        if ep_size > 1 and is_expert(first):
+            block = ep_block(model.config.n_experts, ep_rank, ep_size)
+            experts = f"experts {block.start}-{block.stop - 1} of {model.config.n_experts} (ep)"
         if layout == "replicated":
-            lines.append(f"holds {name:<42} {str(shape):<12} {'copy' if tp_size > 1 else 'whole'}")
+            whole = "copy" if tp_size > 1 else "whole"
+            lines.append(f"holds {name:<42} {str(shape):<12} {whole + ', ' + experts if experts and tp_size > 1 else experts or whole}")
         else:
-            full = global_shape(first, shape, tp_size, model.config.vocab_size)
-            lines.append(f"holds {name:<42} {str(shape):<12} {layout} shard of {full}")
+            full = full_shape(first, shape, model.config, tp_size)
+            lines.append(f"holds {name:<42} {str(shape):<12} {layout} shard of {full}{', ' * bool(experts)}{experts}")
+    return lines
+
+
+def routing(model, mesh) -> list[str]:
+    """Who sent which tokens where in the last forward of each MoE block under expert parallelism:
+    the rows this rank sent to each ep rank's experts and received from each (experts.py)."""
+    lines = []
+    ranks = group_members(mesh).get(mesh.ep_group.name) if mesh.ep_group is not None else None
+    for name, m in model.named_modules():
+        ep = getattr(m, "expert_parallel", None)
+        if ep is None or not hasattr(ep, "sent"):
+            continue
+        local = ep.local
+        sent = ", ".join(f"{int(ep.sent[r].sum())} to rank {ranks[r]} (experts {r * local}-{(r + 1) * local - 1}: "
+                         f"{'/'.join(map(str, ep.sent[r]))})" for r in range(len(ranks)))
+        got = ", ".join(f"{int(ep.received[r].sum())} from rank {ranks[r]}" for r in range(len(ranks)))
+        lines.append(f"routes {name}: token rows (last micro-batch) {sent}; its experts got {got}")
     return lines
 
 
@@ -152,7 +182,7 @@ def explain_first_step(mesh, model, events, *, activation_shape=None, batch_shap
             T = batch_shape[1] - 1
             lines.append(f"computes on tokens {token_ranges(cp.chunks(T))} of each {T}-token "
                          f"sequence (context parallelism, {cp.algorithm})")
-    lines += holdings(model, mesh.shape.tp)
+    lines += holdings(model, mesh.shape.tp, mesh.ep_rank, mesh.shape.ep) + routing(model, mesh)
     if state_bytes:
         lines.append("model states: " + ", ".join(f"{k} {_bytes(v)}" for k, v in state_bytes.items()))
     itemsize = next(iter(model.parameters())).data.dtype.itemsize

@@ -13,6 +13,7 @@ import numpy as np
 
 from minidist import nn
 from minidist.autograd import cross_entropy, gelu, get_array_module, no_grad, scaled_dot_product_attention, to_numpy
+from minidist.moe import MoE, is_moe_layer
 
 
 @dataclass
@@ -24,6 +25,11 @@ class GPTConfig:
     n_embd: int = 64
     bias: bool = True  # biases in Linears and LayerNorms
     tie_embeddings: bool = True  # lm_head.weight is transformer.wte.weight
+    n_experts: int = 0  # > 0: mixture-of-experts MLPs (minidist/moe.py) in every moe_every-th block
+    top_k: int = 2  # experts per token
+    moe_every: int = 1
+    capacity_factor: float = 0.0  # 0: dropless
+    aux_loss_coef: float = 0.01  # the load-balancing loss's weight
 
 
 def gpt2_init(name: str, shape, seed: int, n_layer: int) -> np.ndarray:
@@ -35,7 +41,7 @@ def gpt2_init(name: str, shape, seed: int, n_layer: int) -> np.ndarray:
         return np.zeros(shape)
     if module.startswith("ln_"):
         return np.ones(shape)
-    std = 0.02 / math.sqrt(2 * n_layer) if module == "c_proj" else 0.02
+    std = 0.02 / math.sqrt(2 * n_layer) if module == "c_proj" else 0.02  # (experts' stacked c_proj too)
     return nn.init.normal(seed, name, shape, std)
 
 
@@ -83,14 +89,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x))."""
+    """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)); the mlp is a
+    mixture of experts (minidist/moe.py) in the blocks :func:`~minidist.moe.is_moe_layer` names."""
 
-    def __init__(self, config: GPTConfig, dtype="float32"):
+    def __init__(self, config: GPTConfig, dtype="float32", layer: int = 0):
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias, dtype=dtype)
         self.attn = CausalSelfAttention(config, dtype)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias, dtype=dtype)
-        self.mlp = MLP(config, dtype)
+        self.mlp = MoE(config, dtype) if is_moe_layer(config, layer) else MLP(config, dtype)
 
     def forward(self, x):  # (B, T, C)
         x = x + self.attn(self.ln_1(x))
@@ -114,7 +121,7 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(V, C, dtype=dtype),
             wpe=nn.Embedding(config.block_size, C, dtype=dtype),
-            h=nn.ModuleList([Block(config, dtype) for _ in range(config.n_layer)]),
+            h=nn.ModuleList([Block(config, dtype, i) for i in range(config.n_layer)]),
             ln_f=nn.LayerNorm(C, bias=config.bias, dtype=dtype),
         ))
         self.lm_head = nn.Linear(C, V, bias=False, dtype=dtype)

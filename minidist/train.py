@@ -39,7 +39,8 @@ With no arguments it trains a 2-layer, 64-wide GPT on the generated default corp
 sentences, see minidist/data/corpus.py) for 800 steps: about a minute on one CPU core, validation loss
 5.50 -> 0.62, and the sample printed at the end reads like the corpus. ``--out DIR`` writes one JSON
 object per step to DIR/metrics.jsonl (step, loss, lr, tokens_per_s, grad_norm; val_loss on
-evaluation steps).
+evaluation steps; with --n-experts the routing: expert_load per MoE block, expert_imbalance, dropped,
+aux_loss).
 """
 import json
 import sys
@@ -52,6 +53,7 @@ from minidist.checkpoint.training import ResumeRefused, TrainingCheckpoints, cra
 from minidist.comm import init
 from minidist.device import to_device
 from minidist.optim import lr_at
+from minidist.parallel.experts import expert_load
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.sampler import DistributedSampler
 from minidist.parallel.step import loss_scaler, train_step
@@ -75,7 +77,7 @@ def train(cfg, progress=True, world=None, keep_history=True):
     train_tokens, val_tokens = load_data(cfg)  # may refuse the data: before anything is sent
     select_device(cfg, world)
     lead = world.rank == 0
-    mesh = DeviceMesh(world, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp)
+    mesh = DeviceMesh(world, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp, ep=cfg.ep)
     sampler = DistributedSampler(train_tokens, cfg.batch_size, cfg.block_size, cfg.seed, mesh.dp_rank, cfg.dp)
     model, optimizer, dp, engine, amp = build_parallel(cfg, mesh)
     scaler = loss_scaler(optimizer, amp)  # mixed precision's, or None
@@ -110,6 +112,8 @@ def train(cfg, progress=True, world=None, keep_history=True):
             if step == start and cfg.zero and lead:  # after a step: every model state exists, at its size
                 bar.write(memory_table(optimizer))
             record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "grad_norm": grad_norm}
+            if cfg.n_experts:  # the routing's load per expert (one small all-reduce)
+                record.update(expert_load(model, mesh, cfg.micro_batches))
             if scaler:
                 record.update(loss_scale=loss_scale, skipped=grad_norm is None)
             if step % cfg.eval_every == 0 or step == cfg.steps - 1:
@@ -159,7 +163,7 @@ def main(argv=None):
     # on all; minidist/parallel/generate.py); with parameter servers rank 0 holds the whole model
     if cfg.sample_tokens > 0 and history and (cfg.mode != "ps" or world.rank == 0):
         pipeline = cfg.mode != "ps" and cfg.pp > 1  # the stages pass activations over the mesh's pp group
-        pp_group = DeviceMesh(world, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp).pp_group if pipeline else None
+        pp_group = DeviceMesh(world, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp, ep=cfg.ep).pp_group if pipeline else None
         model.eval()
         text = sample(model, "The ", cfg.sample_tokens, seed=cfg.seed, pp_group=pp_group, tokenizer=tokenizer_for(cfg))
         if world.rank == 0:

@@ -20,10 +20,12 @@ from minidist.optim import SGD, AdamW
 from minidist.parallel.accounting import format_memory_table
 from minidist.parallel.context_parallel import context_parallel
 from minidist.parallel.data_parallel import DataParallel
+from minidist.parallel.experts import expert_parallel
 from minidist.parallel.pipeline import PipelineEngine, PipelineStage
 from minidist.parallel.recompute import recompute_blocks
 from minidist.parallel.ring_attention import sequence_chunks, token_ranges
 from minidist.parallel.tensor_parallel import shard_for
+from minidist.parallel.tp_layout import ep_block
 from minidist.parallel.tp_model import build_tp_gpt
 from minidist.parallel.zero import ZeroOptimizer
 from minidist.train_config import ConfigError, TrainConfig
@@ -148,10 +150,12 @@ def with_hf_model(cfg):
     return dataclasses.replace(cfg, **{f: getattr(config, f) for f in HF_MODEL_FIELDS})
 
 
-def build_model(cfg, tp_group=None, cp_group=None):
+def build_model(cfg, tp_group=None, cp_group=None, ep_group=None):
     """A byte-level GPT (vocab 256) of the configured size, initialised from ``cfg.seed``; with
     ``cfg.tp > 1`` this rank's tensor-parallel shard of it over ``tp_group``; with ``cfg.cp > 1``
-    running on this rank's tokens of every sequence, attention over ``cp_group`` (context_parallel.py). Initialised on the host
+    running on this rank's tokens of every sequence, attention over ``cp_group`` (context_parallel.py);
+    with ``cfg.n_experts`` a mixture of experts (minidist/moe.py), and with ``cfg.ep > 1`` holding its
+    block of the experts, tokens sent over ``ep_group`` (minidist/parallel/experts.py). Initialised on the host
     (the same values on any device), then moved to ``cfg.device``. With ``cfg.init_from_hf`` the
     GPT of that Hugging Face folder (its vocabulary, tied or untied head) holding its weights:
     every rank reads the whole file and keeps its :func:`shard_for` part (the checkpoints' split
@@ -164,7 +168,9 @@ def build_model(cfg, tp_group=None, cp_group=None):
             raise ConfigError(f"--init-from-hf {e}") from e
     else:
         config = GPTConfig(vocab_size=ByteTokenizer.vocab_size, block_size=cfg.block_size,
-                           n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd)
+                           n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, n_experts=cfg.n_experts,
+                           top_k=cfg.top_k, moe_every=cfg.moe_every, capacity_factor=cfg.capacity_factor,
+                           aux_loss_coef=cfg.aux_loss_coef)
     dtype = np.dtype(COMPUTE_DTYPES.get(cfg.dtype, cfg.dtype)).name  # mixed precision: how the weights are stored
     if cfg.tp == 1:
         model = GPT(config, seed=cfg.seed, dtype=dtype)
@@ -174,6 +180,8 @@ def build_model(cfg, tp_group=None, cp_group=None):
         load_full_state(model, state, tp_group if cfg.tp > 1 else None)
     if cfg.cp > 1:
         context_parallel(model, cp_group, cfg.cp_algorithm)
+    if cfg.ep > 1:
+        expert_parallel(model, ep_group)
     return model.to(cfg.device)
 
 
@@ -217,7 +225,7 @@ def build_parallel(cfg, mesh):
     the loss scaler (``amp`` None); else SGD / AdamW and ``dp`` a DataParallel, and with ``--dtype
     float16 / bfloat16`` ``amp`` the MixedPrecision whose float32 masters the optimizer updates.
     ``engine``: the PipelineEngine running ``cfg.schedule`` (None without pipeline parallelism)."""
-    model = build_model(cfg, mesh.tp_group, mesh.cp_group)
+    model = build_model(cfg, mesh.tp_group, mesh.cp_group, mesh.ep_group)
     if cfg.recompute:
         recompute_blocks(model)
     if cfg.pp > 1:
@@ -230,9 +238,10 @@ def build_parallel(cfg, mesh):
         optimizer = ZeroOptimizer(model, mesh.dp_cp_group, cfg.zero, cfg.optimizer, lr=cfg.lr,
                                   weight_decay=cfg.weight_decay, tp_group=mesh.tp_group, pp_group=mesh.pp_group,
                                   mixed_precision=mixed, scaler=scaler, reshard_after_forward=cfg.pp == 1,
-                                  replicas=cfg.dp, **hyper)
+                                  replicas=cfg.dp, expert_group=mesh.expert_dp_group, ep_group=mesh.ep_group, **hyper)
     else:
-        dp = DataParallel(model, mesh.dp_cp_group, bucket_bytes=int(cfg.bucket_mb * 2**20), replicas=cfg.dp)
+        dp = DataParallel(model, mesh.dp_cp_group, bucket_bytes=int(cfg.bucket_mb * 2**20), replicas=cfg.dp,
+                          expert_group=mesh.expert_dp_group)
         amp = MixedPrecision(model, cfg.dtype, scaler) if mixed else None
         optimizer = build_optimizer(model, cfg, amp.master_parameters() if amp else None)
     engine = None
@@ -272,10 +281,16 @@ def describe_layout(cfg, mesh, model) -> str:
         lines.append(f"  every sequence of {cfg.block_size} tokens is cut over the cp ranks ({cfg.cp_algorithm}): "
                      + ", ".join(f"cp {c} tokens {token_ranges(sequence_chunks(cfg.block_size, cfg.cp, c, zigzag))}"
                                  for c in range(shape.cp)))
+    if cfg.n_experts:
+        lines.append(f"  experts: {cfg.n_experts} per MoE block, top-{cfg.top_k}" + (
+            f", split over ep groups of {cfg.ep} dp ranks (tokens travel by all-to-all)" if cfg.ep > 1 else
+            ", on every rank"))
     for rank in range(shape.world):
         d, p, c, t = shape.coords(rank)
         where = f"dp {d} pp {p}" + (f" cp {c}" if shape.cp > 1 else "") + f" tp {t}"
-        lines.append(f"  rank {rank}: {where}  holds {held[p]}" + "".join(f"; {c}" for c in cut))
+        block = ep_block(cfg.n_experts, d % cfg.ep, cfg.ep) if cfg.ep > 1 else None
+        experts = [f"experts {block.start}-{block.stop - 1} (ep {d % cfg.ep})"] if block else []
+        lines.append(f"  rank {rank}: {where}  holds {held[p]}" + "".join(f"; {c}" for c in cut + experts))
     return "\n".join(lines)
 
 

@@ -38,6 +38,11 @@ class TrainConfig:
     n_head: int = 4
     n_embd: int = 64
     block_size: int = 64
+    n_experts: int = 0  # > 0: mixture-of-experts MLPs (minidist/moe.py)
+    top_k: int = 2
+    moe_every: int = 1
+    capacity_factor: float = 0.0
+    aux_loss_coef: float = 0.01
     # data, evaluation, output
     data: str | None = None
     data_dir: str | None = None
@@ -57,6 +62,7 @@ class TrainConfig:
     tp: int = 1
     cp: int = 1
     cp_algorithm: str = "ring"
+    ep: int = 1
     sequence_parallel: bool = False
     micro_batches: int = 1
     schedule: str = "1f1b"
@@ -92,6 +98,8 @@ RANGES = {
     "lr": "(0, inf)", "min_lr": "[0, inf)", "warmup": "[0, inf)", "momentum": "[0, 1)",
     "weight_decay": "[0, inf)", "grad_clip": "[0, inf)",
     "n_layer": "[1, inf)", "n_head": "[1, inf)", "n_embd": "[1, inf)", "block_size": "[1, inf)",
+    "n_experts": "[0, inf)", "top_k": "[1, inf)", "moe_every": "[1, inf)", "capacity_factor": "[0, inf)",
+    "aux_loss_coef": "[0, inf)", "ep": "[1, inf)",
     "eval_every": "[1, inf)", "eval_iters": "[1, inf)", "sample_tokens": "[0, inf)",
     "servers": "[1, inf)", "staleness": "[-1, inf)", "straggler": "[0, inf)",
     "dp": "[1, inf)", "pp": "[1, inf)", "tp": "[1, inf)", "cp": "[1, inf)", "micro_batches": "[1, inf)", "virtual_stages": "[1, inf)",
@@ -161,7 +169,7 @@ def check_config(cfg, world_size: int) -> None:
     if cfg.sequence_parallel and cfg.block_size % cfg.tp:
         problems.append(f"block_size {cfg.block_size} is not divisible by tp {cfg.tp} (sequence parallelism "
                         f"splits the sequence over the tp ranks)")
-    problems += context_parallel_problems(cfg)
+    problems += context_parallel_problems(cfg) + expert_problems(cfg)
     if cfg.schedule not in SCHEDULES:
         problems.append(f"--schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
     if cfg.pp * cfg.virtual_stages > cfg.n_layer:
@@ -203,6 +211,37 @@ def context_parallel_problems(cfg) -> list[str]:
     return problems
 
 
+def expert_problems(cfg) -> list[str]:
+    """What the mixture of experts (--n-experts, --top-k, --moe-every, --capacity-factor) and expert
+    parallelism (--ep) cannot run: ep cuts the dp axis and the experts, tp cuts the router's experts
+    (every rank routes every token, minidist/parallel/tp_model.py), a capacity reads whole sequences,
+    and Hugging Face's GPT-2 has no experts."""
+    if cfg.n_experts == 0:
+        return ["--ep needs experts to split: add --n-experts"] if cfg.ep > 1 else []
+    problems = []
+    if cfg.top_k > cfg.n_experts:
+        problems.append(f"--top-k {cfg.top_k} is more than the {cfg.n_experts} experts")
+    if cfg.moe_every > cfg.n_layer:
+        problems.append(f"--moe-every {cfg.moe_every} leaves none of the {cfg.n_layer} blocks with experts "
+                        f"(blocks moe_every-1, 2 moe_every-1, ... have them)")
+    if cfg.dp % cfg.ep:
+        problems.append(f"--ep {cfg.ep} must divide --dp {cfg.dp} (expert parallelism splits the experts over "
+                        f"groups of ep data-parallel ranks)")
+    for axis in ("ep", "tp"):
+        if cfg.n_experts % getattr(cfg, axis):
+            what = "the experts" if axis == "ep" else "the router's logits (every tp rank computes E/tp of them)"
+            problems.append(f"--n-experts {cfg.n_experts} is not divisible by {axis} {getattr(cfg, axis)} ({axis} "
+                            f"splits {what})")
+    if cfg.capacity_factor and cfg.cp > 1:
+        problems.append("--capacity-factor with --cp > 1 is not supported: the capacity is counted over whole "
+                        "sequences in order, and context parallelism spreads each sequence over the cp ranks "
+                        "(train dropless: leave --capacity-factor at 0)")
+    if cfg.export_hf is not None or cfg.init_from_hf is not None:
+        problems.append("--export-hf and --init-from-hf read and write Hugging Face's GPT-2, which has no "
+                        "experts: use --export for a mixture-of-experts model")
+    return problems
+
+
 def comm_timeout_problems(cfg) -> list[str]:
     """What is wrong with ``--comm-timeout`` (a positive, finite number of seconds). ``main`` asks it
     before :func:`~minidist.comm.launch.init`, which needs the timeout, and :func:`check_config` again."""
@@ -221,7 +260,7 @@ def parameter_server_problems(cfg, world_size: int) -> list[str]:
         problems = [str(e)]
     else:
         problems = []
-    collective = [f"--{name.replace('_', '-')}" for name in ("dp", "pp", "tp", "cp", "micro_batches", "zero", "ckpt_dir",
+    collective = [f"--{name.replace('_', '-')}" for name in ("dp", "pp", "tp", "cp", "ep", "micro_batches", "zero", "ckpt_dir",
                                                              "explain", "sequence_parallel", "recompute",
                                                              "export_hf", "init_from_hf")
                   if getattr(cfg, name) not in (1, 0, None, False)]
@@ -314,6 +353,13 @@ def parse_args(argv=None):
         "dp": "data-parallel replicas", "pp": "pipeline stages per replica",
         "tp": "tensor-parallel ranks per pipeline stage",
         "cp": "context-parallel ranks: each holds 1/cp of every sequence's tokens",
+        "ep": "expert-parallel ranks, inside dp: each holds 1/ep of every MoE layer's experts, tokens reach them "
+              "by all-to-all",
+        "n_experts": "experts per MoE layer (0: a dense GPT)", "top_k": "experts each token is routed to",
+        "moe_every": "every n-th block has experts (the last of every n)",
+        "capacity_factor": "0: dropless; c > 0: each expert takes at most ceil(c k T / E) of each sequence's "
+                           "assignments, the rest are dropped",
+        "aux_loss_coef": "weight of the load-balancing loss (per sequence, Switch-style)",
         "cp_algorithm": "how attention reaches the other cp ranks' tokens: ring (K/V blocks passed around), zigzag "
                         "(the ring with balanced causal work), ulysses (all-to-alls: heads split over cp)",
         "sequence_parallel": "also split the LayerNorm and residual activations along the sequence over tp",

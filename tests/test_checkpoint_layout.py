@@ -82,7 +82,7 @@ def test_saved_at_dp2_tp2_loads_identically_into_another_layout(tmp_path, data_d
     cfg = TrainConfig(**TINY, data_dir=data_dir, dp=2, tp=2)
     saved = run(cfg, tmp_path / "a", 0, 2)
     again = run(dataclasses.replace(cfg, dp=dp, tp=tp), tmp_path / "b", 2, 2, load=saved.dir, pp=pp)
-    assert again.meta == {"layout": {"dp": dp, "pp": pp, "cp": 1, "tp": tp}, "optimizer_step": 2}
+    assert again.meta == {"layout": {"dp": dp, "pp": pp, "cp": 1, "tp": tp, "ep": 1}, "optimizer_step": 2}
     assert_same(again, saved)
 
 

@@ -1,14 +1,24 @@
 """The composition grid: every meaningful combination of layout (dp, tp, pp each 1 or 2), context
 parallelism (cp 1 or 2, ring, zig-zag or Ulysses), ZeRO stage, sequence parallelism, pipeline
-schedule, recompute, precision and checkpointing trains like one process on the full batch
-(minidist/support_matrix.py lists the 13,824 cells; the meaningless ones name a schedule without a
-pipeline, sequence parallelism without tensor parallelism, or a cp algorithm without cp).
+schedule, recompute, precision, checkpointing and experts (none, a mixture of experts on every rank,
+or split over 2 dp ranks) trains like one process on the full batch (minidist/support_matrix.py lists
+the 41,472 cells; the meaningless ones name a schedule without a pipeline, sequence parallelism
+without tensor parallelism, a cp algorithm without cp, or expert parallelism without dp).
 
-``--slow`` trains every one of the 4,608 meaningful cells (1,152 without cp, 3,456 with cp 2). The
-default run trains a sample: 18 cells without cp that hold every value of every axis, and the
-first 8 cells of a pairwise cover of the cp cells (34 cells in which every pair of values of any
-two axes, such as zig-zag x fp16 or Ulysses x ZeRO-3, occurs at least once; its first 8 hold every
-algorithm, ZeRO stage and precision).
+``--slow`` trains the 4,608 meaningful dense cells (1,152 without cp, 3,456 with cp 2), the 1,728
+mixture-of-experts cells without cp, and a pairwise cover of all 6,912 mixture-of-experts cells. The
+default run trains a sample: 18 dense cells without cp that hold every value of every axis, the
+first 8 cells of a pairwise cover of the dense cp cells (33 cells in which every pair of values of
+any two axes, such as zig-zag x fp16 or Ulysses x ZeRO-3, occurs at least once; its first 8 hold
+every algorithm, ZeRO stage and precision), and the first 8 of the experts' pairwise cover.
+
+A mixture-of-experts cell's one-process reference is the same MoE GPT (4 experts in blocks 1 and 3).
+In float64 each token goes to its top 2 experts. A routing decision is not continuous: where a
+token's 2nd and 3rd probabilities are within a rounding of each other, two layouts that add the same
+numbers in other orders may send it to different experts, and no tolerance derived from rounding
+covers that. In float64 such a near-tie (within ~1e-15) does not occur in these runs; in 16 bits it
+does, so the mixed-precision MoE cells route every token to all 4 experts (top-4: the gate is a
+softmax, continuous), and the derived tolerances below hold for them as they are.
 
 Each cell trains a 4-block GPT for 4 steps of SGD with momentum (linear in the gradient, so a wrong
 scale shows: Adam would hide it; a sample of the float32 cells runs AdamW too), clipping at 0.5, two micro-batches per step (two virtual stages
@@ -53,7 +63,9 @@ TRAIN = dict(steps=4, eval_every=100, eval_iters=1, sample_tokens=0, warmup=1, l
              optimizer="sgd", momentum=0.9, bucket_mb=0.01, loss_scale_window=2)
 UNIT_ROUNDOFF = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
 CELLS = [c for c in grid() if meaningless(c) is None]
-CP1_CELLS = [c for c in CELLS if c.cp == 1]
+DENSE_CELLS = [c for c in CELLS if c.moe == "none"]
+CP1_CELLS = [c for c in DENSE_CELLS if c.cp == 1]
+MOE_CELLS = [c for c in CELLS if c.moe != "none"]
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +86,17 @@ def run_dtype(dtype: str) -> str:
     return "float64" if dtype == "float32" else dtype
 
 
+def experts(dtype: str, moe: bool) -> dict:
+    """The mixture of experts of a cell (none: {}): 4 per MoE block, top 2 in float64, all 4 in 16
+    bits (the module docstring says why)."""
+    return dict(n_experts=4, moe_every=2, top_k=2 if dtype == "float32" else 4) if moe else {}
+
+
 @lru_cache(maxsize=None)
-def reference(dtype: str, data_dir: str, optimizer: str = "sgd"):
-    """One process on the full batch, in ``dtype``."""
-    cfg = TrainConfig(**SIZES, **{**TRAIN, "optimizer": optimizer}, dtype=run_dtype(dtype), data_dir=data_dir,
-                      export=f"{data_dir}/ref-{dtype}-{optimizer}.npz")
+def reference(dtype: str, data_dir: str, optimizer: str = "sgd", moe: bool = False):
+    """One process on the full batch, in ``dtype``: the dense GPT, or with ``moe`` the MoE GPT."""
+    cfg = TrainConfig(**SIZES, **{**TRAIN, "optimizer": optimizer}, **experts(dtype, moe), dtype=run_dtype(dtype),
+                      data_dir=data_dir, export=f"{data_dir}/ref-{dtype}-{optimizer}{'-moe' * moe}.npz")
     return fit(cfg)
 
 
@@ -86,6 +104,7 @@ def train_cell(cell: Cell, data_dir: str, tmp_path, optimizer: str = "sgd"):
     """Train ``cell``: rows of the steps it ran (a checkpointing cell: the resumed steps 2 and 3) and
     its final weights."""
     cfg = dataclasses.replace(config_for(cell, **SIZES), **{**TRAIN, "optimizer": optimizer},
+                              **experts(cell.dtype, cell.moe != "none"),
                               dtype=run_dtype(cell.dtype), data_dir=data_dir, export=str(tmp_path / "w.npz"))
     if not cell.checkpoint:
         return fit(cfg)
@@ -123,7 +142,7 @@ def assert_like_one_process(cell: Cell, rows, weights, ref_rows, ref_weights):
 
 def check_cell(cell, data_dir, tmp_path):
     rows, weights = train_cell(cell, data_dir, tmp_path)
-    ref_rows, ref_weights = reference(cell.dtype, data_dir)
+    ref_rows, ref_weights = reference(cell.dtype, data_dir, moe=cell.moe != "none")
     assert_like_one_process(cell, rows, weights, ref_rows, ref_weights)
 
 
@@ -160,19 +179,24 @@ def pairwise_cover(cells, seed: int = 17) -> list:
     return chosen
 
 
-CP_CELLS = pairwise_cover([c for c in CELLS if c.cp == 2])
+CP_CELLS = pairwise_cover([c for c in DENSE_CELLS if c.cp == 2])
+MOE_COVER = pairwise_cover(MOE_CELLS)
 
 
 def test_the_grid_has_no_refusals_and_every_axis_value_is_sampled():
-    assert len(grid()) == 13824 and len(CP1_CELLS) == 1152 and len(CELLS) == 1152 + 3456
+    assert len(grid()) == 41472 and len(CP1_CELLS) == 1152 and len(DENSE_CELLS) == 1152 + 3456
+    assert len(MOE_CELLS) == 4608 + 2304  # ep 2 needs dp 2
     assert refusals() == {}  # every meaningful cell is accepted: refusals are debts
     covered = {v for c in sample(18) for v in axis_values(c)}
-    assert len(covered) == 8 + 1 + 1 + 4 + 2 + 3 + 2 + 3 + 2  # (cp 1: one cp value, one algorithm)
+    assert len(covered) == 8 + 1 + 1 + 4 + 2 + 3 + 2 + 3 + 2 + 1  # (cp 1: one cp value, one algorithm; dense)
+    first = {v for c in MOE_COVER[:8] for v in axis_values(c)}
+    assert {v for v in first if v[0] in ("moe", "zero", "dtype")} == {("moe", "ep1"), ("moe", "ep2")} | {
+        ("zero", z) for z in AXES["zero"]} | {("dtype", d) for d in AXES["dtype"]}
     first = {v for c in CP_CELLS[:8] for v in axis_values(c)}
     assert {v for v in first if v[0] in ("cp_algorithm", "zero", "dtype")} == {
         ("cp_algorithm", a) for a in AXES["cp_algorithm"]} | {("zero", z) for z in AXES["zero"]} | {
         ("dtype", d) for d in AXES["dtype"]}  # the default run trains every algorithm, ZeRO stage and precision
-    assert len(CP_CELLS) == 34
+    assert len(CP_CELLS) == 33
 
 
 @pytest.mark.parametrize("cell", sample(18), ids=str)
@@ -200,9 +224,20 @@ def test_a_sample_of_the_context_parallel_cells_trains_like_one_process(cell, da
     check_cell(cell, data_dir, tmp_path)
 
 
+@pytest.mark.parametrize("cell", MOE_COVER[:8], ids=str)
+def test_a_sample_of_the_mixture_of_experts_cells_trains_like_one_process(cell, data_dir, tmp_path):
+    check_cell(cell, data_dir, tmp_path)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("cell", CELLS, ids=str)
+@pytest.mark.parametrize("cell", DENSE_CELLS, ids=str)
 def test_every_cell_of_the_grid_trains_like_one_process(cell, data_dir, tmp_path):
+    check_cell(cell, data_dir, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cell", [c for c in MOE_CELLS if c.cp == 1] + [c for c in MOE_COVER if c.cp == 2], ids=str)
+def test_the_mixture_of_experts_cells_train_like_one_process(cell, data_dir, tmp_path):
     check_cell(cell, data_dir, tmp_path)
 
 

@@ -88,7 +88,7 @@ def test_a_zero_shard_is_flat_ranges_of_the_global_tensors(data_dir):
         model, optimizer, *_ = build_parallel(cfg, mesh)
         unit = next(s.unit for s in optimizer.shards if s.unit.name == "transformer.h.0")
         return (unit.lo, unit.hi), [(name, a, b, flat) for name, _, _, a, b, flat
-                                    in zero_regions(unit, model.config, 0, 1)]
+                                    in zero_regions(unit, model.config, mesh)]
     bounds, stretches = run_local(rank_fn, 4)[1]
     assert bounds == (820, 1640)
     block = "transformer.h.0."

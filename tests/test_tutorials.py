@@ -64,6 +64,15 @@ LESSONS = [
         r"the 6 heads of each tp rank .* do not divide by cp 4: use --cp-algorithm ring or zigzag",
         (r"  (ring|zigzag|ulysses) +\d\.\de[-+]\d\d +3\.\d{12} \(", 3),
         r"Ring, zig-zag and Ulysses attention equal one process's to 1e-10; zig-zag balances the causal work"]),
+    ("11_experts.py", 2, ["--local", "2"], [
+        r"  sent     \(ep, E/ep\) rows to   r0: e0=2 e1=4   r1: e2=4 e3=6 ",  # route's choices, rank 0
+        r"  received \(ep, E/ep\) rows from r0: e0=2 e1=4   r1: e0=3 e1=3 ",  # rank 1's sent, column 0
+        r"  moe combine +12 rows 768 B +20 rows 1280 B\n",  # from the trace: rows x C x 8 bytes
+        (r"  0\.1 +[01] +(\d+ +){8}1\.\d\d ", 2),  # with the aux loss: max/mean below 2 in both layers
+        r"    e3: t0\.1 t4\.1 t5\.1 t6\.1  \| dropped: t7\.1 t3\.2\n",  # first choices queue first
+        (r"  (0 \(dropless\)|1) +\d+/128 +3\.\d{12} +\d\.\de-\d\d ", 2),  # loss and gradients, dropless and not
+        r"ep 2: loss and every gradient = one process's to 1e-10",
+        r"All checks passed\."]),
 ]
 SECONDS = 60
 

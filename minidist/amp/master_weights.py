@@ -36,7 +36,7 @@ from minidist.optim import clip_grad_norm
 from minidist.parallel.clip import clip_grad_norm_parallel
 
 COMPUTE_DTYPES = {"float16": np.float16, "bfloat16": np.float32}  # name -> storage dtype of the model
-SHARDING_TAGS = ("tensor_parallel", "sequence_parallel", "tied_copy")  # who owns which gradient element
+SHARDING_TAGS = ("tensor_parallel", "sequence_parallel", "tied_copy", "expert")  # who owns which gradient element
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """A small reverse-mode autograd over NumPy/CuPy arrays: Tensor, Function, no_grad and the ops a
 GPT needs. Read in this order: tensor.py, function.py, engine.py, ops_math.py, ops_shape.py,
-ops_nn.py, attention.py, saved_tensors.py."""
+ops_nn.py, attention.py, ops_moe.py, saved_tensors.py."""
 # tensor first: it imports the ops modules at its end, and they import Function, which needs Tensor.
 from minidist.autograd.tensor import Tensor  # noqa: I001
 from minidist.autograd.attention import scaled_dot_product_attention
@@ -8,12 +8,13 @@ from minidist.autograd.backend import get_array_module, to_numpy
 from minidist.autograd.function import Function
 from minidist.autograd.grad_mode import is_grad_enabled, no_grad
 from minidist.autograd.ops_math import mean, unbroadcast
-from minidist.autograd.ops_nn import cross_entropy, embedding, gelu, layer_norm, linear
+from minidist.autograd.ops_moe import combine, grouped_linear
+from minidist.autograd.ops_nn import cross_entropy, embedding, gelu, layer_norm, linear, softmax
 from minidist.autograd.ops_shape import cat, split
 from minidist.autograd.saved_tensors import saved_tensors_hooks
 
 __all__ = [
     "Tensor", "Function", "no_grad", "is_grad_enabled", "get_array_module", "to_numpy", "unbroadcast",
     "mean", "cat", "split", "linear", "gelu", "layer_norm", "embedding", "cross_entropy",
-    "scaled_dot_product_attention", "saved_tensors_hooks",
+    "scaled_dot_product_attention", "saved_tensors_hooks", "softmax", "grouped_linear", "combine",
 ]

@@ -1,5 +1,6 @@
 """Fused neural-network ops, each one Function with an analytic backward (fewer nodes, fewer
-temporaries than composing them from arithmetic): linear, GELU, LayerNorm, embedding, cross-entropy.
+temporaries than composing them from arithmetic): linear, GELU, LayerNorm, embedding, softmax,
+cross-entropy.
 """
 import math
 
@@ -133,6 +134,32 @@ class Embedding(Function):
 def embedding(idx, weight):
     """Look up rows of ``weight`` (num_embeddings, C) at integer array ``idx`` -> (*idx.shape, C)."""
     return Embedding.apply(idx, weight)
+
+
+class Softmax(Function):
+    """Softmax over the last axis. Float16 inputs are computed in float32 (the exponentials would
+    lose digits) and returned in float16, as the gradient is."""
+
+    @staticmethod
+    def forward(ctx, x):
+        xp = get_array_module(x)
+        y = x.astype(xp.promote_types(x.dtype, xp.float32))  # a copy
+        y -= y.max(axis=-1, keepdims=True)
+        xp.exp(y, out=y)
+        y /= y.sum(axis=-1, keepdims=True)
+        ctx.y = y
+        return y.astype(x.dtype, copy=False)
+
+    @staticmethod
+    def backward(ctx, grad):  # dx = y * (g - sum(g * y))
+        y = ctx.y
+        g = grad.astype(y.dtype)
+        return (y * (g - (g * y).sum(axis=-1, keepdims=True))).astype(grad.dtype, copy=False)
+
+
+def softmax(x):
+    """Softmax over the last axis of ``x``."""
+    return Softmax.apply(x)
 
 
 class CrossEntropy(Function):

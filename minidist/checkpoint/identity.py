@@ -4,14 +4,15 @@
 ``meta.run``), and resuming refuses a checkpoint whose identity differs in any field, naming each
 one with its saved and its current value. The identity holds whatever changes the numbers:
 
-    model         n_layer, n_head, n_embd, block_size (the vocabulary is the byte tokenizer's 256)
+    model         n_layer, n_head, n_embd, block_size (the vocabulary is the byte tokenizer's 256);
+                  with experts also n_experts, top_k, moe_every, capacity_factor, aux_loss_coef
     seed          the initial weights and the order of the batches
     data          data_tokens and data_sha256: the training tokens themselves (not the file's name)
     the math      optimizer, lr, min_lr, warmup, steps (the cosine schedule ends at ``steps``),
                   weight_decay, grad_clip, batch_size, dtype; momentum for SGD only;
                   loss_scale and loss_scale_window in mixed precision only
 
-and nothing that only says HOW the same math is laid out: dp, tp, pp, zero, schedule, virtual
+and nothing that only says HOW the same math is laid out: dp, tp, pp, ep, zero, schedule, virtual
 stages, sequence parallelism, recomputation, bucket size, device, backend and the world size may all
 change (that is resharding), and so may ``micro_batches``: cutting a batch into micro-batches sums
 the same per-example gradients with the same 1/B factor, equal in exact arithmetic; in floating point
@@ -29,6 +30,7 @@ from minidist.amp import COMPUTE_DTYPES
 
 MATH = ("n_layer", "n_head", "n_embd", "block_size", "seed", "optimizer", "lr", "min_lr", "warmup", "steps",
         "weight_decay", "grad_clip", "batch_size", "dtype")
+EXPERTS = ("n_experts", "top_k", "moe_every", "capacity_factor", "aux_loss_coef")  # a mixture of experts' math
 
 
 def data_identity(tokens) -> dict:
@@ -42,6 +44,7 @@ def run_identity(cfg, train_tokens) -> dict:
     checkpoint: a flat JSON object {field: value} (module docstring: which fields and why)."""
     fields = MATH + (("momentum",) if cfg.optimizer == "sgd" else ())
     fields += ("loss_scale", "loss_scale_window") if cfg.dtype in COMPUTE_DTYPES else ()
+    fields += EXPERTS if cfg.n_experts else ()
     identity = {name: getattr(cfg, name) for name in fields}
     identity.update(data_identity(train_tokens))
     return json.loads(json.dumps(identity))  # as it reads back from the manifest: compared like for like

@@ -12,7 +12,9 @@ part of them this rank holds, as boxes (regions.py), using the tensor-parallel l
                  are zero when loaded
 
 Data-parallel replicas (and context-parallel ranks, which hold the same parameters) hold the same
-values, so only rank 0 of the dp x cp group writes. Under ZeRO each dp x cp rank holds
+values, so only rank 0 of the dp x cp group writes (of an expert parameter: rank 0 of the ranks
+holding the same experts, :func:`~minidist.parallel.grad_ownership.replica_group`; under expert
+parallelism each ep rank holds a block of the experts, written as its box along axis 0). Under ZeRO each dp x cp rank holds
 elements ``lo:hi`` of every unit's flat vector (flat_buffer.py), so each writes its own flat pieces:
 where the shard crosses a parameter (or one box of its tp shard), a
 :class:`~minidist.checkpoint.regions.Flat` range of that box. Pipeline stages hold different
@@ -26,7 +28,7 @@ import math
 
 from minidist.autograd import get_array_module, to_numpy
 from minidist.checkpoint.regions import Flat, Piece
-from minidist.parallel.grad_ownership import counted_in_norm
+from minidist.parallel.grad_ownership import counted_in_norm, replica_group
 from minidist.parallel.tp_layout import regions as tp_regions  # where a tp shard's rows sit in the global tensor
 from minidist.parallel.tp_model import full_shape
 from minidist.parallel.zero import ZeroOptimizer
@@ -54,16 +56,22 @@ def _written_here(p, mesh) -> bool:
     return counted_in_norm(p, mesh.tp_rank)
 
 
-def zero_regions(unit, config, tp_rank: int, tp_size: int):
+def _regions(stored: str, shape, mesh) -> list:
+    """This rank's boxes of tensor ``stored`` (global ``shape``): its tp shard, and of a stacked
+    expert parameter its ep block (tp_layout.py)."""
+    return tp_regions(stored, shape, mesh.tp_rank, mesh.tp_group.size, mesh.ep_rank, mesh.shape.ep)
+
+
+def zero_regions(unit, config, mesh):
     """Where this rank's ZeRO shard ``unit.lo:unit.hi`` of a unit's flat vector sits in the global
     tensors: (stored name, Parameter, global shape, shard start, shard stop, :class:`Flat` region)
     for every stretch of the shard inside one parameter and one box of its tp shard. Vocabulary
     padding rows lie in no stretch."""
     for (name, p), start, shape in zip(unit.params, unit.starts, unit.shapes):
         stored = _stored_name(name, p)
-        global_shape = full_shape(stored, shape, config, tp_size)
+        global_shape = full_shape(stored, shape, config, mesh.tp_group.size)
         row = math.prod(shape[1:])  # elements per local row
-        for r0, r1, box in tp_regions(stored, global_shape, tp_rank, tp_size):
+        for r0, r1, box in _regions(stored, global_shape, mesh):
             first, last = start + r0 * row, start + r1 * row  # the box's elements in the flat vector
             lo, hi = max(unit.lo, first), min(unit.hi, last)
             if lo < hi:
@@ -76,16 +84,14 @@ def training_pieces(model, optimizer, mesh, amp=None) -> list:
     flat shards, float32 masters under mixed precision), each tensor written once over the whole mesh."""
     if isinstance(optimizer, ZeroOptimizer) and optimizer.stage > 0:
         return _zero_pieces(model, optimizer, mesh)
-    if mesh.dp_cp_group.rank != 0:  # a replica of what rank 0 of the dp x cp group writes
-        return []
     pieces = []
     for stored, name, p, shape in _held(model, mesh, amp):
-        if not _written_here(p, mesh):
+        if replica_group(p, mesh).rank != 0 or not _written_here(p, mesh):  # a replica of what its rank 0 writes
             continue
         arrays = [(stored, p.data)] + [(f"{slot}/{stored}", state[name]) for slot, state in optimizer.state.items()]
         for global_name, local in arrays:
             local = to_numpy(local)
-            for r0, r1, box in tp_regions(stored, shape, mesh.tp_rank, mesh.tp_group.size):
+            for r0, r1, box in _regions(stored, shape, mesh):
                 pieces.append(Piece(global_name, local[r0:r1], shape, box))
     return pieces
 
@@ -96,7 +102,7 @@ def _zero_pieces(model, optimizer, mesh) -> list:
     pieces = []
     for s in optimizer.shards:
         arrays = [("", s.param.data)] + [(f"{slot}/", state) for slot, state in s.state.items()]
-        for stored, p, shape, a, b, flat in zero_regions(s.unit, model.config, mesh.tp_rank, mesh.tp_group.size):
+        for stored, p, shape, a, b, flat in zero_regions(s.unit, model.config, mesh):
             if _written_here(p, mesh):
                 pieces += [Piece(prefix + stored, to_numpy(array[a:b]), shape, flat) for prefix, array in arrays]
     return pieces
@@ -106,7 +112,7 @@ def training_meta(mesh, optimizer, scaler=None) -> dict:
     """The layout and optimizer step count, for the manifest (other fields are the trainer's); under
     mixed precision the loss scaler's state (scale, clean and skipped steps) too."""
     s = mesh.shape
-    meta = {"layout": {"dp": s.dp, "pp": s.pp, "cp": s.cp, "tp": s.tp}, "optimizer_step": optimizer.step_count}
+    meta = {"layout": {"dp": s.dp, "pp": s.pp, "cp": s.cp, "tp": s.tp, "ep": s.ep}, "optimizer_step": optimizer.step_count}
     if scaler is not None:
         meta["loss_scaler"] = {k: v.item() for k, v in scaler.state_dict().items()}
     return meta
@@ -147,7 +153,7 @@ def _load_boxes(ckpt, model, state: dict, mesh, amp=None) -> None:
         targets = [(stored, p.data)] + [(f"{slot}/{stored}", arrays[name]) for slot, arrays in state.items()]
         for global_name, local in targets:
             local[...] = 0
-            for r0, r1, box in tp_regions(stored, shape, mesh.tp_rank, mesh.tp_group.size):
+            for r0, r1, box in _regions(stored, shape, mesh):
                 local[r0:r1] = get_array_module(local).asarray(ckpt.read(global_name, box))  # host -> its memory
 
 
@@ -157,7 +163,7 @@ def _load_zero(ckpt, model, optimizer, mesh) -> None:
         arrays = [("", s.param.data)] + [(f"{slot}/", state) for slot, state in s.state.items()]
         for _, array in arrays:
             array[...] = 0
-        for stored, _, shape, a, b, flat in zero_regions(s.unit, model.config, mesh.tp_rank, mesh.tp_group.size):
+        for stored, _, shape, a, b, flat in zero_regions(s.unit, model.config, mesh):
             _check_shape(ckpt, stored, shape)
             for prefix, array in arrays:
                 array[a:b] = get_array_module(array).asarray(ckpt.read(prefix + stored, flat))

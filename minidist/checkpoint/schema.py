@@ -156,13 +156,14 @@ def check_safetensors_header(header: dict, path, info: dict) -> None:
 
 
 def check_training_meta(meta: dict, step: int, where) -> None:
-    """CheckpointError unless ``meta`` is a trainer's: layout {dp, pp, tp} ints >= 1 (and cp, written
-    since context parallelism, also an int >= 1 when there), optimizer_step
+    """CheckpointError unless ``meta`` is a trainer's: layout {dp, pp, tp} ints >= 1 (and cp, ep, written
+    since context and expert parallelism, also ints >= 1 when there), optimizer_step
     an int >= 0, data_position equal to the checkpoint's ``step`` (the state after that many steps),
     run a JSON object (identity.py)."""
     layout = meta.get("layout")
     _need(isinstance(layout, dict) and all(is_int(layout.get(a), 1) for a in ("dp", "pp", "tp"))
-          and is_int(layout.get("cp", 1), 1), where, f"meta.layout {layout!r} is not {{dp, pp, cp, tp}} of integers >= 1")
+          and is_int(layout.get("cp", 1), 1) and is_int(layout.get("ep", 1), 1), where,
+          f"meta.layout {layout!r} is not {{dp, pp, cp, tp, ep}} of integers >= 1")
     _need(is_int(meta.get("optimizer_step")), where, f"meta.optimizer_step {meta.get('optimizer_step')!r} is not an "
           "integer >= 0")
     _need(is_int(meta.get("data_position")) and meta["data_position"] == step, where,

@@ -5,14 +5,15 @@
 
 writes runs/a/trace.json (all ranks, for https://ui.perfetto.dev) and runs/a/timeline.png (one
 step per rank: compute, communication by op, idle), and prints the communication table (op, group,
-calls, bytes, time, algbw, busbw) and the memory table.
+calls, bytes, time, algbw, busbw), the memory table and, for a mixture of experts, the load per
+rank and per expert.
 """
 import argparse
 from pathlib import Path
 
 from minidist.inspect.chrome import merge_chrome_trace
 from minidist.inspect.load import load_run
-from minidist.inspect.tables import comm_table, format_comm_table, format_memory
+from minidist.inspect.tables import comm_table, format_comm_table, format_expert_load, format_memory
 from minidist.inspect.timeline import draw_run_timeline, step_window
 
 
@@ -38,6 +39,9 @@ def main(argv=None) -> None:
     print(format_comm_table(comm_table(run.traces, run.group_members())))
     print("\nmemory:")
     print(format_memory(run.memory))
+    if any("expert_load" in m for m in run.metrics):
+        print("\nexperts:")
+        print(format_expert_load(run.metrics))
 
 
 if __name__ == "__main__":

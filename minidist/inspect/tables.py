@@ -8,6 +8,8 @@ group size n: an all-reduce of N bytes sends 2(n-1)/n N per rank, a reduce-scatt
 """
 from __future__ import annotations
 
+import numpy as np
+
 from minidist.comm.ops import bus_factor
 from minidist.parallel.accounting import format_memory_table
 
@@ -70,3 +72,20 @@ def format_memory(memory: dict[int, list[dict]]) -> str:
     """Every rank's memory rows as one table (``format_memory_table``), labelled ``rank r: label``."""
     rows = [{**row, "label": f"rank {rank}: {row['label']}"} for rank in sorted(memory) for row in memory[rank]]
     return format_memory_table(rows) if rows else "(no memory files)"
+
+
+def format_expert_load(metrics: list[dict]) -> str:
+    """A mixture-of-experts run's routing, from its metrics rows: the token rows each rank's experts
+    computed per step (mean over the steps; the busiest rank sets an expert-parallel step's pace),
+    and the assignments per expert of each MoE block in the last step, each with max / mean."""
+    rows = [m for m in metrics if "expert_load" in m]
+    if not rows:
+        return "(not a mixture of experts)"
+    per_rank = np.mean([m["expert_rows"] for m in rows], axis=0)  # (world,)
+    lines = [f"rows each rank's experts computed per step (mean of {len(rows)} steps; max/mean "
+             f"{per_rank.max() / per_rank.mean():.2f}):",
+             "  " + "  ".join(f"rank {r}: {n:.0f}" for r, n in enumerate(per_rank)),
+             f"assignments per expert in step {rows[-1]['step']}:"]
+    for block, load in rows[-1]["expert_load"].items():
+        lines.append(f"  block {block}: {' '.join(f'{n:>5}' for n in load)}   max/mean {max(load) / np.mean(load):.2f}")
+    return "\n".join(lines)

@@ -15,7 +15,10 @@ class Parameter(Tensor):
       tokens, so its gradient is a partial sum that must be all-reduced over tp;
     - ``tied_copy``: a pipeline stage's copy of a parameter another stage holds too (the last
       stage's lm_head tied to the first stage's wte): its gradient is summed over the embedding
-      group and it is counted once, by the stage holding the original.
+      group and it is counted once, by the stage holding the original;
+    - ``expert``: experts stacked along axis 0 (minidist/moe.py): under expert parallelism each ep
+      rank holds a distinct block of them, its gradient reduced only over the ranks holding the
+      same experts (minidist/parallel/grad_ownership.py).
 
     Unlike a plain Tensor it has a ``__dict__``, so the tags are set per instance.
     """
@@ -23,6 +26,7 @@ class Parameter(Tensor):
     tensor_parallel: bool = False
     sequence_parallel: bool = False
     tied_copy: bool = False
+    expert: bool = False
 
     def __init__(self, data):
         super().__init__(data, requires_grad=True)

@@ -9,10 +9,11 @@ by. Each rank sums the squares of what it owns, once (the rule lives in grad_own
   tp rank: only tp rank 0 adds it, so it is counted once;
 - pipeline stages hold different layers: their sums add up too; the last stage's copy of the tied
   embedding (``p.tied_copy = True``, the first stage holds the original) is not added again;
-- data-parallel replicas hold the same (averaged) gradients: nothing to add over dp.
+- data-parallel replicas hold the same (averaged) gradients: nothing to add over dp;
+- under expert parallelism each ep rank holds different experts: their squares add up over ep.
 
-So: one all-reduce of a single float over the tp group and one over the pp group, then every rank
-scales its own gradients by the same factor.
+So: one all-reduce of a single float over the tp group and one over the pp group (and one over the
+ep group for the experts' squares), then every rank scales its own gradients by the same factor.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import numpy as np
 
 from minidist.device import get_array_module
 from minidist.optim import clip_coef, grad_norm_sq
-from minidist.parallel.grad_ownership import counted_in_norm
+from minidist.parallel.grad_ownership import counted_in_norm, summed_over_ep
 
 
 def local_grad_norm_sq(params, tp_rank: int) -> float:
@@ -33,11 +34,16 @@ def local_grad_norm_sq(params, tp_rank: int) -> float:
 def clip_grad_norm_parallel(params, max_norm: float, mesh) -> float:
     """Scale the gradients of this rank's ``params`` so that the global L2 norm over the whole model
     (tp shards and pp stages of ``mesh``) is at most ``max_norm``. Returns the norm before clipping,
-    the same on every rank. Sends one 8-byte all-reduce on the tp group and one on the pp group, in
-    the gradients' memory (host or GPU)."""
+    the same on every rank. Sends one 8-byte all-reduce on the tp group and one on the pp group (and
+    first one of the experts' squares on the ep group), in the gradients' memory (host or GPU)."""
     params = [p for p in params if p.grad is not None]
     xp = get_array_module(params[0].grad) if params else np
-    total = xp.array([local_grad_norm_sq(params, mesh.tp_rank)])  # (1,) float64
+    total = xp.array([local_grad_norm_sq([p for p in params if not summed_over_ep(p)], mesh.tp_rank)])  # (1,)
+    if mesh.ep_group is not None:
+        experts = xp.array([local_grad_norm_sq([p for p in params if summed_over_ep(p)], mesh.tp_rank)])
+        total += mesh.ep_group.all_reduce(experts)
+    else:
+        total += local_grad_norm_sq([p for p in params if summed_over_ep(p)], mesh.tp_rank)
     mesh.tp_group.all_reduce(total)
     mesh.pp_group.all_reduce(total)
     total_norm = float(total[0]) ** 0.5

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from minidist.autograd import to_numpy
+from minidist.autograd import get_array_module, to_numpy
 from minidist.parallel.tp_layout import unshard
 
 
@@ -22,17 +22,25 @@ def consolidated_state_dict(model, mesh) -> dict:
     """{GPT-2 name: full NumPy array} for every parameter name of ``model`` (a GPT, a tensor-parallel
     GPT or a PipelineStage, with ``config``; tied weights under each name). Collective over
     ``mesh.tp_group``: each tensor-parallel parameter costs one all-gather of its shard (shards of one
-    parameter have the same shape on every tp rank), in the parameter's memory (host or GPU); the
-    result is copied to the host."""
+    parameter have the same shape on every tp rank), in the parameter's memory (host or GPU); under
+    expert parallelism also over ``mesh.ep_group``: each stacked expert parameter costs one
+    all-gather of this rank's block of experts (blocks in ep-rank order along axis 0). The result is
+    copied to the host."""
     full = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         value = p.data
         if p.tensor_parallel:
-            gathered = to_numpy(mesh.tp_group.all_gather(value.reshape(-1).copy()))  # (tp * shard size,)
-            shards = [s.reshape(value.shape) for s in gathered.reshape(mesh.tp_group.size, -1)]
-            value = unshard(name, shards, vocab_size=model.config.vocab_size)
+            value = unshard(name, _gather_blocks(value, mesh.tp_group), vocab_size=model.config.vocab_size)
+        if p.expert and mesh.ep_group is not None:
+            value = get_array_module(value).concatenate(_gather_blocks(value, mesh.ep_group))
         full[name] = to_numpy(value).copy()
     return full
+
+
+def _gather_blocks(value, group) -> list:
+    """Every rank of ``group``'s ``value`` (one shape on all), in rank order: one all-gather."""
+    gathered = group.all_gather(value.reshape(-1).copy())  # (n * size,)
+    return [block.reshape(value.shape) for block in gathered.reshape(group.size, -1)]
 
 
 def gather_state_dicts(state: dict, group, dst: int = 0) -> dict | None:
@@ -59,12 +67,13 @@ def gather_state_dicts(state: dict, group, dst: int = 0) -> dict | None:
 def full_state_dict(model, mesh) -> dict | None:
     """The whole model's {GPT-2 name: full array} on global rank 0, None elsewhere. ``model`` is this
     rank's GPT, tensor-parallel GPT or PipelineStage. Collective over the mesh: dp x cp rank 0's tp groups
-    consolidate their shards (:func:`consolidated_state_dict`), then their tp rank 0 sends its stage's
-    dict to pp rank 0 (:func:`gather_state_dicts`); the other dp replicas and cp ranks hold the same
-    values and send nothing. With tied embeddings ``lm_head.weight`` comes from the last stage (the same values)."""
-    if mesh.dp_cp_group.rank != 0:  # dp replicas and cp ranks hold the same parameters
+    (and its ep group's, which hold the other experts) consolidate their shards
+    (:func:`consolidated_state_dict`), then dp x cp rank 0's tp rank 0 sends its stage's dict to pp
+    rank 0 (:func:`gather_state_dicts`); the other dp replicas and cp ranks hold the same values and
+    send nothing. With tied embeddings ``lm_head.weight`` comes from the last stage (the same values)."""
+    if mesh.expert_dp_group.rank != 0:  # dp replicas and cp ranks hold the same parameters
         return None
     state = consolidated_state_dict(model, mesh)
-    if mesh.tp_rank != 0:
+    if mesh.dp_cp_group.rank != 0 or mesh.tp_rank != 0:  # an ep rank > 0 gave its experts above
         return None
     return gather_state_dicts(state, mesh.pp_group, dst=0)

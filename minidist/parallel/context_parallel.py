@@ -108,10 +108,13 @@ def context_parallel(model, group, algorithm: str = "ring"):
     """Make ``model`` (a GPT or a tensor-parallel GPT, before it is cut into pipeline stages) run on
     this rank's 1/cp of every sequence: its embed keeps this rank's tokens, its attention layers
     attend over ``group`` with ``algorithm``, its head keeps this rank's targets and averages the
-    loss over the group. Returns ``model``. Sends nothing; every later forward is collective over
-    ``group``."""
+    loss over the group, and a mixture-of-experts layer sums each sequence's balance statistics
+    over the group (minidist/moe.py). Returns ``model``. Sends nothing; every later forward is
+    collective over ``group``."""
     cp = ContextParallel(group, algorithm)
     model.context_parallel = cp
     for block in model.transformer.h:
         block.attn.attend = cp.attend
+        if hasattr(block.mlp, "sequence_group"):
+            block.mlp.sequence_group = group
     return model

@@ -30,11 +30,11 @@ DEFAULT_BUCKET_BYTES = 1 << 20  # 1 MiB; PyTorch DDP uses 25 MiB for models a th
 
 
 class Bucket:
-    """A flat gradient buffer and the parameters whose ``.grad`` are views into it (in the
-    parameters' memory: host or GPU)."""
+    """A flat gradient buffer, the parameters whose ``.grad`` are views into it (in the
+    parameters' memory: host or GPU), and the group it is averaged over."""
 
-    def __init__(self, index: int, named_params: list, dtype):
-        self.index = index
+    def __init__(self, index: int, named_params: list, dtype, group):
+        self.index, self.group = index, group
         self.names = [name for name, _ in named_params]
         self.params = [p for _, p in named_params]
         xp = get_array_module(self.params[0].data)
@@ -64,9 +64,14 @@ class DataParallel:
     replicas; under context parallelism the group is dp x cp and the cp ranks' gradients are parts
     of one replica's gradient, so they are summed and only the dp replicas averaged
     (:func:`average_over_replicas`).
+
+    ``expert_group`` (expert parallelism): the group the expert parameters (``p.expert``) are
+    broadcast from and averaged over instead, the ranks holding the same experts
+    (:func:`~minidist.parallel.grad_ownership.replica_group`); their buckets hold experts only.
     """
 
-    def __init__(self, model, dp_group, bucket_bytes: int = DEFAULT_BUCKET_BYTES, replicas: int | None = None):
+    def __init__(self, model, dp_group, bucket_bytes: int = DEFAULT_BUCKET_BYTES, replicas: int | None = None,
+                 expert_group=None):
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         named = list(model.named_parameters())
@@ -75,9 +80,10 @@ class DataParallel:
             raise ValueError(f"one dtype for all parameters, please (buckets are flat): got {sorted(map(str, dtypes))}")
         self.group, self.replicas = dp_group, replicas
         self.bucket_bytes = bucket_bytes
+        group_of = lambda p: expert_group if p.expert and expert_group is not None else dp_group  # noqa: E731
         for _, p in named:
-            dp_group.broadcast(p.data, src=0)
-        self.buckets = _fill_buckets(named[::-1], bucket_bytes, dtypes.pop())
+            group_of(p).broadcast(p.data, src=0)
+        self.buckets = _fill_buckets(named[::-1], bucket_bytes, dtypes.pop(), group_of)
         self._sync = True
         self._next_launch = 0  # buckets launch strictly in index order, identical on every rank
         for bucket in self.buckets:
@@ -135,8 +141,8 @@ class DataParallel:
             bucket = self.buckets[self._next_launch]
             if bucket.pending > 0 and not force:
                 return
-            op = average_over_replicas(bucket.buffer, self.group, self.replicas)
-            bucket.work = self.group.all_reduce(bucket.buffer, op=op, async_op=True)
+            op = average_over_replicas(bucket.buffer, bucket.group, self.replicas)
+            bucket.work = bucket.group.all_reduce(bucket.buffer, op=op, async_op=True)
             self._next_launch += 1
 
 
@@ -153,16 +159,20 @@ def average_over_replicas(flat, group, replicas: int | None) -> str:
     return "sum"
 
 
-def _fill_buckets(named_params: list, bucket_bytes: int, dtype) -> list[Bucket]:
+def _fill_buckets(named_params: list, bucket_bytes: int, dtype, group_of) -> list[Bucket]:
     """Cut ``named_params`` (in the order given) into consecutive buckets of about ``bucket_bytes``:
-    a bucket closes once it holds at least that many bytes (so one large parameter is one bucket)."""
+    a bucket closes once it holds at least that many bytes (so one large parameter is one bucket),
+    or before a parameter averaged over another group (``group_of(p)``)."""
     buckets, current, size = [], [], 0
     for name, p in named_params:
+        if current and group_of(p) is not group_of(current[-1][1]):
+            buckets.append(Bucket(len(buckets), current, dtype, group_of(current[-1][1])))
+            current, size = [], 0
         current.append((name, p))
         size += p.data.nbytes
         if size >= bucket_bytes:
-            buckets.append(Bucket(len(buckets), current, dtype))
+            buckets.append(Bucket(len(buckets), current, dtype, group_of(p)))
             current, size = [], 0
     if current:
-        buckets.append(Bucket(len(buckets), current, dtype))
+        buckets.append(Bucket(len(buckets), current, dtype, group_of(current[-1][1])))
     return buckets

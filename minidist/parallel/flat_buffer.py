@@ -111,7 +111,7 @@ class FlatUnit:
 def units_by_module(named_parameters) -> list[tuple[str, list]]:
     """Group (name, Parameter) pairs into ZeRO units, keeping their order: every transformer block
     (``transformer.h.<i>``) is one unit, every other module (``transformer.wte``, ``transformer.ln_f``,
-    ...) one unit. A parameter appearing under two names (tied weights) goes in once, under the
+    ...) one unit, and a block's stacked experts (``transformer.h.<i>.mlp.experts``) one more. A parameter appearing under two names (tied weights) goes in once, under the
     first. Returns [(unit name, [(name, Parameter), ...]), ...]."""
     units: dict[str, list] = {}
     seen = set()
@@ -121,5 +121,7 @@ def units_by_module(named_parameters) -> list[tuple[str, list]]:
         seen.add(id(p))
         parts = name.split(".")
         key = ".".join(parts[:3]) if parts[:2] == ["transformer", "h"] else ".".join(parts[:-1])
+        if p.expert:  # a block's experts are a unit of their own: other ranks hold other experts
+            key = name[:name.index(".experts.") + len(".experts")]
         units.setdefault(key, []).append((name, p))
     return list(units.items())

@@ -11,8 +11,15 @@ It follows from the three tags declared on :class:`~minidist.nn.Parameter`:
     tied_copy           a copy of another stage's parameter,      nobody: the stage holding the
                         summed over the embedding group           original counts it
 
+    expert              this ep rank's experts (distinct on       every ep rank (its own experts),
+                        each ep rank), complete over the ep       and by tp as above
+                        group: reduced over the ranks holding
+                        the same experts only
+
 Data-parallel replicas hold the same (averaged) gradients: nothing is added over dp. Pipeline stages
-hold different parameters: their sums add up.
+hold different parameters: their sums add up. Which ranks hold the same values of a parameter, and
+so average its gradient, shard it under ZeRO and write it once to a checkpoint, is
+:func:`replica_group`: one rule for the data-parallel sync, ZeRO, clipping and checkpoints.
 """
 from __future__ import annotations
 
@@ -38,3 +45,18 @@ def summed_over_tp(p) -> bool:
     """Whether ``p``'s gradient is a partial sum to all-reduce over the tensor-parallel group before
     it is used (sequence parallelism: replicated, but it saw only this rank's tokens)."""
     return p.sequence_parallel
+
+
+def replica_group(p, mesh):
+    """The ranks of ``mesh`` holding the same values of ``p`` (and the same ``p.expert`` experts):
+    the group its gradient is reduced over (dividing by the dp replicas, data_parallel.py), ZeRO
+    shards it over, and whose rank 0 writes it to a checkpoint. An expert parameter: the
+    expert-data-parallel group (its gradient already sums every ep rank's tokens); any other: the
+    dp x cp group."""
+    return mesh.expert_dp_group if p.expert else mesh.dp_cp_group
+
+
+def summed_over_ep(p) -> bool:
+    """Whether the squares of ``p``'s gradient are added over the ep group in the global norm (each
+    ep rank holds different experts)."""
+    return p.expert

@@ -22,7 +22,17 @@ A rank's tp group holds the ranks that share its (dp, pp, cp); its cp group thos
 Context-parallel ranks hold the same parameters and see different tokens of the same rows, so for
 the gradients they are data-parallel replicas: ``dp_cp_group`` (the ranks that share (pp, tp); the
 dp group itself when cp = 1) is the group gradients are averaged and ZeRO shards over, as in
-Megatron-LM. No global state: build a mesh and pass it around.
+Megatron-LM.
+
+Expert parallelism is no fifth axis: it cuts the dp axis (DeepSpeed-MoE's and torchtitan's choice,
+so it costs no extra ranks). With ``ep`` dividing dp, consecutive blocks of ep dp ranks (sharing
+pp, cp, tp) form an ``ep_group``, which splits each MoE layer's experts and all-to-alls tokens
+among its ranks; ep rank = dp_rank % ep. The ranks holding the SAME experts (sharing pp, tp and
+the ep rank: dp / ep replicas, times cp) form the ``expert_dp_group``, over which expert gradients
+are reduced and ZeRO shards them (it is dp_cp_group when ep = 1). With dp = 4, ep = 2 (pp = cp =
+tp = 1): ep groups {0, 1}, {2, 3}; expert-dp groups {0, 2}, {1, 3}.
+
+No global state: build a mesh and pass it around.
 """
 from __future__ import annotations
 
@@ -40,11 +50,13 @@ class Coords(NamedTuple):
 
 @dataclass(frozen=True)
 class MeshShape:
-    """The sizes of the four axes; ``world`` is their product."""
+    """The sizes of the four axes (``world`` is their product) and of expert parallelism, which
+    cuts dp (``ep`` divides it)."""
     dp: int = 1
     pp: int = 1
     tp: int = 1
     cp: int = 1
+    ep: int = 1
 
     @property
     def world(self) -> int:
@@ -63,14 +75,17 @@ class MeshShape:
 class DeviceMesh:
     """This rank's place in the (dp, pp, cp, tp) grid and its axis groups.
 
-    Building it is collective over ``world`` (one ``split`` per axis, and one more for ``dp_cp_group``
-    when cp > 1: every rank must build the same shape). ``world.size`` must equal dp * pp * cp * tp.
+    Building it is collective over ``world`` (one ``split`` per axis, one more for ``dp_cp_group``
+    when cp > 1 and two for the ep groups when ep > 1: every rank must build the same shape).
+    ``world.size`` must equal dp * pp * cp * tp, and ep divide dp. ``ep_group`` is None when ep = 1.
     """
 
-    def __init__(self, world, dp: int = 1, pp: int = 1, tp: int = 1, cp: int = 1):
-        self.shape = s = MeshShape(dp, pp, tp, cp)
+    def __init__(self, world, dp: int = 1, pp: int = 1, tp: int = 1, cp: int = 1, ep: int = 1):
+        self.shape = s = MeshShape(dp, pp, tp, cp, ep)
         if world.size != s.world:
             raise ValueError(f"world size {world.size} != dp*pp*cp*tp = {dp}*{pp}*{cp}*{tp} = {s.world}")
+        if dp % ep:
+            raise ValueError(f"expert parallelism cuts the dp axis: ep {ep} must divide dp {dp}")
         self.world = world
         self.rank = world.rank
         self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = d, p, c, t = s.coords(world.rank)
@@ -80,6 +95,12 @@ class DeviceMesh:
         self.dp_group = world.split((p * cp + c) * tp + t, key=d, name=f"dp[pp{p}{_cp(c, cp)},tp{t}]")
         self.dp_cp_group = self.dp_group if cp == 1 else world.split(p * tp + t, key=d * cp + c,
                                                                      name=f"dp_cp[pp{p},tp{t}]")
+        self.ep_rank, block = d % ep, d // ep
+        self.ep_group = None if ep == 1 else world.split(
+            ((block * pp + p) * cp + c) * tp + t, key=d % ep,
+            name=f"ep[dp{block * ep}-{block * ep + ep - 1},pp{p}{_cp(c, cp)},tp{t}]")
+        self.expert_dp_group = self.dp_cp_group if ep == 1 else world.split(
+            (p * tp + t) * ep + d % ep, key=block * cp + c, name=f"edp[pp{p},tp{t},ep{d % ep}]")
 
     @property
     def name(self) -> str:
@@ -108,7 +129,8 @@ class DeviceMesh:
     def __repr__(self) -> str:
         s = self.shape
         cp = f", cp={s.cp}" if s.cp > 1 else ""
-        return f"DeviceMesh(dp={s.dp}, pp={s.pp}{cp}, tp={s.tp}, {self.name})"
+        ep = f", ep={s.ep}" if s.ep > 1 else ""
+        return f"DeviceMesh(dp={s.dp}, pp={s.pp}{cp}, tp={s.tp}{ep}, {self.name})"
 
 
 def _cp(cp_rank: int, cp: int) -> str:

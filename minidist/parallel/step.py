@@ -2,7 +2,8 @@
 
     zero_grad
     forward + backward over the micro-batches       (a pipeline engine, or the loop below), each
-                                                    backward seeded with loss_scale / m (loss_scaling.py)
+                                                    backward seeded with loss_scale / m (loss_scaling.py),
+                                                    MoE balance losses too
     data-parallel gradient average                  (DataParallel.finish; ZeRO reduce-scatters instead)
     sequence-parallel sync of replicated grads      (tp all-reduce of LayerNorm / bias partial sums)
     tied-embedding all-reduce                       (first and last pipeline stage)
@@ -26,7 +27,7 @@ from minidist.data import inputs_and_targets
 from minidist.device import get_array_module
 from minidist.optim import clip_grad_norm
 from minidist.parallel.clip import clip_grad_norm_parallel
-from minidist.parallel.loss_scaling import backward_micro_batch
+from minidist.parallel.loss_scaling import backward_micro_batch, seed_aux_losses
 from minidist.parallel.sampler import micro_batches
 from minidist.parallel.tensor_parallel import sync_sequence_parallel_grads
 from minidist.parallel.zero import ZeroOptimizer
@@ -79,6 +80,7 @@ def train_step(model, optimizer, batch, lr, grad_clip, *, dp=None, engine=None, 
     loss_scale = scaler.scale if scaler else 1.0
     (dp or optimizer).zero_grad()
     batches = micro_batches(batch, n_micro)
+    seed_aux_losses(model, len(batches), loss_scale)
     if engine is not None:
         loss = engine.forward_backward(batches, loss_scale)
     else:

@@ -34,7 +34,8 @@ from minidist.parallel.grad_ownership import summed_over_tp
 from minidist.parallel.tp_layout import divide, padded_vocab_size, shard_for, tp_layout, unshard
 
 __all__ = ["CopyToTensorParallelRegion", "ReduceFromTensorParallelRegion", "GatherFromSequenceParallelRegion",
-           "ReduceScatterToSequenceParallelRegion", "copy_to_tensor_parallel_region",
+           "ReduceScatterToSequenceParallelRegion", "GatherFromTensorParallelRegion", "ScatterToSequenceParallelRegion",
+           "gather_from_tensor_parallel_region", "scatter_to_sequence_parallel_region", "copy_to_tensor_parallel_region",
            "reduce_from_tensor_parallel_region", "gather_from_sequence_parallel_region",
            "reduce_scatter_to_sequence_parallel_region", "enter_tensor_parallel_region", "exit_tensor_parallel_region",
            "ColumnParallelLinear", "RowParallelLinear", "sync_sequence_parallel_grads",
@@ -99,6 +100,48 @@ class ReduceScatterToSequenceParallelRegion(Function):
     @staticmethod
     def backward(ctx, grad):  # (B, T/n, C)
         return ctx.group.all_gather(_sequence_first(grad)).swapaxes(0, 1), None  # (B, T, C)
+
+
+class GatherFromTensorParallelRegion(Function):
+    """Forward all-gathers the ranks' blocks of the last axis (..., E/n) into (..., E), the same on
+    every rank; backward keeps this rank's block of the gradient (every rank's is the same)."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # (N, E/n)
+        ctx.group, ctx.width = group, x.shape[-1]
+        xp = get_array_module(x)
+        gathered = group.all_gather(xp.ascontiguousarray(x.T))  # (E, N): blocks along axis 0
+        return xp.ascontiguousarray(gathered.T)  # (N, E)
+
+    @staticmethod
+    def backward(ctx, grad):  # (N, E)
+        r, w = ctx.group.rank, ctx.width
+        return grad[:, r * w:(r + 1) * w], None  # (N, E/n)
+
+
+class ScatterToSequenceParallelRegion(Function):
+    """Forward keeps this rank's T/n tokens of a (B, T, C) that every rank holds the same; backward
+    all-gathers the tokens' gradients (B, T, C), so every rank again holds the same one."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # (B, T, C)
+        ctx.group = group
+        T, n, r = x.shape[1], group.size, group.rank
+        return x[:, r * T // n:(r + 1) * T // n]  # (B, T/n, C)
+
+    @staticmethod
+    def backward(ctx, grad):  # (B, T/n, C)
+        return ctx.group.all_gather(_sequence_first(grad)).swapaxes(0, 1), None  # (B, T, C)
+
+
+def gather_from_tensor_parallel_region(x, group):
+    """All-gather of the last axis forward, this rank's block of the gradient backward."""
+    return GatherFromTensorParallelRegion.apply(x, group)
+
+
+def scatter_to_sequence_parallel_region(x, group):
+    """This rank's block of the sequence (axis 1) forward, all-gather of the gradient backward."""
+    return ScatterToSequenceParallelRegion.apply(x, group)
 
 
 def copy_to_tensor_parallel_region(x, group):

@@ -8,10 +8,17 @@
                                                            are zero padding, in no global box
     *.c_attn.weight / .bias             qkv         0      [q_r; k_r; v_r]: block r of each third
                                                            (whole heads of q, k and v)
+    *.mlp.router.weight (E, C)          column      0      block r of the experts' logits
+    *.experts.c_fc.weight / .bias       column      1      block r of every expert's hidden units
+    *.experts.c_proj.weight             row         2      block r of every expert's hidden units
     *.c_fc.weight / .bias               column      0      block r of n (output features)
     *.c_proj.weight                     row         1      block r of n (input features)
     everything else                     replicated  -      the whole tensor (LayerNorms, wpe, the
                                                            c_proj biases: added once, after the sum)
+
+Expert parallelism cuts once more: a stacked expert parameter (``*.experts.*``, E experts along axis
+0, minidist/moe.py) holds only the experts of its ep rank, block r of E/ep (:func:`ep_block`), and the
+tp cut above applies to that block.
 
 Everything below derives from the table and from :func:`regions`, where rank r's local rows sit in
 the global tensor: shard_for copies those boxes out, unshard copies them back.
@@ -24,10 +31,28 @@ from minidist.device import get_array_module
 
 TABLE = (  # (GPT-2 name pattern, kind, axis cut); the first full match wins, else "replicated"
     (re.compile(r"transformer\.wte\.weight|lm_head\.weight"), "vocab", 0),
+    (re.compile(r"(.+\.)?router\.weight"), "column", 0),
+    (re.compile(r"(.+\.)?experts\.c_fc\.[^.]+"), "column", 1),
+    (re.compile(r"(.+\.)?experts\.c_proj\.weight"), "row", 2),
+    (re.compile(r"(.+\.)?experts\.c_proj\.bias"), "replicated", None),
     (re.compile(r"(.+\.)?c_attn\.[^.]+"), "qkv", 0),
     (re.compile(r"(.+\.)?c_fc\.[^.]+"), "column", 0),
     (re.compile(r"(.+\.)?c_proj\.weight"), "row", 1),
 )
+
+
+EXPERT = re.compile(r"(.+\.)?experts\.[^.]+\.[^.]+")  # stacked experts: ep cuts axis 0
+
+
+def is_expert(name: str) -> bool:
+    """Whether parameter ``name`` stacks experts along axis 0 (expert parallelism cuts it)."""
+    return EXPERT.fullmatch(name) is not None
+
+
+def ep_block(n_experts: int, ep_rank: int, ep_size: int) -> slice:
+    """The experts ep rank ``ep_rank`` of ``ep_size`` holds: block r of E/ep (E divisible by ep)."""
+    local = divide(n_experts, ep_size, "n_experts", "expert parallelism")
+    return slice(ep_rank * local, (ep_rank + 1) * local)
 
 
 def split_of(name: str) -> tuple[str, int | None]:
@@ -48,10 +73,10 @@ def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
     return -(-vocab_size // tp_size) * tp_size
 
 
-def divide(n: int, parts: int, what: str) -> int:
-    """``n / parts``, or a ValueError naming ``what`` when tensor parallelism cannot split it evenly."""
+def divide(n: int, parts: int, what: str, who: str = "tensor parallelism") -> int:
+    """``n / parts``, or a ValueError naming ``what`` when ``who`` cannot split it evenly."""
     if n % parts:
-        raise ValueError(f"tensor parallelism splits {what} = {n} over {parts} ranks: it must be divisible")
+        raise ValueError(f"{who} splits {what} = {n} over {parts} ranks: it must be divisible")
     return n // parts
 
 
@@ -83,11 +108,17 @@ def global_shape(name: str, local_shape, tp_size: int, vocab_size: int | None = 
     return tuple(shape)
 
 
-def regions(name: str, global_shape, tp_rank: int, tp_size: int) -> list:
+def regions(name: str, global_shape, tp_rank: int, tp_size: int, ep_rank: int = 0, ep_size: int = 1) -> list:
     """Where rank ``tp_rank``'s local shard of parameter ``name`` (single-process shape
     ``global_shape``, ndim >= 1) sits in the global tensor: a list of (local row start, local row
     stop, global box), a box being one (start, stop) per axis. Local rows in no entry are vocabulary
-    padding. With one rank every parameter is one whole box."""
+    padding. With one rank every parameter is one whole box. A stacked expert parameter on ep rank
+    ``ep_rank`` of ``ep_size``: the boxes of its block of experts (axis 0 shifted to the block)."""
+    if ep_size > 1 and is_expert(name):
+        block = ep_block(int(global_shape[0]), ep_rank, ep_size)
+        local = (block.stop - block.start,) + tuple(global_shape[1:])
+        return [(r0, r1, ((box[0][0] + block.start, box[0][1] + block.start),) + box[1:])
+                for r0, r1, box in regions(name, local, tp_rank, tp_size)]
     kind, axis = split_of(name) if tp_size > 1 else ("replicated", None)
     whole = tuple((0, int(n)) for n in global_shape)
     if kind == "replicated":

@@ -7,6 +7,15 @@ Where each rank talks to the others, per transformer block:
     x ──ln_1──f──[c_attn: my heads' q,k,v]──attention(my heads)──[c_proj: my rows]──g──+ x
     x ──ln_2──f──[c_fc: my columns]──GELU──[c_proj: my rows]──g──+ x
 
+A mixture-of-experts block (minidist/moe.py) splits every expert like the dense MLP, and its router
+by experts (column-parallel, then an all-gather of the logits: every rank routes every token the
+same way); the experts' partial outputs are summed over tp where the experts run, before their
+bias, and the combined output leaves the region as it is (under sequence parallelism: this rank's
+T/n tokens of it):
+
+    x ──ln_2──f──[router: my E/n logits]──all-gather──top-k ──┐
+                 └─────────────────── rows by expert ─────────┴─[experts: my columns, my rows]──all-reduce──+bias──combine──+ x
+
 f: identity forward, all-reduce backward; g: all-reduce forward, identity backward. With
 ``sequence_parallel`` x, the LayerNorms and residual adds hold only this rank's T/n tokens, f is an
 all-gather (backward reduce-scatter) and g a reduce-scatter (backward all-gather). Around the
@@ -16,8 +25,12 @@ cross-entropy costs 3 small all-reduces.
 
 from minidist import nn
 from minidist.model import MLP, Block, CausalSelfAttention, GPTConfig, gpt2_init, local_tokens, sequence_loss
-from minidist.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, enter_tensor_parallel_region
-from minidist.parallel.tp_layout import global_shape, padded_vocab_size, shard_for
+from minidist.moe import Experts, MoE, is_moe_layer
+from minidist.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, enter_tensor_parallel_region,
+                                               gather_from_tensor_parallel_region,
+                                               reduce_from_tensor_parallel_region,
+                                               scatter_to_sequence_parallel_region)
+from minidist.parallel.tp_layout import divide, global_shape, is_expert, padded_vocab_size, shard_for
 from minidist.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 
@@ -45,16 +58,61 @@ class TensorParallelMLP(MLP):
                                         sequence_parallel=sequence_parallel)
 
 
+class TensorParallelRouter(ColumnParallelLinear):
+    """The router's logits for this rank's E/n experts (column-parallel), all-gathered: every rank
+    gets all E logits of every token (backward keeps the gradient of its own E/n)."""
+
+    def __init__(self, config: GPTConfig, tp_group, dtype):
+        super().__init__(config.n_embd, config.n_experts, tp_group, bias=False, dtype=dtype)
+        self.tp_group = tp_group
+
+    def forward(self, x):  # (N, C) -> (N, E)
+        return gather_from_tensor_parallel_region(super().forward(x), self.tp_group)
+
+
+class TensorParallelExperts(Experts):
+    """The experts with every expert's hidden units split: c_fc by columns (axis 1 of (E, 4C, C)),
+    c_proj by rows (axis 2 of (E, C, 4C)); the partial outputs are all-reduced over the group
+    before the (replicated) c_proj bias is added."""
+
+    def __init__(self, config: GPTConfig, tp_group, dtype):
+        hidden = divide(4 * config.n_embd, tp_group.size, "each expert's hidden units")
+        super().__init__(config.n_experts, config.n_embd, hidden, config.bias, dtype)
+        self.tp_group = tp_group
+        for p in (self.c_fc.weight, self.c_fc.bias, self.c_proj.weight):
+            if p is not None:
+                p.tensor_parallel = True
+
+    def reduce_partial(self, y):
+        return reduce_from_tensor_parallel_region(y, self.tp_group)
+
+
+class TensorParallelMoE(MoE):
+    """The mixture of experts over the group (module docstring); under sequence parallelism its
+    output keeps this rank's T/n tokens (backward all-gathers their gradients)."""
+
+    def __init__(self, config: GPTConfig, tp_group, sequence_parallel: bool, dtype):
+        super().__init__(config, dtype)
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.router = TensorParallelRouter(config, tp_group, dtype)
+        self.experts = TensorParallelExperts(config, tp_group, dtype)
+
+    def forward(self, x):  # (B, T, C), the same on every rank -> (B, T, C), or (B, T/n, C) under SP
+        y = super().forward(x)
+        return scatter_to_sequence_parallel_region(y, self.tp_group) if self.sequence_parallel else y
+
+
 class TensorParallelBlock(Block):
     """Block whose attention and MLP are split over the group; f (or the all-gather) enters each."""
 
-    def __init__(self, config: GPTConfig, tp_group, sequence_parallel: bool, dtype):
+    def __init__(self, config: GPTConfig, tp_group, sequence_parallel: bool, dtype, layer: int = 0):
         nn.Module.__init__(self)
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias, dtype=dtype)
         self.attn = TensorParallelAttention(config, tp_group, sequence_parallel, dtype)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias, dtype=dtype)
-        self.mlp = TensorParallelMLP(config, tp_group, sequence_parallel, dtype)
+        self.mlp = (TensorParallelMoE if is_moe_layer(config, layer) else TensorParallelMLP)(
+            config, tp_group, sequence_parallel, dtype)
 
     def forward(self, x):  # (B, T, C), or (B, T/n, C) under sequence parallelism
         x = x + self.attn(enter_tensor_parallel_region(self.ln_1(x), self.tp_group, self.sequence_parallel))
@@ -79,15 +137,16 @@ class TensorParallelGPT(nn.Module):
         self.transformer = nn.ModuleDict(dict(
             wte=VocabParallelEmbedding(V, C, tp_group, dtype=dtype, sequence_parallel=sequence_parallel),
             wpe=nn.Embedding(config.block_size, C, dtype=dtype),
-            h=nn.ModuleList([TensorParallelBlock(config, tp_group, sequence_parallel, dtype)
-                             for _ in range(config.n_layer)]),
+            h=nn.ModuleList([TensorParallelBlock(config, tp_group, sequence_parallel, dtype, i)
+                             for i in range(config.n_layer)]),
             ln_f=nn.LayerNorm(C, bias=config.bias, dtype=dtype),
         ))
         self.lm_head = ColumnParallelLinear(C, padded_vocab_size(V, n), tp_group, bias=False, dtype=dtype)
         if config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight  # one shard, two names
         for name, p in self.named_parameters():
-            p.sequence_parallel = sequence_parallel and not p.tensor_parallel  # sees only my tokens
+            p.sequence_parallel = sequence_parallel and not (p.tensor_parallel or p.expert)  # sees only my tokens
+            # (an expert's replicated c_proj bias sees every token: the experts run on the gathered sequence)
             p.data[...] = shard_for(name, gpt2_init(name, full_shape(name, p.shape, config, n), seed,
                                                     config.n_layer), tp_group.rank, n)
 
@@ -124,8 +183,10 @@ class TensorParallelGPT(nn.Module):
 
 def full_shape(name: str, local_shape, config: GPTConfig, tp_size: int) -> tuple:
     """The single-process shape of parameter ``name`` whose shard on one of ``tp_size`` ranks has
-    ``local_shape`` (:func:`~minidist.parallel.tp_layout.global_shape` with ``config``'s vocabulary)."""
-    return global_shape(name, local_shape, tp_size, config.vocab_size)
+    ``local_shape`` (:func:`~minidist.parallel.tp_layout.global_shape` with ``config``'s vocabulary;
+    a stacked expert parameter has all ``config.n_experts`` experts, whatever block of them it holds)."""
+    shape = global_shape(name, local_shape, tp_size, config.vocab_size)
+    return (config.n_experts,) + shape[1:] if is_expert(name) else shape
 
 
 def build_tp_gpt(config: GPTConfig, seed: int, dtype, tp_group, sequence_parallel: bool = False) -> TensorParallelGPT:

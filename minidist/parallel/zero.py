@@ -71,13 +71,15 @@ STAGES = {0: Stage(False, False, False), 1: Stage(True, False, False), 2: Stage(
 
 @dataclass
 class Shard:
-    """This rank's part of one unit. ``param`` is the optimizer's Tensor over the shard (float32
+    """This rank's part of one unit, over ``group`` (the ranks that hold the same unit: the dp (x cp)
+    group, or for a unit of experts the expert-data-parallel group). ``param`` is the optimizer's Tensor over the shard (float32
     masters under mixed precision, else a view of ``compute``), its ``.grad`` the averaged, unscaled
     gradient shard; ``compute`` the shard in the model's dtype (what stage 3 all-gathers);
     ``flat`` the unit's full flat parameters (stages 0-2; the model's parameters are views of it);
     ``grad`` the reduced gradient shard in the model's dtype, still scaled; ``state`` the optimizer
     slots. Stages 0 and 1 keep the full gradient in ``grad_flat`` (numel,), ``p.grad`` being views."""
     unit: FlatUnit
+    group: object
     param: Tensor
     compute: np.ndarray
     flat: np.ndarray | None
@@ -104,13 +106,16 @@ class ZeroOptimizer:
     last stage). ``mixed_precision`` ("float16" / "bfloat16") with ``scaler`` (a DynamicLossScaler
     over the world): float32 masters and moments, as in the module docstring.
     ``reshard_after_forward`` (stage 3): False keeps a unit gathered from its first forward of a step
-    to its last backward (pipelines).
+    to its last backward (pipelines). ``expert_group`` / ``ep_group`` (expert parallelism): the
+    group the experts' units (``p.expert``) are sharded and reduced over instead (the ranks holding the
+    same experts), and the ep group whose ranks hold the other experts (their squares add up in the norm).
     """
 
     def __init__(self, model, dp_group, stage: int, optimizer: str = "adamw", *, lr: float,
                  momentum: float = 0.0, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
                  tp_group=None, pp_group=None, tied_group=None, mixed_precision: str | None = None, scaler=None,
-                 reshard_after_forward: bool = True, replicas: int | None = None):
+                 reshard_after_forward: bool = True, replicas: int | None = None, expert_group=None,
+                 ep_group=None):
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
         if optimizer not in SLOTS:
@@ -121,24 +126,26 @@ class ZeroOptimizer:
         self.replicas = replicas  # data replicas among the group's ranks (None: all; cp ranks add up)
         self.partitions = STAGES[stage]
         self.lr, self.momentum, self.betas, self.eps, self.weight_decay = lr, momentum, betas, eps, weight_decay
-        self.tp_group, self.pp_group, self.tied_group = tp_group, pp_group, tied_group
+        self.tp_group, self.pp_group, self.tied_group, self.ep_group = tp_group, pp_group, tied_group, ep_group
         self.mixed_precision, self.scaler = mixed_precision, scaler
         self.step_count = 0
         self._reduced = False  # gradients of this step already reduced over dp
         self._in_flight = None  # stages 2, 3: the shard whose reduce-scatter is queued
         self._no_sync = False
-        rank, size = (dp_group.rank, dp_group.size) if self.partitions.optimizer_states else (0, 1)
-        self.shards = [self._make_shard(FlatUnit(name, params, rank, size))
-                       for name, params in units_by_module(model.named_parameters())]
+        self.shards = []
+        for name, params in units_by_module(model.named_parameters()):
+            group = expert_group if expert_group is not None and params[0][1].expert else dp_group
+            rank, size = (group.rank, group.size) if self.partitions.optimizer_states else (0, 1)
+            self.shards.append(self._make_shard(FlatUnit(name, params, rank, size), group))
         if self.partitions.gradients:
             for s in self.shards:
                 for _, p in s.unit.params:
                     p.register_grad_ready_hook(lambda p, s=s: self._grad_ready(s))
-        self.gatherer = (zero3.fully_shard(model, self.shards, dp_group, reshard_after_forward)
+        self.gatherer = (zero3.fully_shard(model, self.shards, reshard_after_forward)
                          if self.partitions.parameters else None)
         self.zero_grad()
 
-    def _make_shard(self, unit: FlatUnit) -> Shard:
+    def _make_shard(self, unit: FlatUnit, group) -> Shard:
         flat = unit.flatten([p.data for _, p in unit.params])  # (numel,) full values, the model's dtype
         if self.partitions.parameters:
             compute, flat = flat[unit.lo:unit.hi].copy(), None  # keep the shard only
@@ -152,7 +159,7 @@ class ZeroOptimizer:
             whole[...] = to_compute(whole.astype(np.float32), self.mixed_precision)
         state = {slot: unit.xp.zeros(unit.hi - unit.lo, dtype=master.dtype) for slot in SLOTS[self.optimizer]}
         grad_flat = unit.xp.zeros(unit.numel, dtype=unit.dtype) if not self.partitions.gradients else None  # (numel,)
-        return Shard(unit, Tensor(master), compute, flat, state, unit.decay_mask(),
+        return Shard(unit, group, Tensor(master), compute, flat, state, unit.decay_mask(),
                      unit.tensor_parallel_mask().astype(bool), unit.counted_mask().astype(bool),
                      unit.sequence_parallel_mask().astype(bool), grad_flat)
 
@@ -193,7 +200,7 @@ class ZeroOptimizer:
         s.ready = 0
         if not self._no_sync:
             self._collect()
-            s.work = reduce_scatter_grads(s.unit, self.group, self.replicas, async_op=True)
+            s.work = reduce_scatter_grads(s.unit, s.group, self.replicas, async_op=True)
             self._in_flight = s
         if self.gatherer is not None and (not self._no_sync or self.gatherer.reshard_after_forward):
             self.gatherer.free([s])
@@ -217,11 +224,11 @@ class ZeroOptimizer:
         for s in self.shards:
             if s.grad_flat is None:
                 continue
-            op = average_over_replicas(s.grad_flat, self.group, self.replicas)
+            op = average_over_replicas(s.grad_flat, s.group, self.replicas)
             if self.partitions.optimizer_states:  # my part of the average, written over my part of the buffer
-                s.grad = self.group.reduce_scatter(s.grad_flat, op=op, out=s.grad_flat[s.unit.lo:s.unit.hi])
+                s.grad = s.group.reduce_scatter(s.grad_flat, op=op, out=s.grad_flat[s.unit.lo:s.unit.hi])
             else:
-                s.grad = self.group.all_reduce(s.grad_flat, op=op)  # in place: (numel,)
+                s.grad = s.group.all_reduce(s.grad_flat, op=op)  # in place: (numel,)
         self._collect()
         missing = [s.unit.name for s in self.shards if s.ready or s.grad is None]
         if missing:
@@ -270,20 +277,27 @@ class ZeroOptimizer:
     def clip_grad_norm(self, max_norm: float) -> float:
         """Scale the gradient shards so that the global L2 norm of the full gradient is at most
         ``max_norm``; returns the norm before clipping. Each rank sums the squares of its shards
-        (tensor-parallel and replicated elements apart), all-reduces the two sums over dp (stages
-        >= 1, where each element lives on one dp rank), the tensor-parallel sum over tp (replicated
-        parameters are the same on every tp rank: counted once), and the total over pp (a last
-        stage's tied copy of the embedding, ``p.tied_copy``, is not counted: stage 0 counts it).
-        The squares are summed (in float64) and sent where the shards live; one float crosses to the host."""
+        (tensor-parallel and replicated elements apart), all-reduces the two sums over its shards'
+        group (stages >= 1, where each element lives on one rank of it: dp, or for experts the
+        expert-dp group, whose sums then add over ep too), the tensor-parallel sum over tp
+        (replicated parameters are the same on every tp rank: counted once), and the total over pp
+        (a last stage's tied copy of the embedding, ``p.tied_copy``, is not counted: stage 0 counts
+        it). The squares are summed (in float64) and sent where the shards live; one float crosses
+        to the host."""
         self.reduce_gradients()
         xp = self.shards[0].unit.xp
-        sums = xp.zeros(2)  # [tensor-parallel elements, replicated elements]
+        sums = {}  # shard group -> [tensor-parallel elements, replicated elements]
         for s in self.shards:
             g = s.param.grad
-            sums[0] += (g[s.tensor_parallel & s.counted] ** 2).sum()
-            sums[1] += (g[~s.tensor_parallel & s.counted] ** 2).sum()
-        if self.partitions.optimizer_states:
-            self.group.all_reduce(sums)
+            group_sums = sums.setdefault(s.group, xp.zeros(2))
+            group_sums[0] += (g[s.tensor_parallel & s.counted] ** 2).sum()
+            group_sums[1] += (g[~s.tensor_parallel & s.counted] ** 2).sum()
+        for group, group_sums in sums.items():
+            if self.partitions.optimizer_states:
+                group.all_reduce(group_sums)
+            if group is not self.group and self.ep_group is not None:  # the experts: other ep ranks hold others
+                self.ep_group.all_reduce(group_sums)
+        sums = sum(sums.values())
         if self.tp_group is not None:
             self.tp_group.all_reduce(sums[:1])
         total = sums.sum(keepdims=True)  # (1,)
@@ -320,7 +334,7 @@ class ZeroOptimizer:
             if self.mixed_precision:
                 s.compute[...] = to_compute(s.param.data, self.mixed_precision)
             if self.partitions.optimizer_states and not self.partitions.parameters:  # overlaps the next update
-                gathers.append(self.group.all_gather(s.compute, count=s.unit.numel, out=s.flat, async_op=True))
+                gathers.append(s.group.all_gather(s.compute, count=s.unit.numel, out=s.flat, async_op=True))
         for work in gathers:
             work.wait()
         if self.scaler is not None:
@@ -357,7 +371,7 @@ class ZeroOptimizer:
                 full = s.param.data  # stage 0: the masters are whole
                 if self.partitions.optimizer_states:
                     full = s.unit.xp.empty(s.unit.numel, dtype=s.param.data.dtype)  # (numel,) float32
-                    self.group.all_gather(s.param.data, count=s.unit.numel, out=full)
+                    s.group.all_gather(s.param.data, count=s.unit.numel, out=full)
                 s.unit.bind(full)
         elif self.gatherer is not None:
             self.gatherer.ensure(self.shards)
@@ -396,10 +410,14 @@ class ZeroOptimizer:
         """The ZeRO paper's bytes per rank for this stage: P = G = numel x the model's itemsize,
         O = K x numel with K = slots x 4 (+ 4 for the float32 masters under mixed precision; AdamW in
         mixed precision: K = 12). Stage 1 P + G + O/N, 2 P + (G + O)/N, 3 (P + G + O)/N."""
-        numel = sum(s.unit.numel for s in self.shards)
         itemsize = self.shards[0].unit.dtype.itemsize if self.shards else 0
         k = len(SLOTS[self.optimizer]) * (4 if self.mixed_precision else itemsize) + 4 * bool(self.mixed_precision)
-        return accounting.zero_formula(self.stage, numel * itemsize, numel * k, self.group.size)
+        total = {}
+        for group in {id(s.group): s.group for s in self.shards}.values():  # experts: over their own group
+            numel = sum(s.unit.numel for s in self.shards if s.group is group)
+            part = accounting.zero_formula(self.stage, numel * itemsize, numel * k, group.size)
+            total = {key: total.get(key, 0) + value for key, value in part.items()}
+        return total
 
 
 def reduce_scatter_grads(unit: FlatUnit, group, replicas: int | None = None, async_op: bool = False):

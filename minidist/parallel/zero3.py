@@ -36,8 +36,8 @@ class Gatherer:
     Shards the i-th module call uses (in forward order); ``prefetch`` queues the next call's
     all-gathers while the current one computes."""
 
-    def __init__(self, group, calls: list, prefetch: bool = True, reshard_after_forward: bool = True):
-        self.group, self.calls, self.prefetch = group, calls, prefetch
+    def __init__(self, calls: list, prefetch: bool = True, reshard_after_forward: bool = True):
+        self.calls, self.prefetch = calls, prefetch
         self.reshard_after_forward = reshard_after_forward
         self._full = {}  # id(shard) -> its full flat array (numel,) while gathered
         self._queued = {}  # id(shard) -> (full flat array, Work) of an all-gather in flight
@@ -46,7 +46,7 @@ class Gatherer:
     def gather(self, index: int, direction: int) -> None:
         """Bind the full parameters of call ``index``'s units (waiting for a prefetch, or
         all-gathering now) and queue those of call ``index + direction``. Each all-gather sends
-        this rank's shard to every dp rank and receives theirs."""
+        this rank's shard to every rank of the shard's group and receives theirs."""
         nxt = index + direction
         if self.prefetch and 0 <= nxt < len(self.calls):
             self._queue(self.calls[nxt])
@@ -67,7 +67,7 @@ class Gatherer:
         for s in shards:
             if id(s) not in self._full and id(s) not in self._queued:
                 full = s.unit.xp.empty(s.unit.numel, dtype=s.unit.dtype)  # (numel,)
-                self._queued[id(s)] = (full, self.group.all_gather(s.compute, count=s.unit.numel, out=full,
+                self._queued[id(s)] = (full, s.group.all_gather(s.compute, count=s.unit.numel, out=full,
                                                                    async_op=True))
 
     def free(self, shards) -> None:
@@ -152,11 +152,12 @@ def _used_by(shards, *modules):
     return [s for s in shards if any(id(p) in ids for _, p in s.unit.params)]
 
 
-def fully_shard(model, shards, group, reshard_after_forward: bool = True) -> Gatherer:
+def fully_shard(model, shards, reshard_after_forward: bool = True) -> Gatherer:
     """Route every module call of ``model`` through :func:`sharded` (the name is FSDP2's): a GPT's
     ``embed``, each block's ``forward`` and ``head``; a pipeline stage's ``forward`` per chunk.
     ``shards`` are the model's units' Shard records; their full parameters are freed here, so from
-    now on the model holds only shards between uses. Returns the :class:`Gatherer`."""
+    now on the model holds only shards between uses; each is gathered over its own ``group``.
+    Returns the :class:`Gatherer`."""
     owner = {id(p) for s in shards for _, p in s.unit.params}
     if len(owner) != sum(1 for _ in model.parameters()):
         raise ValueError("fully_shard: every parameter of the model must belong to one unit")
@@ -165,13 +166,13 @@ def fully_shard(model, shards, group, reshard_after_forward: bool = True) -> Gat
         chunks = [([t.wte, t.wpe] if model.stages[c] == 0 else []) + [t.h[str(i)] for i in model.layers[c]]
                   + ([t.ln_f, model.lm_head] if model.stages[c] == model.n_stages - 1 else [])
                   for c in range(len(model.stages))]
-        gatherer = Gatherer(group, [_used_by(shards, *m) for m in chunks], prefetch=False,
+        gatherer = Gatherer([_used_by(shards, *m) for m in chunks], prefetch=False,
                             reshard_after_forward=reshard_after_forward)
         forward = model.forward
         calls = [sharded(lambda x, targets=None, c=c: forward(c, x, targets), gatherer, c) for c in range(len(chunks))]
         object.__setattr__(model, "forward", lambda chunk, x, targets=None: calls[chunk](x, targets))
     else:
-        gatherer = Gatherer(group, [_used_by(shards, t.wte, t.wpe), *(_used_by(shards, b) for b in t.h),
+        gatherer = Gatherer([_used_by(shards, t.wte, t.wpe), *(_used_by(shards, b) for b in t.h),
                                     _used_by(shards, t.ln_f, model.lm_head)],
                             reshard_after_forward=reshard_after_forward)
         object.__setattr__(model, "embed", sharded(model.embed, gatherer, 0))

@@ -1,0 +1,94 @@
+"""The mixture of experts' fused ops (minidist/moe.py): a grouped linear layer, where consecutive
+rows go through different weights, and the weighted combine of each token's expert outputs."""
+from minidist.autograd.backend import get_array_module, matmul
+from minidist.autograd.function import Function
+
+
+def group_bounds(counts) -> list[tuple[int, int]]:
+    """(start, stop) of each group of ``counts`` consecutive rows."""
+    bounds, start = [], 0
+    for c in counts:
+        bounds.append((start, start + int(c)))
+        start += int(c)
+    return bounds
+
+
+class GroupedLinear(Function):
+    """``y[rows of g] = x[rows of g] @ weight[g].T + bias[g]``: the rows of ``x`` (M, in) come in
+    G consecutive groups of ``counts[g]`` rows (sum M), group g through its own weight (out, in) of
+    ``weight`` (G, out, in) and bias (out,) of ``bias`` (G, out) (or None). One matmul per group: the
+    experts' MLP layers, each expert's tokens side by side (MegaBlocks' grouped GEMM, unfused)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, counts):
+        ctx.x, ctx.weight, ctx.bounds = x, weight, group_bounds(counts)
+        if ctx.bounds and ctx.bounds[-1][1] != x.shape[0]:
+            raise ValueError(f"grouped linear: counts sum to {ctx.bounds[-1][1]}, x has {x.shape[0]} rows")
+        y = get_array_module(x).empty((x.shape[0], weight.shape[1]), dtype=x.dtype)  # (M, out)
+        for g, (lo, hi) in enumerate(ctx.bounds):
+            if hi > lo:
+                y[lo:hi] = matmul(x[lo:hi], weight[g].T)
+                if bias is not None:
+                    y[lo:hi] += bias[g]
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):  # grad (M, out)
+        x, weight = ctx.x, ctx.weight
+        xp = get_array_module(grad)
+        needs = ctx.needs_input_grad
+        grad_x = xp.empty(x.shape, dtype=grad.dtype) if needs[0] else None  # (M, in)
+        grad_w = xp.zeros(weight.shape, dtype=weight.dtype) if needs[1] else None  # (G, out, in)
+        grad_b = xp.zeros(weight.shape[:2], dtype=weight.dtype) if needs[2] else None  # (G, out)
+        for g, (lo, hi) in enumerate(ctx.bounds):
+            if hi == lo:
+                continue
+            if needs[0]:
+                grad_x[lo:hi] = matmul(grad[lo:hi], weight[g])
+            if needs[1]:
+                grad_w[g] = matmul(grad[lo:hi].T, x[lo:hi])
+            if needs[2]:
+                grad_b[g] = grad[lo:hi].sum(axis=0)
+        return grad_x, grad_w, grad_b, None
+
+
+def grouped_linear(x, weight, bias, counts):
+    """(M, in) -> (M, out): consecutive groups of ``counts`` rows through their own weight (G, out,
+    in) and bias (G, out) (or None)."""
+    return GroupedLinear.apply(x, weight, bias, counts)
+
+
+class Combine(Function):
+    """``out[n] = sum_j weights[n, j] * y[slot[n, j]]``: each token's k expert outputs, weighted by
+    its gate weights (N, k) and added in slot order j = 0..k-1; ``y`` (M, C) holds the expert
+    outputs, row ``slot[n, j]`` (an int array (N, k)) for token n's j-th choice, -1 for a dropped
+    choice (it adds nothing). Every row of ``y`` is one choice's output (slots are distinct)."""
+
+    @staticmethod
+    def forward(ctx, y, weights, slot):
+        xp = get_array_module(y)
+        kept = slot >= 0  # (N, k)
+        picked = y[xp.where(kept, slot, 0)] * kept[..., None].astype(y.dtype)  # (N, k, C)
+        ctx.picked, ctx.weights, ctx.slot, ctx.kept, ctx.y_shape = picked, weights, slot, kept, y.shape
+        out = picked[:, 0] * weights[:, :1]  # (N, C)
+        for j in range(1, slot.shape[1]):
+            out += picked[:, j] * weights[:, j:j + 1]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # grad (N, C)
+        xp = get_array_module(grad)
+        needs = ctx.needs_input_grad
+        grad_y = grad_w = None
+        if needs[0]:
+            grad_y = xp.zeros(ctx.y_shape, dtype=grad.dtype)  # (M, C)
+            contrib = grad[:, None, :] * ctx.weights[..., None]  # (N, k, C)
+            grad_y[ctx.slot[ctx.kept]] = contrib[ctx.kept]  # distinct rows: a plain assignment
+        if needs[1]:
+            grad_w = (ctx.picked * grad[:, None, :]).sum(axis=-1).astype(ctx.weights.dtype)  # (N, k)
+        return grad_y, grad_w, None
+
+
+def combine(y, weights, slot):
+    """(N, C): token n's expert outputs ``y[slot[n, j]]`` weighted by ``weights[n, j]`` and summed."""
+    return Combine.apply(y, weights, slot)
