@@ -1,6 +1,7 @@
 """Generation in every layout (minidist/parallel/generate.py): after the same training, every rank of
 dp, tp, tp + sequence parallelism, ZeRO-3, pp (1F1B and interleaved), 3D (dp2 x pp2 x tp2) and
-context parallelism (ring, zig-zag with tp + sequence parallelism, Ulysses under a pipeline) writes
+context parallelism (ring, zig-zag with tp + sequence parallelism, Ulysses under a pipeline) and
+expert parallelism (with tp, sp, ZeRO-3, pp and cp) writes
 exactly the text one process's ``GPT.generate`` writes with the same seed, in float64. The 40 new
 tokens outgrow block_size 16 (the context is cropped) and pass through context lengths that are not
 multiples of tp or cp (the sequence splits pad them)."""
@@ -45,7 +46,7 @@ def texts(cfg):
     """Every rank's sample after training ``cfg`` on dp * pp * cp * tp in-process ranks."""
     def rank(group):
         model, _ = train(cfg, progress=False, world=group)
-        pp_group = DeviceMesh(group, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp).pp_group if cfg.pp > 1 else None
+        pp_group = DeviceMesh(group, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp, ep=cfg.ep).pp_group if cfg.pp > 1 else None
         model.eval()
         return sample(model, PROMPT, NEW_TOKENS, seed=SEED, pp_group=pp_group)
     return run_local(rank, cfg.dp * cfg.pp * cfg.cp * cfg.tp)
@@ -68,6 +69,20 @@ def test_every_layout_generates_the_text_of_one_process(data_dir, reference, cha
     cfg = dataclasses.replace(TrainConfig(**TINY, data_dir=data_dir), **changes)
     got = texts(cfg)
     assert len(reference) == len(PROMPT) + NEW_TOKENS
+    assert got == [reference] * len(got), changes
+
+
+@pytest.mark.parametrize("changes", [dict(dp=2, ep=2), dict(dp=2, ep=2, tp=2, sequence_parallel=True, zero=3),
+                                     dict(dp=2, ep=2, pp=2, micro_batches=2, cp=2)],
+                         ids=["dp2-ep2", "dp2-ep2-tp2-sp-zero3", "dp2-ep2-pp2-cp2"])
+def test_every_expert_parallel_layout_generates_the_text_of_one_process(data_dir, changes):
+    """The ep ranks generate together (each sends its tokens to the ranks holding their experts,
+    every step), and write one process's mixture-of-experts text."""
+    moe = dict(TINY, n_experts=4, top_k=2)
+    model, _ = train(TrainConfig(**moe, data_dir=data_dir), progress=False)
+    model.eval()
+    reference = sample(model, PROMPT, NEW_TOKENS, seed=SEED)
+    got = texts(dataclasses.replace(TrainConfig(**moe, data_dir=data_dir), **changes))
     assert got == [reference] * len(got), changes
 
 

@@ -80,12 +80,4 @@ def lesson(group):
 
 
 if __name__ == "__main__":
-    try:
-        from mpi4py import MPI  # noqa: F401 -- only to know whether mpiexec started us
-        in_mpi = MPI.COMM_WORLD.Get_size() > 1
-    except ImportError:
-        in_mpi = False
-    if in_mpi:
-        lesson(minidist.init())
-    else:
-        minidist.run_local(lesson, world_size=4)
+    minidist.run_anywhere(lesson, threads=4)

@@ -208,12 +208,4 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--png", help="draw the bytes rank 0 holds per stage into this PNG")
     args = ap.parse_args()
-    try:
-        from mpi4py import MPI  # noqa: F401 -- only to know whether mpiexec started us
-        in_mpi = MPI.COMM_WORLD.Get_size() > 1
-    except ImportError:
-        in_mpi = False
-    if in_mpi:
-        lesson(minidist.init(), args.png)
-    else:
-        minidist.run_local(lambda group: lesson(group, args.png), world_size=4)
+    minidist.run_anywhere(lambda world: lesson(world, args.png), threads=4)

@@ -432,14 +432,7 @@ if __name__ == "__main__":
     ap.add_argument("--local", type=int, metavar="N", help="run N ranks as threads in this process (2 or 4)")
     ap.add_argument("--png", help="draw the routing and the load per expert into this PNG")
     args = ap.parse_args()
-    in_mpi = False
-    if not args.local:
-        try:
-            from mpi4py import MPI  # only to know whether mpiexec started us
-            in_mpi = MPI.COMM_WORLD.Get_size() > 1
-        except ImportError:
-            pass
-    if in_mpi:
-        lesson(minidist.init(), args.png)
+    if args.local:
+        minidist.run_local(lambda group: lesson(group, args.png), args.local)
     else:
-        minidist.run_local(lambda group: lesson(group, args.png), args.local or 2)
+        minidist.run_anywhere(lambda world: lesson(world, args.png), threads=2)

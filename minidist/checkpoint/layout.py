@@ -86,7 +86,7 @@ def training_pieces(model, optimizer, mesh, amp=None) -> list:
         return _zero_pieces(model, optimizer, mesh)
     pieces = []
     for stored, name, p, shape in _held(model, mesh, amp):
-        if replica_group(p, mesh).rank != 0 or not _written_here(p, mesh):  # a replica of what its rank 0 writes
+        if replica_group(p, mesh.dp_cp_group, mesh.expert_dp_group).rank != 0 or not _written_here(p, mesh):
             continue
         arrays = [(stored, p.data)] + [(f"{slot}/{stored}", state[name]) for slot, state in optimizer.state.items()]
         for global_name, local in arrays:

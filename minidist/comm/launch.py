@@ -97,3 +97,15 @@ def run_local(fn, world_size: int, backend: str = "ring", *, timeout: float = 60
                 first.add_note(f"rank {rank} also failed: {type(e).__name__}: {e}")
         raise first
     return results
+
+
+def run_anywhere(fn, threads: int):
+    """``fn(world)`` on every rank of this ``mpiexec`` job when there is one of more than one rank
+    (:func:`init`), else on ``threads`` in-process ranks (:func:`run_local`): how a lesson runs both
+    ways. Returns this rank's result under MPI, the list of every rank's result otherwise."""
+    try:
+        from mpi4py import MPI  # only to know whether mpiexec started us (it does not start MPI's world twice)
+        in_mpi = MPI.COMM_WORLD.Get_size() > 1
+    except ImportError:
+        in_mpi = False
+    return fn(init()) if in_mpi else run_local(fn, threads)

@@ -25,6 +25,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from minidist.device import get_array_module
+from minidist.parallel.grad_ownership import replica_group
 
 DEFAULT_BUCKET_BYTES = 1 << 20  # 1 MiB; PyTorch DDP uses 25 MiB for models a thousand times larger
 
@@ -80,7 +81,7 @@ class DataParallel:
             raise ValueError(f"one dtype for all parameters, please (buckets are flat): got {sorted(map(str, dtypes))}")
         self.group, self.replicas = dp_group, replicas
         self.bucket_bytes = bucket_bytes
-        group_of = lambda p: expert_group if p.expert and expert_group is not None else dp_group  # noqa: E731
+        group_of = lambda p: replica_group(p, dp_group, expert_group)  # noqa: E731
         for _, p in named:
             group_of(p).broadcast(p.data, src=0)
         self.buckets = _fill_buckets(named[::-1], bucket_bytes, dtypes.pop(), group_of)

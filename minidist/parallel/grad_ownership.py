@@ -47,13 +47,13 @@ def summed_over_tp(p) -> bool:
     return p.sequence_parallel
 
 
-def replica_group(p, mesh):
-    """The ranks of ``mesh`` holding the same values of ``p`` (and the same ``p.expert`` experts):
-    the group its gradient is reduced over (dividing by the dp replicas, data_parallel.py), ZeRO
-    shards it over, and whose rank 0 writes it to a checkpoint. An expert parameter: the
-    expert-data-parallel group (its gradient already sums every ep rank's tokens); any other: the
-    dp x cp group."""
-    return mesh.expert_dp_group if p.expert else mesh.dp_cp_group
+def replica_group(p, dp_group, expert_group=None):
+    """The ranks holding the same values of ``p``: the group its gradient is reduced over (dividing
+    by the dp replicas, data_parallel.py), ZeRO shards it over, and whose rank 0 writes it to a
+    checkpoint. An expert parameter: ``expert_group``, the expert-data-parallel group (its gradient
+    already sums every ep rank's tokens; a mesh's ``expert_dp_group``); any other, or without
+    ``expert_group``: ``dp_group`` (a mesh's ``dp_cp_group``)."""
+    return expert_group if p.expert and expert_group is not None else dp_group
 
 
 def summed_over_ep(p) -> bool:

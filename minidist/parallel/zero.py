@@ -53,6 +53,7 @@ from minidist.optim import adamw_update, clip_coef, sgd_update
 from minidist.parallel import accounting, zero3
 from minidist.parallel.data_parallel import average_over_replicas
 from minidist.parallel.flat_buffer import FlatUnit, units_by_module
+from minidist.parallel.grad_ownership import replica_group
 
 SLOTS = {"sgd": ("momentum_buf",), "adamw": ("exp_avg", "exp_avg_sq")}
 
@@ -134,7 +135,7 @@ class ZeroOptimizer:
         self._no_sync = False
         self.shards = []
         for name, params in units_by_module(model.named_parameters()):
-            group = expert_group if expert_group is not None and params[0][1].expert else dp_group
+            group = replica_group(params[0][1], dp_group, expert_group)  # a unit holds experts only, or none
             rank, size = (group.rank, group.size) if self.partitions.optimizer_states else (0, 1)
             self.shards.append(self._make_shard(FlatUnit(name, params, rank, size), group))
         if self.partitions.gradients:
