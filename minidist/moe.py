@@ -152,6 +152,9 @@ class MoE(nn.Module):
         self.experts.rows = 0
 
     def forward(self, x):  # (B, T, C)
+        """Route, run the experts, combine (module docstring). Sends nothing itself: under expert
+        parallelism :meth:`run_experts` all-to-alls the rows, under context parallelism
+        :meth:`balance` all-reduces a sequence's statistics."""
         B, T, C = x.shape
         N, k = B * T, self.top_k
         flat = x.reshape(N, C)  # (N, C)
