@@ -289,7 +289,8 @@ def describe_layout(cfg, mesh, model) -> str:
         d, p, c, t = shape.coords(rank)
         where = f"dp {d} pp {p}" + (f" cp {c}" if shape.cp > 1 else "") + f" tp {t}"
         block = ep_block(cfg.n_experts, d % cfg.ep, cfg.ep) if cfg.ep > 1 else None
-        experts = [f"experts {block.start}-{block.stop - 1} (ep {d % cfg.ep})"] if block else []
+        shards = f", sharded 1/{shape.dp // cfg.ep * shape.cp} by ZeRO" if cfg.zero and block else ""  # the expert-dp group
+        experts = [f"experts {block.start}-{block.stop - 1} (ep {d % cfg.ep}){shards}"] if block else []
         lines.append(f"  rank {rank}: {where}  holds {held[p]}" + "".join(f"; {c}" for c in cut + experts))
     return "\n".join(lines)
 
