@@ -14,7 +14,8 @@ Dropless by default: every assignment is computed, so every layout computes the 
 With ``capacity_factor`` c > 0 each expert takes at most ceil(c k T / E) assignments PER SEQUENCE,
 first choices before second choices, earlier tokens first; the rest are dropped (they add nothing:
 the residual carries the token). The rule reads one sequence only, so it does not depend on how
-the batch is split over data-parallel ranks or micro-batches, nor on where the experts live.
+the batch is split over data-parallel ranks or micro-batches, nor on where the experts live (under
+context parallelism the cp ranks gather the sequence's choices first).
 
 Load balancing (Switch / GShard's auxiliary loss, computed per sequence as DeepSeek-V3's
 sequence-wise balance loss is, so that a batch split over ranks adds up to the same value):
@@ -29,8 +30,9 @@ gradient of ``aux``, the seed being what the cross-entropy's backward starts fro
 (minidist/parallel/loss_scaling.py sets it: loss scale / micro-batches).
 
 Hooks for the parallel versions: :meth:`MoE.run_experts` (expert parallelism sends the tokens to the
-ranks holding their experts, minidist/parallel/experts.py), ``sequence_group`` (context parallelism:
-a sequence's statistics are summed over the ranks holding its parts) and ``Experts.reduce_partial``
+ranks holding their experts, minidist/parallel/experts.py), ``context_parallel`` (a sequence's
+statistics are summed, and its choices gathered for a capacity, over the cp ranks holding its
+parts: minidist/parallel/context_parallel.py) and ``Experts.reduce_partial``
 (tensor parallelism: the experts' MLPs are split like the dense MLP's).
 """
 from __future__ import annotations
@@ -135,7 +137,7 @@ class MoE(nn.Module):
     :meth:`reset_stats`, before any drop), ``dropped`` the dropped ones, ``aux_loss`` the summed
     values of the balance loss and ``experts.rows`` the rows this rank's experts computed."""
     expert_parallel = None  # or an ExpertParallel (minidist/parallel/experts.py): where the experts run
-    sequence_group = None  # or the context-parallel group: the ranks holding the other parts of each sequence
+    context_parallel = None  # or a ContextParallel: the ranks holding the other parts of each sequence
 
     def __init__(self, config, dtype="float32"):
         super().__init__()
@@ -189,18 +191,21 @@ class MoE(nn.Module):
 
     def keep(self, experts):
         """Which assignments of ``experts`` (B, T, k) are computed: all of them (dropless), or with
-        a capacity factor the first ``capacity`` of each expert in each sequence."""
+        a capacity factor the first ``capacity`` of each expert in each sequence. Under context
+        parallelism the cp ranks' choices are all-gathered into whole sequences first, and each
+        keeps its own tokens' verdicts."""
         if not self.capacity_factor:
             return get_array_module(experts).ones(experts.shape, dtype=bool)
-        if self.sequence_group is not None and self.sequence_group.size > 1:
-            raise ValueError("a capacity factor reads whole sequences: not under context parallelism")
-        return capacity_keep(experts, capacity(self.capacity_factor, experts.shape[1], self.top_k, self.n_experts),
+        cp = self.context_parallel
+        whole = experts if cp is None else cp.whole_sequences(experts)  # (B, T_all, k)
+        keep = capacity_keep(whole, capacity(self.capacity_factor, whole.shape[1], self.top_k, self.n_experts),
                              self.n_experts)
+        return keep if cp is None else keep[:, cp.positions(whole.shape[1], get_array_module(keep))]
 
     def balance(self, out, probs, experts):
         """``out`` unchanged; with a balance coefficient and a graph, the aux loss's gradient joins
-        the router's in backward. Its statistics per sequence are summed over ``sequence_group``:
-        one all-reduce of (2, B, E) in the activations' memory."""
+        the router's in backward. Its statistics per sequence are summed over the cp ranks (context
+        parallelism): one all-reduce of (2, B, E) in the activations' memory."""
         if not self.aux_loss_coef or not probs.requires_grad:
             return out
         xp = get_array_module(probs.data)
@@ -212,9 +217,9 @@ class MoE(nn.Module):
             stats[0] += (experts[..., j, None] == xp.arange(E)).sum(axis=1)
         stats[1] = p.sum(axis=1)
         T_all = T  # the whole sequence's tokens
-        if self.sequence_group is not None:
-            self.sequence_group.all_reduce(stats)
-            T_all *= self.sequence_group.size
+        if self.context_parallel is not None:
+            self.context_parallel.group.all_reduce(stats)
+            T_all *= self.context_parallel.size
         f = stats[0] / (k * T_all)  # (B, E)
         self.aux_loss += float(self.aux_loss_coef * E * (f * stats[1] / T_all).sum() / B)
         grad = self.aux_loss_seed * self.aux_loss_coef * E * f / (B * T_all)  # d aux / d probs[b, t, e]

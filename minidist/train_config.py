@@ -214,8 +214,8 @@ def context_parallel_problems(cfg) -> list[str]:
 def expert_problems(cfg) -> list[str]:
     """What the mixture of experts (--n-experts, --top-k, --moe-every, --capacity-factor) and expert
     parallelism (--ep) cannot run: ep cuts the dp axis and the experts, tp cuts the router's experts
-    (every rank routes every token, minidist/parallel/tp_model.py), a capacity reads whole sequences,
-    and Hugging Face's GPT-2 has no experts."""
+    (every rank routes every token, minidist/parallel/tp_model.py), and Hugging Face's GPT-2 has no
+    experts."""
     if cfg.n_experts == 0:
         return ["--ep needs experts to split: add --n-experts"] if cfg.ep > 1 else []
     problems = []
@@ -232,10 +232,6 @@ def expert_problems(cfg) -> list[str]:
             what = "the experts" if axis == "ep" else "the router's logits (every tp rank computes E/tp of them)"
             problems.append(f"--n-experts {cfg.n_experts} is not divisible by {axis} {getattr(cfg, axis)} ({axis} "
                             f"splits {what})")
-    if cfg.capacity_factor and cfg.cp > 1:
-        problems.append("--capacity-factor with --cp > 1 is not supported: the capacity is counted over whole "
-                        "sequences in order, and context parallelism spreads each sequence over the cp ranks "
-                        "(train dropless: leave --capacity-factor at 0)")
     if cfg.export_hf is not None or cfg.init_from_hf is not None:
         problems.append("--export-hf and --init-from-hf read and write Hugging Face's GPT-2, which has no "
                         "experts: use --export for a mixture-of-experts model")

@@ -88,6 +88,8 @@ def test_grouped_linear_combine_and_softmax_have_the_gradients_of_their_definiti
             return float((combine(Tensor(y), Tensor(weights), slot).data * up).sum())
     for t, a in ((ty, y), (tweights, weights)):
         assert np.allclose(t.grad, numeric_grad(loss_combine, a), rtol=1e-6, atol=1e-8)
+    nothing = combine(Tensor(np.zeros((0, 4)), requires_grad=True), tweights, np.full((3, 2), -1))
+    assert not nothing.data.any()  # every choice dropped (a cp rank whose tokens came after the capacity)
 
     z, up = rng.normal(size=(4, 5)), rng.normal(size=(4, 5))
     tz = Tensor(z, requires_grad=True)
@@ -193,11 +195,13 @@ def assert_one_step_like_one_process(base, layout, data_dir, tmp_path):
     return ref_row
 
 
-@pytest.mark.parametrize("layout", [dict(dp=2, ep=2, tp=2, sequence_parallel=True), dict(dp=4, ep=2, pp=2, zero=2)],
+@pytest.mark.parametrize("layout", [dict(dp=2, ep=2, tp=2, sequence_parallel=True), dict(dp=4, ep=2, pp=2, zero=2),
+                                    dict(cp=2, dp=2, ep=2), dict(cp=2, cp_algorithm="zigzag", tp=2, sequence_parallel=True)],
                          ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
 def test_a_capacity_drops_the_same_assignments_in_every_layout(layout, data_dir, tmp_path):
     """The capacity counts each sequence's own assignments, wherever the sequence and the experts
-    are: the same assignments drop, and the loss and gradients equal one process's."""
+    are (under cp the ranks gather a sequence's choices first): the same assignments drop, and the
+    loss and gradients equal one process's."""
     base = TrainConfig(**{**MOE, "top_k": 1}, **ONE_SGD_STEP, data_dir=data_dir, capacity_factor=1.0,
                        micro_batches=2 if layout.get("pp") else 1)
     row = assert_one_step_like_one_process(base, layout, data_dir, tmp_path)
@@ -281,7 +285,6 @@ def test_the_expert_load_counts_every_assignment_once_in_any_layout(data_dir, tm
     (dict(n_experts=3, tp=2), "--n-experts 3 is not divisible by tp 2"),
     (dict(n_experts=4, top_k=5), "--top-k 5 is more than the 4 experts"),
     (dict(n_experts=4, moe_every=3), "--moe-every 3 leaves none of the 2 blocks with experts"),
-    (dict(n_experts=4, capacity_factor=1.0, cp=2), "--capacity-factor with --cp > 1 is not supported"),
     (dict(n_experts=4, export_hf="hf"), "Hugging Face's GPT-2, which has no experts"),
     (dict(n_experts=-1), "--n-experts must be >= 0"),
 ])

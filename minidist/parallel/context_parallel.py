@@ -83,6 +83,19 @@ class ContextParallel:
         """This rank's tokens (B, T/cp) of ``tokens`` (B, T): the input ids or the targets."""
         return tokens[:, self.positions(tokens.shape[1], get_array_module(tokens))]
 
+    def whole_sequences(self, local):
+        """Every cp rank's part (B, T/cp, ...) of ``local``, gathered into whole sequences (B, T, ...)
+        in token order, the same on every rank. Sends one all-gather of ``local``."""
+        xp = get_array_module(local)
+        n, T_local = self.size, local.shape[1]
+        T = n * T_local
+        gathered = self.group.all_gather(xp.ascontiguousarray(local.swapaxes(0, 1)))  # (n T/cp, B, ...) by rank
+        order = xp.concatenate([xp.arange(a, b) for r in range(n)  # every rank's positions, in rank order
+                                for a, b in sequence_chunks(T, n, r, self.algorithm == "zigzag")])
+        whole = xp.empty_like(gathered)
+        whole[order] = gathered
+        return whole.swapaxes(0, 1)
+
     def owner(self, position: int, T: int) -> tuple[int, int]:
         """(cp rank, local index) of the token at ``position`` of a T-token sequence."""
         for rank in range(self.size):
@@ -115,6 +128,6 @@ def context_parallel(model, group, algorithm: str = "ring"):
     model.context_parallel = cp
     for block in model.transformer.h:
         block.attn.attend = cp.attend
-        if hasattr(block.mlp, "sequence_group"):
-            block.mlp.sequence_group = group
+        if hasattr(block.mlp, "context_parallel"):  # a mixture of experts: its statistics per sequence
+            block.mlp.context_parallel = cp
     return model
