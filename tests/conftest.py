@@ -26,6 +26,17 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if "slow" not in item.keywords]
 
 
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    """A folder holding the generated default corpus (``--data-dir``), made once per session, before
+    any thread ranks read it. Tests write their own files under ``tmp_path``, not here."""
+    from minidist.train_build import load_data
+    from minidist.train_config import TrainConfig
+    path = str(tmp_path_factory.mktemp("data"))
+    load_data(TrainConfig(data_dir=path))
+    return path
+
+
 @pytest.fixture(scope="module")
 def cp():
     """The fake-CuPy module with the fake NCCL installed, for one test module (uninstalled after)."""

@@ -28,11 +28,6 @@ TINY = dict(n_layer=2, n_head=6, n_embd=24, block_size=16, batch_size=8, steps=6
             dtype="float64", sample_tokens=0, warmup=2, lr=1e-2)
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("data"))
-
-
 def run(cfg, root, start, stop, load=None, pp=1):
     """Train steps start..stop on dp * pp * tp in-process ranks (resuming from checkpoint ``load``
     if given), then save checkpoint ``stop`` under ``root``. (pp > 1: load and save only.)"""

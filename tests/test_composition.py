@@ -55,7 +55,6 @@ from minidist import run_local
 from minidist.checkpoint import step_dir
 from minidist.support_matrix import AXES, Cell, config_for, grid, meaningless, refusals
 from minidist.train import train
-from minidist.train_build import load_data
 from minidist.train_config import TrainConfig
 
 SIZES = dict(n_layer=4, n_head=4, n_embd=16, block_size=16, batch_size=8)
@@ -66,13 +65,6 @@ CELLS = [c for c in grid() if meaningless(c) is None]
 DENSE_CELLS = [c for c in CELLS if c.moe == "none"]
 CP1_CELLS = [c for c in DENSE_CELLS if c.cp == 1]
 MOE_CELLS = [c for c in CELLS if c.moe != "none"]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("data"))
-    load_data(TrainConfig(data_dir=path))  # the corpus, once, before thread ranks read it
-    return path
 
 
 def fit(cfg):

@@ -38,11 +38,6 @@ def cupy():
         fake_cupy.uninstall()
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("data"))
-
-
 def run(cfg):
     """``train(cfg)`` on dp * pp * tp in-process ranks: per rank (losses, val losses, state_dict,
     the types of the parameters' arrays)."""

@@ -28,20 +28,12 @@ from minidist.moe import capacity, capacity_keep, route
 from minidist.parallel.experts import expert_parallel, moe_layers, regroup_by_expert
 from minidist.parallel.mesh import DeviceMesh
 from minidist.train import main, train
-from minidist.train_build import load_data
 from minidist.train_config import ConfigError, TrainConfig, check_config
 
 MOE = dict(n_layer=2, n_head=4, n_embd=16, block_size=16, batch_size=8, n_experts=4, top_k=2, dtype="float64",
            eval_every=100, eval_iters=1, sample_tokens=0)
 ONE_SGD_STEP = dict(steps=1, warmup=0, lr=1.0, min_lr=0.0, optimizer="sgd", momentum=0.0, weight_decay=0.0,
                     grad_clip=0.0, bucket_mb=0.01)
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("data"))
-    load_data(TrainConfig(data_dir=path))  # the corpus, once, before thread ranks read it
-    return path
 
 
 def numeric_grad(f, x, eps=1e-6):

@@ -27,11 +27,6 @@ PROMPT, NEW_TOKENS, SEED = "The ", 40, 3
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("data"))
-
-
-@pytest.fixture(scope="module")
 def reference(data_dir):
     """One process: train, then the reference ``GPT.generate`` (temperature 0.8, top-k 20, as sample)."""
     model, _ = train(TrainConfig(**TINY, data_dir=data_dir), progress=False)

@@ -352,7 +352,8 @@ def test_a_receive_nobody_sends_ends_in_a_timeout_naming_the_peer(cp):
 # ---- the trainer over NCCL -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("layout", [dict(dp=2), dict(dp=2, zero=1), dict(dp=2, zero=3), dict(tp=2),
-                                    dict(pp=2, micro_batches=2)], ids=["dp", "zero1", "zero3", "tp", "pp"])
+                                    dict(pp=2, micro_batches=2), dict(dp=2, ep=2, n_experts=4, zero=1)],
+                         ids=["dp", "zero1", "zero3", "tp", "pp", "ep"])
 def test_the_trainer_over_nccl_trains_bitwise_like_the_host_run(cp, tmp_path, layout):
     """``--device cuda --backend nccl`` on 2 ranks (threads, a fake GPU each) against the same run on
     NumPy over the ring. Two ranks' sums do not depend on the order of addition, so: bitwise."""

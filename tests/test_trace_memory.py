@@ -27,11 +27,6 @@ from minidist.train_config import TrainConfig
 TINY = dict(n_layer=1, n_head=2, n_embd=16, block_size=8, batch_size=4, eval_iters=1, sample_tokens=0)
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("data"))
-
-
 def record(trace, n, op="all_reduce"):
     for _ in range(n):
         with trace.record(op, seq=trace.recorded):

@@ -13,11 +13,6 @@ from minidist.train_config import TrainConfig, parse_args
 TINY = dict(n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4)
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("data"))
-
-
 def test_cli_end_to_end_writes_metrics_jsonl(data_dir, tmp_path):
     out = tmp_path / "run"
     args = ["--steps", "4", "--eval-every", "2", "--eval-iters", "2", "--sample-tokens", "20",

@@ -17,19 +17,11 @@ import pytest
 from minidist import run_local
 from minidist.checkpoint import Checkpoint, step_dir
 from minidist.train import train
-from minidist.train_build import load_data
 from minidist.train_config import TrainConfig
 from tests.test_train_checkpoint import assert_same_checkpoint, crash_before_the_last_save, resave
 
 TINY = dict(n_layer=2, n_head=4, n_embd=16, block_size=16, batch_size=8, steps=6, eval_every=100, eval_iters=1,
             sample_tokens=0, warmup=2, lr=1e-2, grad_clip=0.5, bucket_mb=0.01, loss_scale_window=2)
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("data"))
-    load_data(TrainConfig(data_dir=path))
-    return path
 
 
 def fit(cfg):

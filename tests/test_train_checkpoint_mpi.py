@@ -25,11 +25,6 @@ TINY = ["--n-layer", 2, "--n-head", 4, "--n-embd", 16, "--block-size", 16, "--ba
         "--bucket-mb", 0.01]
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("data")
-
-
 def train(n, *flags, timeout=120):
     """``mpiexec -n n python -m minidist.train TINY flags``; its output."""
     return run_mpi(n, "-m", "minidist.train", *TINY, *flags, timeout=timeout).stdout

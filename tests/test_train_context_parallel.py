@@ -14,20 +14,12 @@ from minidist.model import GPT, GPTConfig
 from minidist.parallel.accounting import activation_bytes
 from minidist.parallel.context_parallel import context_parallel
 from minidist.train import train
-from minidist.train_build import load_data
 from minidist.train_config import ConfigError, TrainConfig, check_config
 
 BASE = TrainConfig(n_layer=2, n_head=8, n_embd=16, block_size=16, batch_size=4, steps=2, eval_every=100,
                    eval_iters=1, sample_tokens=0, warmup=0, lr=1.0, min_lr=1.0, optimizer="sgd", momentum=0.0,
                    weight_decay=0.0, grad_clip=0.0, dtype="float64")
 LAYOUTS = {"alone": {}, "dp2": dict(dp=2), "tp2": dict(tp=2), "pp2": dict(pp=2, micro_batches=2)}
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("data"))
-    load_data(TrainConfig(data_dir=path))
-    return path
 
 
 def fit(cfg):

@@ -18,11 +18,6 @@ TINY = dict(n_layer=2, n_head=4, n_embd=16, block_size=16, batch_size=8, steps=1
             eval_iters=1, dtype="float64", sample_tokens=0, warmup=2)
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("data"))
-
-
 @pytest.mark.parametrize("changes, world_size, message", [
     (dict(dp=2, tp=2), 2, r"world size 2 != dp \* tp = 2 \* 2 = 4"),
     (dict(tp=3), 3, "n_head 4 is not divisible by tp 3"),

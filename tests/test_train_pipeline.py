@@ -24,11 +24,6 @@ MPI_LAYOUTS = [f"{flags} --optimizer {opt}" for opt in ("sgd", "adamw") for flag
     "--dp 2 --pp 2 --zero 1 --micro-batches 2")]
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("data"))
-
-
 @pytest.mark.parametrize("changes, world_size, message", [
     (dict(dp=2, pp=2), 2, "world size 2 != dp * pp * tp = 2 * 2 * 1 = 4"),
     (dict(pp=2, virtual_stages=2, schedule="interleaved", micro_batches=2), 2,

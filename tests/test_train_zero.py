@@ -25,11 +25,6 @@ MPI_LAYOUTS = [f"--dp 4 --zero {stage} --optimizer {opt}" for stage in (1, 2, 3)
     "--dp 4 --zero 3 --recompute --optimizer adamw"]
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("data"))
-
-
 def test_the_flags_map_onto_the_config():
     assert parse_args([]).zero == 0 and parse_args([]).recompute is False  # not bool("False")
     cfg = parse_args(["--zero", "3", "--recompute"])
