@@ -42,8 +42,8 @@ import math
 import numpy as np
 
 from minidist import nn
-from minidist.autograd import (Function, combine, gelu, get_array_module, grouped_linear, is_grad_enabled, softmax,
-                               to_numpy)
+from minidist.autograd import (Function, combine, gelu, get_array_module, grouped_bias, grouped_linear,
+                               is_grad_enabled, softmax, take_rows, to_numpy)
 
 
 def is_moe_layer(config, layer: int) -> bool:
@@ -119,10 +119,7 @@ class Experts(nn.Module):
             self.rows += x.shape[0]
         h = gelu(grouped_linear(x, self.c_fc.weight, self.c_fc.bias, counts))  # (M, hidden)
         y = self.reduce_partial(grouped_linear(h, self.c_proj.weight, None, counts))  # (M, C)
-        if self.c_proj.bias is None:
-            return y
-        expert_of_row = np.repeat(np.arange(len(counts)), counts)  # (M,) on the host, then where y is
-        return y + self.c_proj.bias[get_array_module(y.data).asarray(expert_of_row)]
+        return y if self.c_proj.bias is None else grouped_bias(y, self.c_proj.bias, counts)
 
     def reduce_partial(self, y):
         """The experts' outputs before their bias: whole here; partial sums to add over the tensor-
@@ -173,7 +170,7 @@ class MoE(nn.Module):
         counts = [int(c) for c in to_numpy(xp.bincount(chosen[order], minlength=self.n_experts))]  # (E,)
         slot = xp.full(N * k, -1, dtype=np.int64)
         slot[order] = xp.arange(len(order))  # where each assignment's output lands; -1: dropped
-        y = self.run_experts(flat[order // k], counts)  # (M, C): the tokens, grouped by expert
+        y = self.run_experts(take_rows(flat, order, k), counts)  # (M, C): the tokens, grouped by expert
         out = combine(y, weights, slot.reshape(N, k))  # (N, C)
         out = self.balance(out, probs, experts.reshape(B, T, k))
         if probs.requires_grad:

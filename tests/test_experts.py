@@ -1,7 +1,8 @@
 """Mixture of experts and expert parallelism (minidist/moe.py, minidist/parallel/experts.py).
 
 The rules, each proven here:
-- the ops: grouped linear, combine and softmax have the gradients of their definitions;
+- the ops: grouped linear, grouped bias, take_rows, combine and softmax have the gradients of their
+  definitions;
 - routing: the top-k probabilities, ties to the lower expert; a capacity keeps each sequence's first
   choices before its second ones, earlier tokens first;
 - the one-process MoE GPT's gradient (with its balance loss) is the derivative of cross-entropy +
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 
 from minidist import run_local
-from minidist.autograd import Tensor, combine, grouped_linear, no_grad, softmax
+from minidist.autograd import Tensor, combine, grouped_bias, grouped_linear, no_grad, softmax, take_rows
 from minidist.checkpoint import step_dir
 from minidist.inspect.tables import format_expert_load
 from minidist.model import GPT, GPTConfig
@@ -82,6 +83,24 @@ def test_grouped_linear_combine_and_softmax_have_the_gradients_of_their_definiti
         assert np.allclose(t.grad, numeric_grad(loss_combine, a), rtol=1e-6, atol=1e-8)
     nothing = combine(Tensor(np.zeros((0, 4)), requires_grad=True), tweights, np.full((3, 2), -1))
     assert not nothing.data.any()  # every choice dropped (a cp rank whose tokens came after the capacity)
+
+    # take_rows: the dispatch's gather (each of 3 rows twice over, 4 of the 6 slots kept) and a permutation
+    x, slots, up = rng.normal(size=(3, 4)), np.array([5, 0, 2, 3]), rng.normal(size=(4, 4))
+    tx = Tensor(x, requires_grad=True)
+    (take_rows(tx, slots, 2) * Tensor(up)).sum().backward()
+    assert np.array_equal(take_rows(Tensor(x), slots, 2).data, x[[2, 0, 1, 1]])
+    assert np.allclose(tx.grad, [up[1], up[2] + up[3], up[0]], rtol=1e-15)
+    tx = Tensor(x, requires_grad=True)
+    (take_rows(tx, np.array([2, 0, 1])) * Tensor(up[:3])).sum().backward()
+    assert np.array_equal(tx.grad, up[[1, 2, 0]])
+
+    # grouped_bias: consecutive groups of rows, each with its expert's bias
+    y, b, up = rng.normal(size=(5, 3)), rng.normal(size=(3, 3)), rng.normal(size=(5, 3))
+    tb = Tensor(b, requires_grad=True)
+    out = grouped_bias(Tensor(y), tb, [2, 0, 3])
+    assert np.array_equal(out.data, y + b[[0, 0, 2, 2, 2]])
+    (out * Tensor(up)).sum().backward()
+    assert np.allclose(tb.grad, [up[:2].sum(0), np.zeros(3), up[2:].sum(0)], rtol=1e-15)
 
     z, up = rng.normal(size=(4, 5)), rng.normal(size=(4, 5))
     tz = Tensor(z, requires_grad=True)

@@ -1,5 +1,7 @@
-"""The mixture of experts' fused ops (minidist/moe.py): a grouped linear layer, where consecutive
-rows go through different weights, and the weighted combine of each token's expert outputs."""
+"""The mixture of experts' fused ops (minidist/moe.py): taking rows (the dispatch's gather and the
+permutations, with a backward that scatters instead of adding at repeated indices), a grouped
+linear layer and a grouped bias, where consecutive rows go through different weights, and the
+weighted combine of each token's expert outputs."""
 from minidist.autograd.backend import get_array_module, matmul
 from minidist.autograd.function import Function
 
@@ -11,6 +13,56 @@ def group_bounds(counts) -> list[tuple[int, int]]:
         bounds.append((start, start + int(c)))
         start += int(c)
     return bounds
+
+
+class TakeRows(Function):
+    """``out[i] = x[index[i] // k]``: rows of ``x`` (R, ...), each of them ``k`` times over (the
+    dispatch: row n's k choices are slots n k .. n k + k - 1), ``index`` holding DISTINCT slots in
+    [0, R k) (a permutation, or with k > 1 the kept choices). Backward puts each gradient row in its
+    slot and adds a row's k slots in slot order: no scatter-add, the same sums in every layout."""
+
+    @staticmethod
+    def forward(ctx, x, index, k):
+        ctx.index, ctx.k, ctx.shape = index, k, x.shape
+        return x[index // k] if k > 1 else x[index]
+
+    @staticmethod
+    def backward(ctx, grad):
+        xp = get_array_module(grad)
+        slots = xp.zeros((ctx.shape[0] * ctx.k,) + ctx.shape[1:], dtype=grad.dtype)  # (R k, ...)
+        slots[ctx.index] = grad  # distinct slots: a plain assignment
+        if ctx.k == 1:
+            return slots, None, None
+        return slots.reshape(ctx.shape[0], ctx.k, *ctx.shape[1:]).sum(axis=1), None, None
+
+
+def take_rows(x, index, k: int = 1):
+    """Rows ``x[index // k]`` (distinct slots ``index`` of x's rows repeated k times each)."""
+    return TakeRows.apply(x, index, k)
+
+
+class GroupedBias(Function):
+    """``y[rows of g] + bias[g]``: consecutive groups of ``counts[g]`` rows of ``y`` (M, out), each
+    with its own bias (out,) of ``bias`` (G, out). Backward: each group's gradient rows summed."""
+
+    @staticmethod
+    def forward(ctx, y, bias, counts):
+        ctx.bounds = group_bounds(counts)
+        out = y.copy()
+        for g, (lo, hi) in enumerate(ctx.bounds):
+            out[lo:hi] += bias[g]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        xp = get_array_module(grad)
+        grad_b = xp.stack([grad[lo:hi].sum(axis=0) for lo, hi in ctx.bounds])  # (G, out)
+        return grad, grad_b, None
+
+
+def grouped_bias(y, bias, counts):
+    """(M, out): row group g of ``y`` plus ``bias[g]``."""
+    return GroupedBias.apply(y, bias, counts)
 
 
 class GroupedLinear(Function):

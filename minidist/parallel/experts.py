@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from minidist.autograd import Function, get_array_module, to_numpy
+from minidist.autograd import Function, get_array_module, take_rows, to_numpy
 from minidist.moe import MoE
 from minidist.parallel.tp_layout import ep_block
 
@@ -81,10 +81,10 @@ class ExpertParallel:
         self.sent, self.received = send, recv
         rows = AllToAll.apply(x, self.group, to_rank, from_rank, "moe dispatch")  # (R, C) by source, by expert
         perm = regroup_by_expert(recv)
-        y = experts(rows[xp.asarray(perm)], [int(c) for c in recv.sum(axis=0)])  # (R, C) by expert, by source
+        y = experts(take_rows(rows, xp.asarray(perm)), [int(c) for c in recv.sum(axis=0)])  # (R, C) by expert, by source
         back = np.empty_like(perm)  # the inverse permutation (host), then where the rows are
         back[perm] = np.arange(len(perm))
-        return AllToAll.apply(y[xp.asarray(back)], self.group, from_rank, to_rank, "moe combine")  # (M, C)
+        return AllToAll.apply(take_rows(y, xp.asarray(back)), self.group, from_rank, to_rank, "moe combine")  # (M, C)
 
 
 def moe_layers(model) -> list:
