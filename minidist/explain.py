@@ -65,16 +65,15 @@ def holdings(model, tp_size: int, ep_rank: int = 0, ep_size: int = 1) -> list[st
         name = key.replace("{}", "{" + ",".join(blocks) + "}")
         first = key.replace("{}", "0")
         layout = tp_layout(first) if tp_size > 1 else "replicated"
-        experts = ""
+        what = []  # how tp cuts it, then which experts ep gives it; neither: "whole"
+        if layout != "replicated":
+            what.append(f"{layout} shard of {full_shape(first, shape, model.config, tp_size)}")
+        elif tp_size > 1:
+            what.append("copy")
         if ep_size > 1 and is_expert(first):
             block = ep_block(model.config.n_experts, ep_rank, ep_size)
-            experts = f"experts {block.start}-{block.stop - 1} of {model.config.n_experts} (ep)"
-        if layout == "replicated":
-            whole = "copy" if tp_size > 1 else "whole"
-            lines.append(f"holds {name:<42} {str(shape):<12} {whole + ', ' + experts if experts and tp_size > 1 else experts or whole}")
-        else:
-            full = full_shape(first, shape, model.config, tp_size)
-            lines.append(f"holds {name:<42} {str(shape):<12} {layout} shard of {full}{', ' * bool(experts)}{experts}")
+            what.append(f"experts {block.start}-{block.stop - 1} of {model.config.n_experts} (ep)")
+        lines.append(f"holds {name:<42} {str(shape):<12} {', '.join(what) or 'whole'}")
     return lines
 
 

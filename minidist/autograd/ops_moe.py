@@ -120,8 +120,11 @@ class Combine(Function):
     def forward(ctx, y, weights, slot):
         xp = get_array_module(y)
         kept = slot >= 0  # (N, k)
-        padded = xp.concatenate([y, xp.zeros((1,) + y.shape[1:], dtype=y.dtype)])  # row M: a dropped choice's 0
-        picked = padded[xp.where(kept, slot, len(y))]  # (N, k, C)
+        if kept.all():  # dropless: no padding copy
+            picked = y[slot]  # (N, k, C)
+        else:
+            padded = xp.concatenate([y, xp.zeros((1,) + y.shape[1:], dtype=y.dtype)])  # row M: a dropped choice's 0
+            picked = padded[xp.where(kept, slot, len(y))]  # (N, k, C)
         ctx.picked, ctx.weights, ctx.slot, ctx.kept, ctx.y_shape = picked, weights, slot, kept, y.shape
         out = picked[:, 0] * weights[:, :1]  # (N, C)
         for j in range(1, slot.shape[1]):

@@ -39,11 +39,10 @@ def clip_grad_norm_parallel(params, max_norm: float, mesh) -> float:
     params = [p for p in params if p.grad is not None]
     xp = get_array_module(params[0].grad) if params else np
     total = xp.array([local_grad_norm_sq([p for p in params if not summed_over_ep(p)], mesh.tp_rank)])  # (1,)
+    experts = xp.array([local_grad_norm_sq([p for p in params if summed_over_ep(p)], mesh.tp_rank)])  # (1,)
     if mesh.ep_group is not None:
-        experts = xp.array([local_grad_norm_sq([p for p in params if summed_over_ep(p)], mesh.tp_rank)])
-        total += mesh.ep_group.all_reduce(experts)
-    else:
-        total += local_grad_norm_sq([p for p in params if summed_over_ep(p)], mesh.tp_rank)
+        mesh.ep_group.all_reduce(experts)
+    total += experts
     mesh.tp_group.all_reduce(total)
     mesh.pp_group.all_reduce(total)
     total_norm = float(total[0]) ** 0.5

@@ -28,6 +28,7 @@ tp. Pipelines pass (B, T/n, C) activations. ZeRO shards over dp x cp.
 from __future__ import annotations
 
 from minidist.autograd import Function, get_array_module
+from minidist.moe import MoE
 from minidist.parallel.ring_attention import ring_attention, sequence_chunks
 from minidist.parallel.ulysses import ulysses_attention
 
@@ -128,6 +129,6 @@ def context_parallel(model, group, algorithm: str = "ring"):
     model.context_parallel = cp
     for block in model.transformer.h:
         block.attn.attend = cp.attend
-        if hasattr(block.mlp, "context_parallel"):  # a mixture of experts: its statistics per sequence
+        if isinstance(block.mlp, MoE):  # its statistics (and capacity) per sequence
             block.mlp.context_parallel = cp
     return model

@@ -164,16 +164,16 @@ def _fill_buckets(named_params: list, bucket_bytes: int, dtype, group_of) -> lis
     """Cut ``named_params`` (in the order given) into consecutive buckets of about ``bucket_bytes``:
     a bucket closes once it holds at least that many bytes (so one large parameter is one bucket),
     or before a parameter averaged over another group (``group_of(p)``)."""
-    buckets, current, size = [], [], 0
+    buckets, current, size, group = [], [], 0, None  # group: the current bucket's
     for name, p in named_params:
-        if current and group_of(p) is not group_of(current[-1][1]):
-            buckets.append(Bucket(len(buckets), current, dtype, group_of(current[-1][1])))
+        if current and group_of(p) is not group:
+            buckets.append(Bucket(len(buckets), current, dtype, group))
             current, size = [], 0
         current.append((name, p))
-        size += p.data.nbytes
+        size, group = size + p.data.nbytes, group_of(p)
         if size >= bucket_bytes:
-            buckets.append(Bucket(len(buckets), current, dtype, group_of(p)))
+            buckets.append(Bucket(len(buckets), current, dtype, group))
             current, size = [], 0
     if current:
-        buckets.append(Bucket(len(buckets), current, dtype, group_of(current[-1][1])))
+        buckets.append(Bucket(len(buckets), current, dtype, group))
     return buckets

@@ -14,6 +14,7 @@ starts from the same seed: :func:`seed_aux_losses` hands it to every MoE layer o
 pipeline stage) before the step's forwards, and each adds its aux gradient in backward (moe.py).
 """
 from minidist.autograd import get_array_module
+from minidist.moe import MoE
 
 
 def backward_micro_batch(loss, micro_batches: int, loss_scale: float = 1.0) -> None:
@@ -28,5 +29,5 @@ def seed_aux_losses(model, micro_batches: int, loss_scale: float = 1.0) -> None:
     GPT, its tensor-parallel shard or a pipeline stage): the factor its load-balancing loss's
     gradient is added with in backward. Sends nothing."""
     for _, module in model.named_modules():
-        if hasattr(module, "aux_loss_seed"):
+        if isinstance(module, MoE):
             module.aux_loss_seed = loss_scale / micro_batches
