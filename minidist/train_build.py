@@ -21,7 +21,7 @@ from minidist.parallel.accounting import format_memory_table
 from minidist.parallel.context_parallel import context_parallel
 from minidist.parallel.data_parallel import DataParallel
 from minidist.parallel.experts import expert_parallel
-from minidist.parallel.pipeline import PipelineEngine, PipelineStage
+from minidist.parallel.pipeline import PipelineEngine, PipelineStage, placement_of, rank_stages
 from minidist.parallel.recompute import recompute_blocks
 from minidist.parallel.ring_attention import sequence_chunks, token_ranges
 from minidist.parallel.tensor_parallel import shard_for
@@ -229,7 +229,7 @@ def build_parallel(cfg, mesh):
     if cfg.recompute:
         recompute_blocks(model)
     if cfg.pp > 1:
-        model = PipelineStage(model, mesh.pp_rank, cfg.pp, cfg.virtual_stages)
+        model = PipelineStage(model, mesh.pp_rank, cfg.pp, cfg.virtual_stages, placement=placement_of(cfg.schedule))
     scaler = build_loss_scaler(cfg, mesh.world)
     mixed = cfg.dtype if scaler is not None else None
     dp = amp = None
@@ -261,7 +261,7 @@ def describe_layout(cfg, mesh, model) -> str:
     starts = np.cumsum([0] + counts)
     held = []
     for pp_rank in range(shape.pp):
-        stages = [c * shape.pp + pp_rank for c in range(cfg.virtual_stages)]
+        stages = rank_stages(pp_rank, shape.pp, cfg.virtual_stages, placement_of(cfg.schedule))
         parts = ["embeddings"] if 0 in stages else []
         parts += [f"blocks {starts[s]}-{starts[s + 1] - 1}" if counts[s] > 1 else f"block {starts[s]}"
                   for s in stages]

@@ -175,8 +175,11 @@ def check_config(cfg, world_size: int) -> None:
     if cfg.pp * cfg.virtual_stages > cfg.n_layer:
         problems.append(f"pp * virtual_stages = {cfg.pp} * {cfg.virtual_stages} pipeline stages need at least "
                         f"as many blocks, n_layer is {cfg.n_layer}")
-    if cfg.virtual_stages > 1 and cfg.schedule != "interleaved":
-        problems.append(f"--virtual-stages {cfg.virtual_stages} needs --schedule interleaved")
+    if cfg.schedule == "zbv" and cfg.virtual_stages != 2:
+        problems.append(f"--schedule zbv places two chunks per rank in a V: it needs --virtual-stages 2, "
+                        f"got {cfg.virtual_stages}")
+    elif cfg.virtual_stages > 1 and cfg.schedule not in ("interleaved", "zbv"):
+        problems.append(f"--virtual-stages {cfg.virtual_stages} needs --schedule interleaved (or zbv, with 2)")
     if cfg.schedule == "interleaved" and cfg.micro_batches % cfg.pp:
         problems.append(f"the interleaved schedule needs micro_batches ({cfg.micro_batches}) to be a multiple "
                         f"of pp ({cfg.pp})")
@@ -360,7 +363,7 @@ def parse_args(argv=None):
                         "(the ring with balanced causal work), ulysses (all-to-alls: heads split over cp)",
         "sequence_parallel": "also split the LayerNorm and residual activations along the sequence over tp",
         "micro_batches": "micro-batches per step and dp rank (gradient accumulation; the pipeline's units)",
-        "schedule": "pipeline schedule", "virtual_stages": "model chunks per pipeline rank (interleaved schedule)",
+        "schedule": "pipeline schedule", "virtual_stages": "model chunks per pipeline rank (interleaved; 2 for zbv)",
         "zero": "ZeRO stage: shard optimizer states (1), + gradients (2), + parameters (3) over dp",
         "recompute": "recompute each block's activations in backward instead of keeping them",
         "bucket_mb": "data-parallel gradient bucket size in MiB",

@@ -13,7 +13,7 @@ from minidist.model import GPT, GPTConfig
 from minidist.optim import SGD, AdamW
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.pipeline import (PipelineEngine, PipelineStage, compute_spans, estimate_layer_costs,
-                                        executed_timeline, partition_layers, split_micro_batches)
+                                        executed_timeline, partition_layers, placement_of, split_micro_batches)
 
 TOKENS = np.random.default_rng(0).integers(0, 256, size=4000)
 B, STEPS = 8, 10
@@ -48,7 +48,8 @@ def pipelined(p, schedule, m, v, n_layer, optimizer, steps=STEPS):
     """Per rank: (losses, the stage's state_dict, peak in-flight micro-batches) of the pipelined run."""
     def rank(world):
         mesh = DeviceMesh(world, pp=p)
-        stage = PipelineStage(GPT(config(n_layer), seed=1, dtype="float64"), mesh.pp_rank, p, v)
+        stage = PipelineStage(GPT(config(n_layer), seed=1, dtype="float64"), mesh.pp_rank, p, v,
+                              placement=placement_of(schedule))
         engine = PipelineEngine(stage, mesh, schedule, m, v)
         opt = make_optimizer(optimizer, stage.named_parameters())
         losses = []
@@ -78,6 +79,7 @@ def assert_matches_one_process(results, reference):
 CONFIGS = [  # (p, schedule, m, v, n_layer)
     (2, "gpipe", 4, 1, 4), (2, "1f1b", 2, 1, 4), (2, "1f1b", 8, 1, 4), (2, "interleaved", 4, 2, 4),
     (4, "gpipe", 4, 1, 4), (4, "1f1b", 8, 1, 4), (4, "interleaved", 4, 2, 8),
+    (2, "zb-h1", 4, 1, 4), (4, "zb-h1", 8, 1, 4), (2, "zbv", 4, 2, 4), (4, "zbv", 8, 2, 8),
 ]
 
 
@@ -94,6 +96,8 @@ def test_measured_in_flight_micro_batches_follow_the_formulas(p, m):
     peaks_gpipe = [peak for _, _, peak in pipelined(p, "gpipe", m, 1, 4, "sgd", steps=1)]
     assert peaks_1f1b == [min(p - stage, m) for stage in range(p)]
     assert peaks_gpipe == [m] * p
+    peaks_zb = [peak for _, _, peak in pipelined(p, "zb-h1", m, 1, 4, "sgd", steps=1)]
+    assert max(peaks_zb) == max(peaks_1f1b)  # ZB-H1: 1F1B's peak activation memory, held until W
 
 
 def test_tied_embedding_copies_stay_equal_and_get_the_summed_gradient():

@@ -5,6 +5,7 @@ ops_nn.py, attention.py, ops_moe.py, saved_tensors.py."""
 from minidist.autograd.tensor import Tensor  # noqa: I001
 from minidist.autograd.attention import scaled_dot_product_attention
 from minidist.autograd.backend import get_array_module, to_numpy
+from minidist.autograd.engine import weight_grads_later
 from minidist.autograd.function import Function
 from minidist.autograd.grad_mode import is_grad_enabled, no_grad
 from minidist.autograd.ops_math import mean, unbroadcast
@@ -17,4 +18,5 @@ __all__ = [
     "Tensor", "Function", "no_grad", "is_grad_enabled", "get_array_module", "to_numpy", "unbroadcast",
     "mean", "cat", "split", "linear", "gelu", "layer_norm", "embedding", "cross_entropy",
     "scaled_dot_product_attention", "saved_tensors_hooks", "softmax", "grouped_linear", "grouped_bias", "take_rows", "combine",
+    "weight_grads_later",
 ]

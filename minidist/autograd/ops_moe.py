@@ -56,8 +56,9 @@ class GroupedBias(Function):
     @staticmethod
     def backward(ctx, grad):
         xp = get_array_module(grad)
-        grad_b = xp.stack([grad[lo:hi].sum(axis=0) for lo, hi in ctx.bounds])  # (G, out)
-        return grad, grad_b, None
+        needs = ctx.needs_input_grad
+        grad_b = xp.stack([grad[lo:hi].sum(axis=0) for lo, hi in ctx.bounds]) if needs[1] else None  # (G, out)
+        return grad if needs[0] else None, grad_b, None
 
 
 def grouped_bias(y, bias, counts):

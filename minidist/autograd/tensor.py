@@ -20,6 +20,7 @@ class Tensor:
     __slots__ = ("data", "grad", "requires_grad", "_node", "_out_index", "_grad_ready_hooks",
                  "__weakref__")
     __array_ufunc__ = None  # `ndarray + Tensor` must defer to Tensor.__radd__, not loop elementwise
+    is_parameter = False  # True for minidist.nn.Parameter: a split backward defers its gradient (engine.py)
 
     def __init__(self, data, requires_grad: bool = False):
         if type(data) is not np.ndarray and not is_cupy(data):

@@ -23,6 +23,7 @@ class Parameter(Tensor):
     Unlike a plain Tensor it has a ``__dict__``, so the tags are set per instance.
     """
 
+    is_parameter = True  # a weight: its gradient is "W" in a split backward (autograd/engine.py)
     tensor_parallel: bool = False
     sequence_parallel: bool = False
     tied_copy: bool = False

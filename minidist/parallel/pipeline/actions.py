@@ -1,32 +1,40 @@
 """Action: one thing a pipeline rank does during a step. A schedule is a list of them per rank.
 
-Six kinds, as in torch.distributed.pipelining:
+Seven kinds, as in torch.distributed.pipelining:
 
     F       forward of micro-batch ``microbatch`` through stage ``stage``
-    B       backward of it (needs that F first)
+    B       backward of it (needs that F first); in a zero-bubble schedule only the gradient of the
+            stage's input, what the previous stage waits for
+    W       the weight gradients of that backward (zero-bubble schedules only; after its B)
     SEND_F  send F's output activation to the next stage       (mb, T, C)
     RECV_F  receive the previous stage's activation, before F  (mb, T, C)
     SEND_B  send the gradient of B's input to the previous stage
     RECV_B  receive the next stage's gradient, before B
 
-``stage`` is the global (virtual) stage: with p ranks and v chunks per rank (interleaved 1F1B) there
-are p * v stages, and stage s lives on rank ``s % p`` as its chunk ``s // p`` (Megatron's layout).
+``stage`` is the global (virtual) stage: with p ranks and v chunks per rank there are p * v stages,
+and stage s is chunk ``s // p`` of a rank. Where the chunks go is the placement:
+
+    loop    stage s on rank s % p (Megatron's interleaved layout): 0 1 2 3 | 0 1 2 3
+    v       every second chunk runs backwards (ZB-V): 0 1 2 3 | 3 2 1 0, so with v = 2 rank r
+            holds stages r and 2p-1-r, and rank 0 both the first and the last stage
+
 With v = 1, stage and rank coincide.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-COMPUTE = ("F", "B")
+COMPUTE = ("F", "B", "W")
+PLACEMENTS = ("loop", "v")
 SENDS = ("SEND_F", "SEND_B")
 RECVS = ("RECV_F", "RECV_B")
-_WORDS = {"F": "forward", "B": "backward", "SEND_F": "send activation", "RECV_F": "receive activation",
+_WORDS = {"F": "forward", "B": "backward", "W": "weight gradients", "SEND_F": "send activation", "RECV_F": "receive activation",
           "SEND_B": "send gradient", "RECV_B": "receive gradient"}
 
 
 @dataclass(frozen=True)
 class Action:
-    """``op`` (one of F, B, SEND_F, RECV_F, SEND_B, RECV_B) of micro-batch ``microbatch`` on ``stage``."""
+    """``op`` (one of F, B, W, SEND_F, RECV_F, SEND_B, RECV_B) of micro-batch ``microbatch`` on ``stage``."""
     op: str
     stage: int
     microbatch: int
@@ -69,6 +77,13 @@ class Action:
         return Action(pairs[self.op], self.peer_stage(), self.microbatch)
 
 
-def stage_rank(stage: int, pp_size: int) -> int:
-    """The pipeline rank that holds ``stage`` (stage s is chunk s // p of rank s % p)."""
-    return stage % pp_size
+def stage_rank(stage: int, pp_size: int, placement: str = "loop") -> int:
+    """The pipeline rank that holds ``stage``: chunk ``stage // p``, position ``stage % p`` in it,
+    counted backwards in the odd chunks of the "v" placement."""
+    chunk, position = divmod(stage, pp_size)
+    return pp_size - 1 - position if placement == "v" and chunk % 2 else position
+
+
+def rank_stages(rank: int, pp_size: int, virtual_stages: int, placement: str = "loop") -> list[int]:
+    """The global stages ``rank`` holds, chunk by chunk."""
+    return [c * pp_size + (pp_size - 1 - rank if placement == "v" and c % 2 else rank) for c in range(virtual_stages)]

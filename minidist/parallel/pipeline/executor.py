@@ -1,7 +1,10 @@
 """PipelineEngine: run any validated schedule for one training step.
 
-One loop serves GPipe, 1F1B and interleaved 1F1B: it walks this rank's action list and does what
-each action says. The schedule is built and checked (``validate``) when the engine is made, on
+One loop serves every schedule (GPipe, 1F1B, interleaved, ZB-H1, ZB-V): it walks this rank's
+action list and does what each action says. In a zero-bubble schedule a B runs the backward inside
+``weight_grads_later`` (autograd/engine.py): only the gradient of the stage's input is computed, what
+the previous stage waits for, and the weight gradients wait in the micro-batch's record until its W.
+Two neighbouring stages on one rank (the bottom of ZB-V's V) hand the tensor over without a message. The schedule is built and checked (``validate``) when the engine is made, on
 every rank, so a broken schedule fails there with a message instead of hanging mid-step.
 
 What a step sends, per micro-batch and stage boundary: one (mb, T, C) activation forward, one
@@ -17,12 +20,12 @@ from __future__ import annotations
 
 import contextlib
 
-from minidist.autograd import Tensor, get_array_module, no_grad
+from minidist.autograd import Tensor, get_array_module, no_grad, weight_grads_later
 from minidist.data import inputs_and_targets
 from minidist.parallel.loss_scaling import backward_micro_batch
-from minidist.parallel.pipeline.actions import RECVS
+from minidist.parallel.pipeline.actions import RECVS, stage_rank
 from minidist.parallel.pipeline.p2p import StageLink
-from minidist.parallel.pipeline.schedules import build_schedule
+from minidist.parallel.pipeline.schedules import build_schedule, placement_of, splits_backward
 from minidist.parallel.pipeline.validate import validate
 
 
@@ -35,12 +38,14 @@ def split_micro_batches(batch, micro_batches: int) -> list:
 
 
 class PipelineEngine:
-    """Runs ``schedule`` ("gpipe", "1f1b" or "interleaved") over ``mesh``'s pp group for one
-    :class:`~minidist.parallel.pipeline.stages.PipelineStage` per rank.
+    """Runs ``schedule`` (one of :data:`~minidist.parallel.pipeline.schedules.SCHEDULES`) over
+    ``mesh``'s pp group for one :class:`~minidist.parallel.pipeline.stages.PipelineStage` per rank
+    (built with the schedule's placement).
 
     Building it is collective over the pp group (the tied-embedding group is split off). ``no_sync``
-    (e.g. ``DataParallel.no_sync``) wraps every backward but the last of each stage, so data
-    parallelism all-reduces once, after the last micro-batch. ``ideal`` is the simulator's timeline
+    (e.g. ``DataParallel.no_sync``) wraps every backward (every W in a zero-bubble schedule: the
+    weight gradients are final there) but the last of each stage, so data parallelism all-reduces
+    once, after the last micro-batch. ``ideal`` is the simulator's timeline
     of the schedule; ``peak_in_flight`` after a step is the most micro-batches this rank held
     activations for at once.
     """
@@ -48,15 +53,17 @@ class PipelineEngine:
     def __init__(self, stage, mesh, schedule: str = "1f1b", micro_batches: int = 4, virtual_stages: int = 1,
                  no_sync=None):
         p = mesh.shape.pp
-        if stage.pp_size != p or len(stage.stages) != virtual_stages:
-            raise ValueError(f"the stage was built for pp={stage.pp_size} with {len(stage.stages)} chunks, "
-                             f"the engine for pp={p} with virtual_stages={virtual_stages}")
+        self.placement, self.split = placement_of(schedule), splits_backward(schedule)
+        if stage.pp_size != p or len(stage.stages) != virtual_stages or stage.placement != self.placement:
+            raise ValueError(f"the stage was built for pp={stage.pp_size} with {len(stage.stages)} chunks placed "
+                             f"{stage.placement!r}, the engine for pp={p} with virtual_stages={virtual_stages} "
+                             f"placed {self.placement!r}")
         self.stage, self.group, self.micro_batches = stage, mesh.pp_group, micro_batches
         self.trace = mesh.pp_group.trace
         self.schedule = build_schedule(schedule, p, micro_batches, virtual_stages)
-        self.ideal = validate(self.schedule, p, micro_batches, virtual_stages)
+        self.ideal = validate(self.schedule, p, micro_batches, virtual_stages, placement=self.placement)
         self.eval_schedule = build_schedule(schedule, p, micro_batches, virtual_stages, forward_only=True)
-        validate(self.eval_schedule, p, micro_batches, virtual_stages, forward_only=True)
+        validate(self.eval_schedule, p, micro_batches, virtual_stages, forward_only=True, placement=self.placement)
         self.no_sync = no_sync if no_sync is not None else contextlib.nullcontext
         self.embedding_group = stage.embedding_group(mesh.pp_group)
         first = next(iter(stage.parameters()))
@@ -87,9 +94,11 @@ class PipelineEngine:
             raise ValueError(f"the engine was built for {m} micro-batches, got {len(micro_batches)}")
         rows, T = micro_batches[0].shape[0], micro_batches[0].shape[1] - 1
         shape = stage.activation_shape(rows, T)  # (mb, T, C)
-        last_backward = {a.stage: a for a in actions if a.op == "B"}  # data parallelism syncs there
-        link = StageLink(self.group, self.xp)
+        grads_final = "W" if self.split else "B"  # the weight gradients are complete there
+        last_backward = {a.stage: a for a in actions if a.op == grads_final}  # data parallelism syncs there
+        link = StageLink(self.group, self.xp, self.placement)
         inputs, outputs, grads = {}, {}, {}  # (stage, micro-batch) -> received input / output / its gradient
+        weights_later = {}  # (stage, micro-batch) -> its weight-gradient work, from B to W
         loss_sum, held, peak = 0.0, 0, 0
         for a in actions:
             key, chunk = (a.stage, a.microbatch), a.stage // self.group.size
@@ -101,6 +110,10 @@ class PipelineEngine:
                     grads[key] = buf
             elif a.op == "F":
                 idx, targets = inputs_and_targets(micro_batches[a.microbatch])  # (mb, T), (mb, T)
+                if a.stage > 0 and key not in inputs:  # the previous stage is on this rank: handed over
+                    before = (a.stage - 1, a.microbatch)
+                    inputs[key] = Tensor((outputs[before] if training else outputs.pop(before)).data,
+                                         requires_grad=training)
                 x = idx if a.stage == 0 else inputs[key] if training else inputs.pop(key)
                 with self.trace.record("forward", group=f"stage {a.stage}", seq=a.microbatch, kind="compute"):
                     out = stage(chunk, x, targets)  # (mb, T, C), or the loss on the last stage
@@ -112,19 +125,28 @@ class PipelineEngine:
             elif a.op == "SEND_F":
                 link.send(a, (outputs[key] if training else outputs.pop(key)).data)
             elif a.op == "B":
-                sync = contextlib.nullcontext() if a == last_backward[a.stage] else self.no_sync()
-                with sync, self.trace.record("backward", group=f"stage {a.stage}", seq=a.microbatch,
-                                             kind="compute"):
+                final = not self.split and a == last_backward[a.stage]
+                split = weight_grads_later() if self.split else contextlib.nullcontext()
+                with contextlib.nullcontext() if final else self.no_sync(), split as later, self.trace.record(
+                        "backward", group=f"stage {a.stage}", seq=a.microbatch, kind="compute"):
                     if a.stage == stage.n_stages - 1:
                         backward_micro_batch(outputs.pop(key), m, loss_scale)
                     else:
-                        outputs.pop(key).backward(grads.pop(key))
+                        after = (a.stage + 1, a.microbatch)  # the next stage's input: its gradient is ours
+                        outputs.pop(key).backward(grads.pop(key) if key in grads else inputs.pop(after).grad)
+                weights_later[key] = later
+                held -= not self.split
+            elif a.op == "W":
+                final = a == last_backward[a.stage]
+                with contextlib.nullcontext() if final else self.no_sync(), self.trace.record(
+                        "weight", group=f"stage {a.stage}", seq=a.microbatch, kind="compute"):
+                    weights_later.pop(key).run()
                 held -= 1
             else:  # SEND_B: the gradient of this stage's input goes back to the previous stage
                 link.send(a, inputs.pop(key).grad)
         link.wait_sends()
         loss = self.xp.array([loss_sum])  # (1,) float64: known on the last stage
-        self.group.broadcast(loss, src=self.group.size - 1)
+        self.group.broadcast(loss, src=stage_rank(stage.n_stages - 1, self.group.size, self.placement))
         if training:
             self.peak_in_flight = peak
         return float(loss[0])

@@ -18,23 +18,24 @@ from minidist.parallel.pipeline.actions import Action, stage_rank
 
 
 class StageLink:
-    """This rank's sends and receives over ``pp_group`` (rank i holds stages i, i + p, ...); received
-    arrays are made by ``xp`` (NumPy, or CuPy: in the memory the stage computes in)."""
+    """This rank's sends and receives over ``pp_group`` (which rank holds which stage: ``placement``,
+    actions.py); received arrays are made by ``xp`` (NumPy, or CuPy: in the memory the stage
+    computes in)."""
 
-    def __init__(self, pp_group, xp=np):
-        self.group, self.xp = pp_group, xp
+    def __init__(self, pp_group, xp=np, placement: str = "loop"):
+        self.group, self.xp, self.placement = pp_group, xp, placement
         self.pending = []  # (request, buffer): isends not yet known to be complete
 
     def send(self, action: Action, x) -> None:
         """SEND_F / SEND_B: start sending array ``x`` to the rank of ``action``'s peer stage."""
         x = self.xp.ascontiguousarray(x)
-        dst = stage_rank(action.peer_stage(), self.group.size)
+        dst = stage_rank(action.peer_stage(), self.group.size, self.placement)
         self.pending.append((self.group.isend(x, dst, tag=action.channel_tag()), x))
 
     def recv(self, action: Action, shape, dtype) -> np.ndarray:
         """RECV_F / RECV_B: the (mb, T, C) array sent by the rank of ``action``'s peer stage."""
         buf = self.xp.empty(shape, dtype)
-        src = stage_rank(action.peer_stage(), self.group.size)
+        src = stage_rank(action.peer_stage(), self.group.size, self.placement)
         self.group.irecv(buf, src, tag=action.channel_tag()).wait()
         return buf
 

@@ -6,7 +6,7 @@ A schedule is written in two passes, as torch.distributed.pipelining does:
 2. :func:`add_communication` lowers it: a RECV before every F / B that needs a neighbour's tensor, a
    SEND after every F / B whose result a neighbour needs.
 
-The three classics (p ranks, m micro-batches, v chunks per rank):
+The classics (p ranks, m micro-batches, v chunks per rank):
 
     GPipe              all m forwards, then all m backwards. Simple; holds m activations at once.
     1F1B               rank r runs p - r - 1 warm-up forwards, then alternates one forward and one
@@ -14,12 +14,30 @@ The three classics (p ranks, m micro-batches, v chunks per rank):
                        the step, but at most min(p - r, m) micro-batches in flight on rank r.
     interleaved 1F1B   each rank holds v chunks (stages r, r+p, r+2p, ...); micro-batches cross the
                        ranks v times, in smaller steps, so the bubble shrinks by about v (Megatron-LM).
+
+and the zero-bubble ones (zero_bubble.py), whose backward is split into B (input gradient) and W
+(weight gradients), W filling the bubble:
+
+    zb-h1              1F1B's memory, the bubble cut to about a third (Qi et al.'s ZB-H1).
+    zbv                two chunks per rank placed in a V, 1F1B's memory, about no bubble (ZB-V).
 """
 from __future__ import annotations
 
-from minidist.parallel.pipeline.actions import Action
+from minidist.parallel.pipeline.actions import Action, stage_rank
+from minidist.parallel.pipeline.zero_bubble import zb_h1, zbv
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+CHUNKS = {"zbv": 2}  # the virtual stages a schedule is made for; the others take 1 (interleaved: any)
+
+
+def placement_of(name: str) -> str:
+    """Where schedule ``name`` puts the chunks (actions.py): "v" for zbv, else "loop"."""
+    return "v" if name == "zbv" else "loop"
+
+
+def splits_backward(name: str) -> bool:
+    """Whether schedule ``name`` runs each backward as B then W (the zero-bubble schedules)."""
+    return name in ("zb-h1", "zbv")
 
 
 def gpipe(pp_size: int, micro_batches: int) -> list[list[Action]]:
@@ -71,24 +89,32 @@ def interleaved_1f1b(pp_size: int, micro_batches: int, virtual_stages: int) -> l
     return schedule
 
 
-def add_communication(compute: list[list[Action]], n_stages: int) -> list[list[Action]]:
+def add_communication(compute: list[list[Action]], n_stages: int, placement: str = "loop") -> list[list[Action]]:
     """Lower a compute order into a full schedule: RECV_F before each F that is not on stage 0,
     SEND_F after each F not on the last stage; RECV_B before each B not on the last stage, SEND_B
-    after each B not on stage 0. Sends are non-blocking, receives wait, so the order of receives
-    decides whether the schedule can deadlock (:func:`~minidist.parallel.pipeline.validate.validate`
-    finds out before anything runs)."""
+    after each B not on stage 0; nothing between two stages on the same rank (the tensor is handed
+    over) and nothing for W. Sends are non-blocking, receives wait, so the order of receives decides
+    whether the schedule can deadlock (:func:`~minidist.parallel.pipeline.validate.validate` finds
+    out before anything runs)."""
+    p = len(compute)
+
+    def remote(a, peer):  # a message only between stages on different ranks
+        return 0 <= peer < n_stages and stage_rank(peer, p, placement) != stage_rank(a.stage, p, placement)
+
     lowered = []
     for actions in compute:
         out = []
         for a in actions:
             if a.op == "F":
-                out += ([Action("RECV_F", a.stage, a.microbatch)] if a.stage > 0 else []) + [a]
-                out += [Action("SEND_F", a.stage, a.microbatch)] if a.stage < n_stages - 1 else []
+                out += ([Action("RECV_F", a.stage, a.microbatch)] if remote(a, a.stage - 1) else []) + [a]
+                out += [Action("SEND_F", a.stage, a.microbatch)] if remote(a, a.stage + 1) else []
             elif a.op == "B":
-                out += ([Action("RECV_B", a.stage, a.microbatch)] if a.stage < n_stages - 1 else []) + [a]
-                out += [Action("SEND_B", a.stage, a.microbatch)] if a.stage > 0 else []
+                out += ([Action("RECV_B", a.stage, a.microbatch)] if remote(a, a.stage + 1) else []) + [a]
+                out += [Action("SEND_B", a.stage, a.microbatch)] if remote(a, a.stage - 1) else []
+            elif a.op == "W":
+                out.append(a)
             else:
-                raise ValueError(f"add_communication takes compute actions (F, B), got {a.describe()}")
+                raise ValueError(f"add_communication takes compute actions (F, B, W), got {a.describe()}")
         lowered.append(out)
     return lowered
 
@@ -96,23 +122,30 @@ def add_communication(compute: list[list[Action]], n_stages: int) -> list[list[A
 def build_schedule(name: str, pp_size: int, micro_batches: int, virtual_stages: int = 1,
                    forward_only: bool = False) -> list[list[Action]]:
     """The full schedule (communication included) of ``name`` in :data:`SCHEDULES`, one action list
-    per pipeline rank. ``virtual_stages`` > 1 only with "interleaved". ``forward_only`` keeps just the
-    forwards in GPipe order (evaluation: no backward, nothing held)."""
+    per pipeline rank. ``virtual_stages`` > 1 with "interleaved" (any) or "zbv" (2). ``forward_only``
+    keeps just the forwards in GPipe order (evaluation: no backward, nothing held)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     if pp_size < 1 or micro_batches < 1 or virtual_stages < 1:
         raise ValueError(f"need pp_size, micro_batches, virtual_stages >= 1, got {pp_size}, {micro_batches}, "
                          f"{virtual_stages}")
-    if virtual_stages > 1 and name != "interleaved":
-        raise ValueError(f"virtual_stages={virtual_stages} needs the 'interleaved' schedule, not {name!r}")
+    if name != "interleaved" and virtual_stages != CHUNKS.get(name, 1):
+        raise ValueError(f"the {name!r} schedule runs {CHUNKS.get(name, 1)} chunk(s) per rank "
+                         f"(--virtual-stages {CHUNKS.get(name, 1)}), not {virtual_stages}")
+    placement = placement_of(name)
     if forward_only:
-        compute = [[Action("F", c * pp_size + r, i) for i in range(micro_batches) for c in range(virtual_stages)]
+        compute = [[Action("F", s, i) for i in range(micro_batches)
+                    for s in sorted(s for s in range(pp_size * virtual_stages) if stage_rank(s, pp_size, placement) == r)]
                    for r in range(pp_size)]
     elif name == "gpipe":
         compute = gpipe(pp_size, micro_batches)
     elif name == "1f1b":
         compute = one_f_one_b(pp_size, micro_batches)
+    elif name == "zb-h1":
+        compute = zb_h1(pp_size, micro_batches)
+    elif name == "zbv":
+        compute = zbv(pp_size, micro_batches)
     else:
         compute = interleaved_1f1b(pp_size, micro_batches, virtual_stages)
-    return add_communication(compute, pp_size * virtual_stages)
+    return add_communication(compute, pp_size * virtual_stages, placement)
 

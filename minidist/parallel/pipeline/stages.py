@@ -2,7 +2,8 @@
 
 The GPT is cut where ``minidist.model`` cuts it: ``embed`` on the first stage, then the blocks in
 order, then ``head`` (final LayerNorm, LM head, loss) on the last. With p ranks and v chunks per rank
-there are S = p * v stages; stage s lives on rank s % p (Megatron's interleaved layout).
+there are S = p * v stages; stage s lives on rank s % p (Megatron's interleaved layout), or in ZB-V's
+"v" placement on rank r for stages r and 2p-1-r (actions.py).
 
 A pipeline runs at the pace of its slowest stage, so the blocks are split by COST, not by count: the
 first stage also pays for the embeddings and the last for the LM head, whose (C x V) matmul is a
@@ -13,6 +14,7 @@ Tied embeddings: the first stage uses ``transformer.wte.weight`` to embed, the l
 matrix as ``lm_head.weight``. On different ranks they are two copies; each receives only its own part
 of the gradient. Megatron keeps them equal by summing the two gradients over a 2-rank "embedding
 group" (first and last stage) before the optimizer step: :meth:`PipelineStage.all_reduce_tied_grads`.
+In the "v" placement rank 0 holds both ends, so the matrix is one parameter again and no group is needed.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import numpy as np
 
 from minidist import nn
 from minidist.autograd import Tensor, get_array_module
+from minidist.parallel.pipeline.actions import rank_stages, stage_rank
 
 _SHARED_ATTRIBUTES = ("config", "tp_group", "sequence_parallel", "context_parallel")  # what embed/head read
 
@@ -105,7 +108,7 @@ class PipelineStage(nn.Module):
     """
 
     def __init__(self, model, pp_rank: int, pp_size: int, virtual_stages: int = 1, layers_per_stage=None,
-                 costs=None):
+                 costs=None, placement: str = "loop"):
         super().__init__()
         for name in _SHARED_ATTRIBUTES:
             if hasattr(model, name):
@@ -120,8 +123,8 @@ class PipelineStage(nn.Module):
                              f"at least one block, {n_layer} in all")
         starts = np.concatenate([[0], np.cumsum(layers_per_stage)])
         self.layers_per_stage = list(layers_per_stage)
-        self.pp_rank, self.pp_size, self.n_stages = pp_rank, pp_size, n_stages
-        self.stages = [c * pp_size + pp_rank for c in range(virtual_stages)]  # chunk -> global stage
+        self.pp_rank, self.pp_size, self.n_stages, self.placement = pp_rank, pp_size, n_stages, placement
+        self.stages = rank_stages(pp_rank, pp_size, virtual_stages, placement)  # chunk -> global stage
         self.layers = [range(int(starts[s]), int(starts[s + 1])) for s in self.stages]  # chunk -> blocks
         t = model.transformer
         parts = dict(wte=t.wte, wpe=t.wpe) if self.holds_first else {}
@@ -168,8 +171,9 @@ class PipelineStage(nn.Module):
     def embedding_group(self, pp_group):
         """Collective over ``pp_group``: the 2-rank group of the first and the last stage that hold
         the tied embedding copies, or None (on other ranks, with untied embeddings, or one rank)."""
-        tied = self.config.tie_embeddings and self.pp_size > 1
-        member = tied and pp_group.rank in (0, self.pp_size - 1)
+        ends = {stage_rank(0, self.pp_size, self.placement), stage_rank(self.n_stages - 1, self.pp_size, self.placement)}
+        tied = self.config.tie_embeddings and len(ends) == 2
+        member = tied and pp_group.rank in ends
         return pp_group.split(0 if member else -1, name=f"{pp_group.name}/embedding")
 
     def all_reduce_tied_grads(self, embedding_group) -> None:

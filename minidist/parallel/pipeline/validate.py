@@ -5,17 +5,20 @@ is checked first, and the first broken rule raises :class:`ScheduleError` naming
 position and the action:
 
 - every action runs on the rank that holds its stage, for an existing stage and micro-batch;
-- every stage runs each micro-batch's F exactly once and (when training) its B exactly once, F first;
-- an F / B runs only after the RECV of its input / output gradient, a SEND only after the F / B
-  that produced its tensor;
+- every stage runs each micro-batch's F exactly once and (when training) its B exactly once, F first,
+  and in a zero-bubble schedule its W exactly once, after the B;
+- an F / B runs only after the RECV of its input / output gradient (or, when the neighbouring stage is
+  on the same rank, after that stage's F / B: the tensor is handed over, not sent), a SEND only after
+  the F / B that produced its tensor;
 - every SEND has its RECV on the peer rank and vice versa, and on each edge (stage s -> stage s+1
   for activations, s -> s-1 for gradients) the receiver takes the micro-batches in the order they were
   sent (messages of one tag never overtake each other);
 - no deadlock: :func:`simulate` runs all ranks' lists together (sends never block, a RECV waits for
   its SEND) and reports the ranks stuck, each at the action it waits on.
 
-The dry run also yields the ideal timeline: when each F and B would start and end if an F took
-``forward_cost`` and a B ``backward_cost`` time units and messages were free.
+The dry run also yields the ideal timeline: when each F, B and W would start and end if an F took
+``forward_cost`` and a whole backward ``backward_cost`` time units (split, a W ``weight_cost`` and B
+the rest) and messages were free.
 """
 from __future__ import annotations
 
@@ -51,12 +54,14 @@ class Timeline:
 
     def peak_in_flight(self) -> list[int]:
         """Per rank, the most micro-batches forwarded but not yet backwarded at once (activations
-        held); with v chunks, each (chunk, micro-batch) counts."""
+        held; in a zero-bubble schedule until their W, which still reads the layer inputs); with v
+        chunks, each (chunk, micro-batch) counts."""
+        release = "W" if any(s.action.op == "W" for spans in self.spans for s in spans) else "B"
         peaks = []
         for spans in self.spans:
             held = peak = 0
             for s in spans:
-                held += 1 if s.action.op == "F" else -1
+                held += {"F": 1, release: -1}.get(s.action.op, 0)
                 peak = max(peak, held)
             peaks.append(peak)
         return peaks
@@ -67,12 +72,18 @@ def _where(rank: int, index: int, action: Action) -> str:
 
 
 def validate(schedule: list[list[Action]], pp_size: int, micro_batches: int, virtual_stages: int = 1,
-             forward_only: bool = False, forward_cost: float = 1.0, backward_cost: float = 2.0) -> Timeline:
-    """Check ``schedule`` (one action list per rank) against every rule above; return the ideal
-    :class:`Timeline` from :func:`simulate`. Raises :class:`ScheduleError` on the first broken rule."""
+             forward_only: bool = False, forward_cost: float = 1.0, backward_cost: float = 2.0,
+             weight_cost: float = 1.0, placement: str = "loop") -> Timeline:
+    """Check ``schedule`` (one action list per rank, stages placed by ``placement``) against every
+    rule above; return the ideal :class:`Timeline` from :func:`simulate`. Raises
+    :class:`ScheduleError` on the first broken rule."""
     if len(schedule) != pp_size:
         raise ScheduleError(f"the schedule has {len(schedule)} rank lists for a pipeline of {pp_size} ranks")
     n_stages = pp_size * virtual_stages
+    split = any(a.op == "W" for actions in schedule for a in actions)
+
+    def rank_of(stage):
+        return stage_rank(stage, pp_size, placement)
     done = defaultdict(set)  # rank -> {(op, stage, microbatch) done so far}
     for r, actions in enumerate(schedule):
         for i, a in enumerate(actions):
@@ -80,58 +91,66 @@ def validate(schedule: list[list[Action]], pp_size: int, micro_batches: int, vir
             if not (0 <= a.stage < n_stages and 0 <= a.microbatch < micro_batches):
                 raise ScheduleError(f"{where}: stage must be in 0..{n_stages - 1} and micro-batch in "
                                     f"0..{micro_batches - 1}")
-            if stage_rank(a.stage, pp_size) != r:
-                raise ScheduleError(f"{where}: stage {a.stage} lives on rank {stage_rank(a.stage, pp_size)}")
-            if forward_only and a.op in ("B", "SEND_B", "RECV_B"):
+            if rank_of(a.stage) != r:
+                raise ScheduleError(f"{where}: stage {a.stage} lives on rank {rank_of(a.stage)}")
+            if forward_only and a.op in ("B", "W", "SEND_B", "RECV_B"):
                 raise ScheduleError(f"{where}: a forward-only schedule has no backward")
             peer = a.peer_stage()
             if peer is not None and not 0 <= peer < n_stages:
                 raise ScheduleError(f"{where}: there is no stage {peer} to talk to")
+            if peer is not None and rank_of(peer) == r:
+                raise ScheduleError(f"{where}: stage {peer} is on this rank too: its tensor is handed over, "
+                                    f"not sent")
             key = (a.op, a.stage, a.microbatch)
             if key in done[r]:
                 raise ScheduleError(f"{where}: runs twice")
-            needs = _needs(a, n_stages)
+            needs = _needs(a, n_stages, rank_of)
             if needs is not None and needs not in done[r]:
                 raise ScheduleError(f"{where}: comes before {Action(*needs)}, which it needs")
             done[r].add(key)
     for s in range(n_stages):
-        r = stage_rank(s, pp_size)
+        r = rank_of(s)
         for mb in range(micro_batches):
-            for op in ("F",) if forward_only else ("F", "B"):
+            for op in ("F",) if forward_only else ("F", "B", "W") if split else ("F", "B"):
                 if (op, s, mb) not in done[r]:
                     raise ScheduleError(f"rank {r} never runs {Action(op, s, mb).describe()}")
-    _check_pairs_and_order(schedule, pp_size)
-    return simulate(schedule, pp_size, forward_cost, backward_cost)
+    _check_pairs_and_order(schedule, pp_size, placement)
+    return simulate(schedule, pp_size, forward_cost, backward_cost, weight_cost, placement)
 
 
-def _needs(a: Action, n_stages: int):
+def _needs(a: Action, n_stages: int, rank_of):
     """The (op, stage, microbatch) that must come earlier on the same rank, or None."""
+    here, mb = rank_of(a.stage), a.microbatch
     if a.op == "F" and a.stage > 0:
-        return ("RECV_F", a.stage, a.microbatch)
+        return ("F", a.stage - 1, mb) if rank_of(a.stage - 1) == here else ("RECV_F", a.stage, mb)
     if a.op == "B":
-        return ("RECV_B", a.stage, a.microbatch) if a.stage < n_stages - 1 else ("F", a.stage, a.microbatch)
+        if a.stage == n_stages - 1:
+            return ("F", a.stage, mb)
+        return ("B", a.stage + 1, mb) if rank_of(a.stage + 1) == here else ("RECV_B", a.stage, mb)
+    if a.op == "W":
+        return ("B", a.stage, mb)
     if a.op == "RECV_B":
-        return ("F", a.stage, a.microbatch)
+        return ("F", a.stage, mb)
     if a.op in ("SEND_F", "SEND_B"):
-        return (a.op[-1], a.stage, a.microbatch)
+        return (a.op[-1], a.stage, mb)
     return None
 
 
-def _channel(a: Action, rank: int, pp_size: int) -> tuple[int, int, int]:
+def _channel(a: Action, rank: int, pp_size: int, placement: str) -> tuple[int, int, int]:
     """(sending rank, receiving rank, tag) of a SEND or RECV run on ``rank``."""
-    peer = stage_rank(a.peer_stage(), pp_size)
+    peer = stage_rank(a.peer_stage(), pp_size, placement)
     return (rank, peer, a.channel_tag()) if a.op in SENDS else (peer, rank, a.channel_tag())
 
 
-def _check_pairs_and_order(schedule, pp_size) -> None:
+def _check_pairs_and_order(schedule, pp_size, placement) -> None:
     """Every SEND meets its RECV, and each channel is received in the order it was sent."""
     sent, received = defaultdict(list), defaultdict(list)  # channel -> [(rank, index, action)]
     for r, actions in enumerate(schedule):
         for i, a in enumerate(actions):
             if a.op in SENDS:
-                sent[_channel(a, r, pp_size)].append((r, i, a))
+                sent[_channel(a, r, pp_size, placement)].append((r, i, a))
             elif a.op in RECVS:
-                received[_channel(a, r, pp_size)].append((r, i, a))
+                received[_channel(a, r, pp_size, placement)].append((r, i, a))
     for channel in sorted(set(sent) | set(received)):
         sends, recvs = sent[channel], received[channel]
         posted = {a for _, _, a in recvs}
@@ -152,14 +171,16 @@ def _check_pairs_and_order(schedule, pp_size) -> None:
 
 
 def simulate(schedule: list[list[Action]], pp_size: int, forward_cost: float = 1.0,
-             backward_cost: float = 2.0) -> Timeline:
+             backward_cost: float = 2.0, weight_cost: float = 1.0, placement: str = "loop") -> Timeline:
     """Dry-run every rank's list together and return the ideal :class:`Timeline`.
 
-    Each rank keeps a clock. F and B advance it by their cost; a SEND is posted at the current time
-    and never blocks; the k-th RECV of a channel waits until the k-th SEND of that channel was posted.
-    When no rank can move and some are not done, the schedule deadlocks: :class:`ScheduleError`
-    lists each stuck rank and the receive it waits on."""
-    cost = {"F": forward_cost, "B": backward_cost}
+    Each rank keeps a clock. F, B and W advance it by their cost (a B that is a whole backward costs
+    ``backward_cost``; split, B costs ``backward_cost - weight_cost`` and W ``weight_cost``); a SEND
+    is posted at the current time and never blocks; the k-th RECV of a channel waits until the k-th
+    SEND of that channel was posted. When no rank can move and some are not done, the schedule
+    deadlocks: :class:`ScheduleError` lists each stuck rank and the receive it waits on."""
+    split = any(a.op == "W" for actions in schedule for a in actions)
+    cost = {"F": forward_cost, "B": backward_cost - weight_cost * split, "W": weight_cost}
     position, clock = [0] * pp_size, [0.0] * pp_size
     sent_at = defaultdict(list)  # channel -> times of its sends so far
     received = defaultdict(int)  # channel -> receives completed so far
@@ -171,9 +192,9 @@ def simulate(schedule: list[list[Action]], pp_size: int, forward_cost: float = 1
             while position[r] < len(schedule[r]):
                 a = schedule[r][position[r]]
                 if a.op in SENDS:
-                    sent_at[_channel(a, r, pp_size)].append(clock[r])
+                    sent_at[_channel(a, r, pp_size, placement)].append(clock[r])
                 elif a.op in RECVS:
-                    channel = _channel(a, r, pp_size)
+                    channel = _channel(a, r, pp_size, placement)
                     k = received[channel]
                     if k >= len(sent_at[channel]):
                         break  # its message is not sent yet: this rank waits
@@ -187,6 +208,6 @@ def simulate(schedule: list[list[Action]], pp_size: int, forward_cost: float = 1
     stuck = [r for r in range(pp_size) if position[r] < len(schedule[r])]
     if stuck:
         waits = "; ".join(f"{_where(r, position[r], schedule[r][position[r]])} waits for rank "
-                          f"{stage_rank(schedule[r][position[r]].peer_stage(), pp_size)}" for r in stuck)
+                          f"{stage_rank(schedule[r][position[r]].peer_stage(), pp_size, placement)}" for r in stuck)
         raise ScheduleError(f"deadlock: {waits}")
     return Timeline(spans, max(clock))
