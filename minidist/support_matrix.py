@@ -7,11 +7,11 @@ The grid is the product of ten axes (a new user's first questions):
     cp algorithm           ring, zigzag, ulysses                    3
     ZeRO        stage 0, 1, 2, 3                                    4
     sequence parallelism   off, on                                  2
-    schedule    gpipe, 1f1b, interleaved                            3
+    schedule    gpipe, 1f1b, interleaved, zb-h1, zbv                5
     recompute   off, on                                             2
     precision   float32, bfloat16, float16                          3
     checkpoints off, on (save, and resume from the newest)          2
-    experts     none (dense), MoE with experts on every dp rank     3      = 41,472 cells
+    experts     none (dense), MoE with experts on every dp rank     3      = 69,120 cells
                 (ep 1), MoE with experts split over 2 (ep 2)
 
 A cell is MEANINGLESS when it asks for something its layout does not have (sequence parallelism
@@ -39,7 +39,7 @@ AXES = {
     "cp_algorithm": ["ring", "zigzag", "ulysses"],
     "zero": [0, 1, 2, 3],
     "sequence_parallel": [False, True],
-    "schedule": ["gpipe", "1f1b", "interleaved"],
+    "schedule": ["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"],
     "recompute": [False, True],
     "dtype": ["float32", "bfloat16", "float16"],
     "checkpoint": [False, True],
@@ -80,7 +80,7 @@ class Cell:
 
 
 def grid() -> list[Cell]:
-    """All 41,472 cells, in a fixed order."""
+    """All 69,120 cells, in a fixed order."""
     return [Cell(**layout, cp=cp, cp_algorithm=a, zero=z, sequence_parallel=sp, schedule=s, recompute=r, dtype=d,
                  checkpoint=c, moe=e) for layout, cp, a, z, sp, s, r, d, c, e in itertools.product(*AXES.values())]
 
@@ -100,7 +100,7 @@ def meaningless(cell: Cell) -> str | None:
 
 def config_for(cell: Cell, **sizes) -> TrainConfig:
     """The TrainConfig of ``cell`` (two micro-batches per step, two virtual stages per rank under
-    the interleaved schedule; with experts, 4 per MoE block, top-2, in every second block; ``sizes``
+    the interleaved and zbv schedules; with experts, 4 per MoE block, top-2, in every second block; ``sizes``
     override the model and batch). A checkpointing cell saves into ``ckpt`` (a relative path: only
     checked, never written here)."""
     base = dict(n_layer=4, n_head=4, n_embd=16, block_size=16, batch_size=8, micro_batches=2)
@@ -108,7 +108,7 @@ def config_for(cell: Cell, **sizes) -> TrainConfig:
     return TrainConfig(**base, dp=cell.dp, tp=cell.tp, pp=cell.pp, cp=cell.cp, cp_algorithm=cell.cp_algorithm,
                        zero=cell.zero,
                        sequence_parallel=cell.sequence_parallel, schedule=cell.schedule,
-                       virtual_stages=2 if cell.schedule == "interleaved" and cell.pp > 1 else 1,
+                       virtual_stages=2 if cell.schedule in ("interleaved", "zbv") and cell.pp > 1 else 1,
                        recompute=cell.recompute, dtype=cell.dtype,
                        ckpt_dir="ckpt" if cell.checkpoint else None, save_every=2 if cell.checkpoint else 0,
                        n_experts=0 if cell.moe == "none" else 4, moe_every=2, ep=2 if cell.moe == "ep2" else 1)
@@ -134,7 +134,9 @@ FEATURES = {  # a feature: the cells that have it
     "SP": lambda c: c.sequence_parallel, "ZeRO-1": lambda c: c.zero == 1, "ZeRO-2": lambda c: c.zero == 2,
     "ZeRO-3": lambda c: c.zero == 3, "GPipe": lambda c: c.pp == 2 and c.schedule == "gpipe",
     "1F1B": lambda c: c.pp == 2 and c.schedule == "1f1b",
-    "interleaved": lambda c: c.pp == 2 and c.schedule == "interleaved", "recompute": lambda c: c.recompute,
+    "interleaved": lambda c: c.pp == 2 and c.schedule == "interleaved",
+    "ZB-H1": lambda c: c.pp == 2 and c.schedule == "zb-h1", "ZB-V": lambda c: c.pp == 2 and c.schedule == "zbv",
+    "recompute": lambda c: c.recompute,
     "bf16": lambda c: c.dtype == "bfloat16", "fp16": lambda c: c.dtype == "float16",
     "checkpoints": lambda c: c.checkpoint,
     "MoE": lambda c: c.moe != "none", "EP": lambda c: c.moe == "ep2",

@@ -290,11 +290,11 @@ def device_problems(cfg) -> list[str]:
         problems.append("--device cuda with --backend mpi is not supported: MPI's own collectives would be handed "
                         "GPU buffers, which only a CUDA-aware MPI reads (use --backend ring, which stages them "
                         "through host memory, or --backend nccl)")
-    if cfg.backend == "nccl" and cfg.schedule == "interleaved" and cfg.pp > 1:
-        problems.append("--schedule interleaved with --backend nccl is not supported: NCCL runs one rank's sends "
-                        "and receives in order on one stream, and the interleaved schedule has a rank wait for a "
-                        "receive whose peer sends it only after a later receive (a deadlock); use --schedule "
-                        "1f1b or gpipe, or --backend ring")
+    if cfg.backend == "nccl" and cfg.schedule in ("interleaved", "zbv") and cfg.pp > 1:
+        problems.append(f"--schedule {cfg.schedule} with --backend nccl is not supported: NCCL runs one rank's "
+                        f"sends and receives in order on one stream, and the {cfg.schedule} schedule has a rank wait "
+                        f"for a receive whose peer sends it only after a later receive (a deadlock); use --schedule "
+                        f"zb-h1, 1f1b or gpipe, or --backend ring")
     if cfg.device == "cuda" and cfg.mode == "ps":
         problems.append("--device cuda with --mode ps is not supported: the parameter servers keep NumPy shards")
     return problems

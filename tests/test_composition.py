@@ -2,13 +2,13 @@
 parallelism (cp 1 or 2, ring, zig-zag or Ulysses), ZeRO stage, sequence parallelism, pipeline
 schedule, recompute, precision, checkpointing and experts (none, a mixture of experts on every rank,
 or split over 2 dp ranks) trains like one process on the full batch (minidist/support_matrix.py lists
-the 41,472 cells; the meaningless ones name a schedule without a pipeline, sequence parallelism
+the 69,120 cells; the meaningless ones name a schedule without a pipeline, sequence parallelism
 without tensor parallelism, a cp algorithm without cp, or expert parallelism without dp).
 
-``--slow`` trains the 4,608 meaningful dense cells (1,152 without cp, 3,456 with cp 2), the 1,728
-mixture-of-experts cells without cp, and a pairwise cover of all 6,912 mixture-of-experts cells. The
+``--slow`` trains the 6,912 meaningful dense cells (1,728 without cp, 5,184 with cp 2), the 2,592
+mixture-of-experts cells without cp, and a pairwise cover of all 10,368 mixture-of-experts cells. The
 default run trains a sample: 18 dense cells without cp that hold every value of every axis, the
-first 8 cells of a pairwise cover of the dense cp cells (33 cells in which every pair of values of
+first 8 cells of a pairwise cover of the dense cp cells (41 cells in which every pair of values of
 any two axes, such as zig-zag x fp16 or Ulysses x ZeRO-3, occurs at least once; its first 8 hold
 every algorithm, ZeRO stage and precision), and the first 8 of the experts' pairwise cover.
 
@@ -22,7 +22,7 @@ softmax, continuous), and the derived tolerances below hold for them as they are
 
 Each cell trains a 4-block GPT for 4 steps of SGD with momentum (linear in the gradient, so a wrong
 scale shows: Adam would hide it; a sample of the float32 cells runs AdamW too), clipping at 0.5, two micro-batches per step (two virtual stages
-per rank under the interleaved schedule); a checkpointing cell saves at steps 2 and 4, loses the
+per rank under the interleaved and zbv schedules); a checkpointing cell saves at steps 2 and 4, loses the
 second, and resumes from the first. Compared per step: the loss, the gradient norm before clipping
 (a missing 1/N shows there even when clipping hides it in the update), and at the end every weight.
 
@@ -176,11 +176,11 @@ MOE_COVER = pairwise_cover(MOE_CELLS)
 
 
 def test_the_grid_has_no_refusals_and_every_axis_value_is_sampled():
-    assert len(grid()) == 41472 and len(CP1_CELLS) == 1152 and len(DENSE_CELLS) == 1152 + 3456
-    assert len(MOE_CELLS) == 4608 + 2304  # ep 2 needs dp 2
+    assert len(grid()) == 69120 and len(CP1_CELLS) == 1728 and len(DENSE_CELLS) == 1728 + 5184
+    assert len(MOE_CELLS) == 6912 + 3456  # ep 2 needs dp 2
     assert refusals() == {}  # every meaningful cell is accepted: refusals are debts
     covered = {v for c in sample(18) for v in axis_values(c)}
-    assert len(covered) == 8 + 1 + 1 + 4 + 2 + 3 + 2 + 3 + 2 + 1  # (cp 1: one cp value, one algorithm; dense)
+    assert len(covered) == 8 + 1 + 1 + 4 + 2 + 5 + 2 + 3 + 2 + 1  # (cp 1: one cp value, one algorithm; dense)
     first = {v for c in MOE_COVER[:8] for v in axis_values(c)}
     assert {v for v in first if v[0] in ("moe", "zero", "dtype")} == {("moe", "ep1"), ("moe", "ep2")} | {
         ("zero", z) for z in AXES["zero"]} | {("dtype", d) for d in AXES["dtype"]}
@@ -188,7 +188,7 @@ def test_the_grid_has_no_refusals_and_every_axis_value_is_sampled():
     assert {v for v in first if v[0] in ("cp_algorithm", "zero", "dtype")} == {
         ("cp_algorithm", a) for a in AXES["cp_algorithm"]} | {("zero", z) for z in AXES["zero"]} | {
         ("dtype", d) for d in AXES["dtype"]}  # the default run trains every algorithm, ZeRO stage and precision
-    assert len(CP_CELLS) == 33
+    assert len(CP_CELLS) == 41
 
 
 @pytest.mark.parametrize("cell", sample(18), ids=str)

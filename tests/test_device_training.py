@@ -84,6 +84,7 @@ def test_data_parallel_on_device_arrays_trains_bitwise_like_numpy(cupy, data_dir
 @pytest.mark.parametrize("changes", [
     dict(tp=2), dict(tp=2, sequence_parallel=True), dict(dp=2, recompute=True),
     dict(pp=2, schedule="1f1b", micro_batches=2), dict(dp=2, pp=2, zero=1, micro_batches=2),
+    dict(dp=2, pp=2, zero=2, schedule="zb-h1", micro_batches=4), dict(pp=2, schedule="zbv", virtual_stages=2, n_layer=4),
     dict(dp=2, zero=1), dict(dp=2, zero=2, micro_batches=2), dict(dp=2, zero=3), dict(dp=2, tp=2, zero=3),
     dict(dp=2, pp=2, zero=3, micro_batches=2), dict(dp=2, tp=2, zero=2, sequence_parallel=True),
     dict(dp=2, zero=3, recompute=True), dict(dp=2, zero=3, dtype="bfloat16"),
@@ -164,6 +165,8 @@ def test_each_rank_takes_the_gpu_of_its_local_rank(cupy, data_dir):
     (dict(device="cuda", mode="ps", servers=1), "--device cuda with --mode ps is not supported"),
     (dict(device="cuda", backend="nccl", pp=2, schedule="interleaved", micro_batches=4, n_layer=4,
           virtual_stages=2), "--schedule interleaved with --backend nccl is not supported"),
+    (dict(device="cuda", backend="nccl", pp=2, schedule="zbv", micro_batches=4, n_layer=4,
+          virtual_stages=2), "--schedule zbv with --backend nccl is not supported"),
 ])
 def test_combinations_the_device_path_cannot_run_are_refused(changes, message):
     world = 2 if changes.get("mode") or changes.get("pp") else 1

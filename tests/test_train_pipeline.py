@@ -31,7 +31,9 @@ MPI_LAYOUTS = [f"{flags} --optimizer {opt}" for opt in ("sgd", "adamw") for flag
     (dict(pp=2, virtual_stages=2, n_layer=4), 2, "--virtual-stages 2 needs --schedule interleaved"),
     (dict(pp=2, schedule="interleaved", micro_batches=1), 2,
      "the interleaved schedule needs micro_batches (1) to be a multiple of pp (2)"),
-    (dict(schedule="zigzag"), 1, "--schedule must be one of gpipe, 1f1b, interleaved, got 'zigzag'"),
+    (dict(pp=2, schedule="zbv", n_layer=4), 2,
+     "--schedule zbv places two chunks per rank in a V: it needs --virtual-stages 2, got 1"),
+    (dict(schedule="zigzag"), 1, "--schedule must be one of gpipe, 1f1b, interleaved, zb-h1, zbv, got 'zigzag'"),
     (dict(pp=0), 0, "--pp must be >= 1, got 0"),
 ])
 def test_layouts_a_pipeline_cannot_run_are_refused_with_a_clear_message(changes, world_size, message):

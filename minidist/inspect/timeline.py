@@ -9,7 +9,7 @@ the optimizer of step k. (For the executed-vs-ideal picture of a pipeline schedu
 """
 from __future__ import annotations
 
-COMPUTE_COLORS = {"forward": "#4e79a7", "backward": "#f28e2b", "optimizer": "#59a14f"}
+COMPUTE_COLORS = {"forward": "#4e79a7", "backward": "#f28e2b", "weight": "#e15759", "optimizer": "#59a14f"}
 
 
 def step_window(traces, step: int) -> tuple[float, float] | None:
@@ -45,8 +45,9 @@ def busy_seconds(events, window: tuple[float, float]) -> float:
 
 
 def _label(e) -> str:
-    """``F3`` for the forward of micro-batch 3 of a pipeline stage, else nothing."""
-    if e.group.startswith("stage") and e.op in ("forward", "backward"):
+    """``F3`` for the forward of micro-batch 3 of a pipeline stage (B3 backward, W3 its weight
+    gradients in a zero-bubble schedule), else nothing."""
+    if e.group.startswith("stage") and e.op in ("forward", "backward", "weight"):
         return f"{e.op[0].upper()}{e.seq}"
     return ""
 

@@ -248,18 +248,25 @@ class ZeroOptimizer:
                 if s.sequence_parallel.any():
                     partial = s.grad[s.sequence_parallel]  # (k,) a copy
                     s.grad[s.sequence_parallel] = self.tp_group.all_reduce(partial)
+        pair = self._tied_shards()
+        if len(pair) == 2:  # both copies on this rank (ZB-V's placement): added here, nothing sent
+            total = pair[0].grad + pair[1].grad
+            for s in pair:
+                s.grad[...] = total
         if self.tied_group is not None:
-            s = self._tied_shard()
-            self.tied_group.all_reduce(s.grad, op="sum")
+            if len(pair) != 1:
+                raise RuntimeError(f"a tied-embedding group, but {len(pair)} units hold only a tied embedding")
+            self.tied_group.all_reduce(pair[0].grad, op="sum")
 
-    def _tied_shard(self) -> Shard:
-        """The shard of the unit that holds this stage's tied embedding copy (it holds nothing else,
-        so the first and last stage's shards line up element by element)."""
-        names = ("transformer.wte.weight", "lm_head.weight")
-        units = [s for s in self.shards if len(s.unit.params) == 1 and s.unit.params[0][0] in names]
-        if len(units) != 1:
-            raise RuntimeError(f"a tied-embedding group, but {len(units)} units hold only a tied embedding")
-        return units[0]
+    def _tied_shards(self) -> list:
+        """The shards of the units that hold a tied embedding copy of a pipeline (each holds nothing
+        else, so the copies' shards line up element by element): one on the first and the last
+        stage, both where one rank holds the two."""
+        if not any(p.tied_copy for s in self.shards for _, p in s.unit.params):
+            return [s for s in self.shards if self.tied_group is not None and len(s.unit.params) == 1
+                    and s.unit.params[0][0] == "transformer.wte.weight"]
+        return [s for s in self.shards if len(s.unit.params) == 1
+                and s.unit.params[0][0] in ("transformer.wte.weight", "lm_head.weight")]
 
     def found_inf(self) -> bool:
         """Mixed precision: whether any gradient element on ANY rank of the scaler's group (the world:

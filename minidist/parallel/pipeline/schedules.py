@@ -89,14 +89,15 @@ def interleaved_1f1b(pp_size: int, micro_batches: int, virtual_stages: int) -> l
     return schedule
 
 
-def add_communication(compute: list[list[Action]], n_stages: int, placement: str = "loop") -> list[list[Action]]:
+def add_communication(compute: list[list[Action]], n_stages: int, placement: str = "loop",
+                      pp_size: int | None = None) -> list[list[Action]]:
     """Lower a compute order into a full schedule: RECV_F before each F that is not on stage 0,
     SEND_F after each F not on the last stage; RECV_B before each B not on the last stage, SEND_B
     after each B not on stage 0; nothing between two stages on the same rank (the tensor is handed
     over) and nothing for W. Sends are non-blocking, receives wait, so the order of receives decides
     whether the schedule can deadlock (:func:`~minidist.parallel.pipeline.validate.validate` finds
-    out before anything runs)."""
-    p = len(compute)
+    out before anything runs). ``pp_size``: the pipeline's ranks (default: one list per rank)."""
+    p = pp_size or len(compute)
 
     def remote(a, peer):  # a message only between stages on different ranks
         return 0 <= peer < n_stages and stage_rank(peer, p, placement) != stage_rank(a.stage, p, placement)

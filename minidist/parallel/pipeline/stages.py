@@ -14,13 +14,18 @@ Tied embeddings: the first stage uses ``transformer.wte.weight`` to embed, the l
 matrix as ``lm_head.weight``. On different ranks they are two copies; each receives only its own part
 of the gradient. Megatron keeps them equal by summing the two gradients over a 2-rank "embedding
 group" (first and last stage) before the optimizer step: :meth:`PipelineStage.all_reduce_tied_grads`.
-In the "v" placement rank 0 holds both ends, so the matrix is one parameter again and no group is needed.
+In the "v" placement rank 0 holds both ends. The head still gets a copy of its own: a split backward
+runs the two ends' weight gradients as separate passes (W of the first stage, W of the last), and
+data parallelism and ZeRO count a parameter's gradient as final once per pass. The copies are summed
+on the rank itself (:meth:`PipelineStage.all_reduce_tied_grads`, ``ZeroOptimizer``).
 """
 from __future__ import annotations
 
 import time
 
 import numpy as np
+
+import copy
 
 from minidist import nn
 from minidist.autograd import Tensor, get_array_module
@@ -134,7 +139,13 @@ class PipelineStage(nn.Module):
         self.transformer = nn.ModuleDict(parts)
         if self.holds_last:
             self.lm_head = model.lm_head
-            if model.config.tie_embeddings and not self.holds_first:
+            if model.config.tie_embeddings and self.holds_first and pp_size > 1:  # the V: both ends here
+                self.lm_head = copy.copy(model.lm_head)  # the same layer, with a parameter of its own
+                object.__setattr__(self.lm_head, "_parameters", dict(model.lm_head._parameters))
+                self.lm_head.weight = nn.Parameter(model.lm_head.weight.data.copy())
+                for tag in ("tensor_parallel", "sequence_parallel", "expert"):
+                    setattr(self.lm_head.weight, tag, getattr(model.lm_head.weight, tag))
+            if model.config.tie_embeddings and (not self.holds_first or pp_size > 1):
                 self.lm_head.weight.tied_copy = True  # a copy of the first stage's wte: counted once (grad_ownership.py)
 
     @property
@@ -179,7 +190,17 @@ class PipelineStage(nn.Module):
     def all_reduce_tied_grads(self, embedding_group) -> None:
         """Sum the gradients of the two tied-embedding copies over ``embedding_group`` (from
         :meth:`embedding_group`): first stage ``transformer.wte.weight`` + last stage ``lm_head.weight``,
-        as one process would have accumulated into its single matrix. Sends one all-reduce of (V, C)."""
+        as one process would have accumulated into its single matrix. Sends one all-reduce of (V, C);
+        with both copies on this rank (the "v" placement) adds them here and sends nothing."""
+        if self.holds_first and self.holds_last and self.lm_head.weight.tied_copy:
+            pair = (self.transformer.wte.weight, self.lm_head.weight)
+            total = sum((p.grad for p in pair if p.grad is not None), get_array_module(pair[0].data).zeros_like(pair[0].data))
+            for p in pair:
+                if p.grad is None:
+                    p.grad = total.copy()
+                else:
+                    p.grad[...] = total
+            return
         if embedding_group is None:
             return
         weight = self.transformer.wte.weight if self.holds_first else self.lm_head.weight

@@ -1,8 +1,8 @@
 """See a schedule: the per-rank timeline in the terminal, and executed vs ideal as a PNG.
 
 The ideal timeline comes from the simulator (``validate.simulate``); the executed one from the
-trace, whose compute events ("forward" / "backward", group "stage s", seq = micro-batch) the engine
-records. Both are :class:`~minidist.parallel.pipeline.validate.Timeline` objects, so the same
+trace, whose compute events ("forward" / "backward" / "weight", group "stage s", seq = micro-batch)
+the engine records. Both are :class:`~minidist.parallel.pipeline.validate.Timeline` objects, so the same
 ``bubble()`` measures both: the fraction of the step the ranks sit idle.
 
     rank 0 | F0 F1 F2 F3 .  .  .  B0 -- B1 -- B2 -- B3 --
@@ -42,11 +42,15 @@ def format_timeline(timeline: Timeline, title: str = "") -> str:
     return "\n".join(lines)
 
 
+_TRACED = {"forward": "F", "backward": "B", "weight": "W"}  # trace event -> action op
+
+
 def compute_spans(trace) -> np.ndarray:
-    """The trace's forward/backward events as an (n, 5) float64 array of (start, end, stage,
-    micro-batch, is_backward): compact enough to send to one rank for drawing."""
-    rows = [(e.start, e.end, int(e.group.split()[-1]), e.seq, e.op == "backward")
-            for e in trace.events if e.kind == "compute" and e.op in ("forward", "backward")]
+    """The trace's forward/backward/weight events as an (n, 5) float64 array of (start, end, stage,
+    micro-batch, kind 0 F / 1 B / 2 W): compact enough to send to one rank for drawing."""
+    kinds = list(_TRACED)
+    rows = [(e.start, e.end, int(e.group.split()[-1]), e.seq, kinds.index(e.op))
+            for e in trace.events if e.kind == "compute" and e.op in _TRACED]
     return np.array(rows, dtype=np.float64).reshape(-1, 5)
 
 
@@ -64,15 +68,16 @@ def executed_timeline(spans_per_rank: list[np.ndarray]) -> Timeline:
     of one process, or processes of one machine), in seconds from the first event."""
     origin = min(s[:, 0].min() for s in spans_per_rank if len(s))
     end = max(s[:, 1].max() for s in spans_per_rank if len(s))
-    timeline = [[Span(r, Action("B" if back else "F", int(stage), int(mb)), start - origin, stop - origin)
-                 for start, stop, stage, mb, back in rows] for r, rows in enumerate(spans_per_rank)]
+    ops = list(_TRACED.values())
+    timeline = [[Span(r, Action(ops[int(kind)], int(stage), int(mb)), start - origin, stop - origin)
+                 for start, stop, stage, mb, kind in rows] for r, rows in enumerate(spans_per_rank)]
     return Timeline(timeline, end - origin)
 
 
 def draw_timelines(path, executed: Timeline, ideal: Timeline, title: str = "") -> None:
     """Save a PNG: the executed timeline (top) above the ideal one (bottom, scaled to the same
-    length), one row per rank, F and B boxes coloured by micro-batch (B darker and hatched), idle
-    time grey."""
+    length), one row per rank, F, B and W boxes coloured by micro-batch (B hatched //, W hatched
+    xx), idle time grey."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -88,10 +93,10 @@ def draw_timelines(path, executed: Timeline, ideal: Timeline, title: str = "") -
         for r, spans in enumerate(timeline.spans):
             for s in spans:
                 color = colors(s.action.microbatch % colors.N)
-                backward = s.action.op == "B"
+                forward = s.action.op == "F"
                 ax.barh(r, (s.end - s.start) * factor, left=s.start * factor, height=0.8, color=color,
-                        edgecolor="black", linewidth=0.4, hatch="//" if backward else None,
-                        alpha=1.0 if backward else 0.75)
+                        edgecolor="black", linewidth=0.4, hatch={"B": "//", "W": "xx"}.get(s.action.op),
+                        alpha=0.75 if forward else 1.0)
                 if (s.end - s.start) / timeline.makespan > 0.012:
                     ax.text((s.start + s.end) / 2 * factor, r, _label(s.action, p, chunks), ha="center",
                             va="center", fontsize=7)
@@ -99,7 +104,7 @@ def draw_timelines(path, executed: Timeline, ideal: Timeline, title: str = "") -
         ax.invert_yaxis()
         ax.set_xlim(0, executed.makespan)
         ax.set_title(f"{name}: bubble {100 * timeline.bubble():.1f}%", fontsize=10, loc="left")
-    axes[1].set_xlabel("seconds (ideal: F = 1, B = 2 units, scaled to the executed step)")
+    axes[1].set_xlabel("seconds (ideal: F = 1, B + W = 2 units, scaled to the executed step)")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
