@@ -51,10 +51,11 @@ def texts(cfg):
     dict(dp=2), dict(tp=2), dict(tp=2, sequence_parallel=True), dict(dp=2, zero=3),
     dict(pp=2, schedule="1f1b", micro_batches=2),
     dict(pp=2, schedule="interleaved", virtual_stages=2, micro_batches=2, n_layer=4),
+    dict(pp=2, schedule="zbv", virtual_stages=2, micro_batches=2, n_layer=4), dict(pp=2, schedule="zb-h1", micro_batches=2),
     dict(dp=2, tp=2, pp=2, zero=1, schedule="1f1b", micro_batches=2),
     dict(cp=2), dict(cp=2, cp_algorithm="zigzag", tp=2, sequence_parallel=True),
     dict(cp=2, cp_algorithm="ulysses", pp=2, micro_batches=2), dict(dp=2, cp=4, cp_algorithm="zigzag", zero=3),
-], ids=["dp2", "tp2", "tp2-sp", "zero3", "pp2-1f1b", "pp2-interleaved", "3d", "cp2-ring", "cp2-zigzag-tp2-sp",
+], ids=["dp2", "tp2", "tp2-sp", "zero3", "pp2-1f1b", "pp2-interleaved", "pp2-zbv", "pp2-zb-h1", "3d", "cp2-ring", "cp2-zigzag-tp2-sp",
         "cp2-ulysses-pp2", "dp2-cp4-zigzag-zero3"])
 def test_every_layout_generates_the_text_of_one_process(data_dir, reference, changes):
     if changes.get("n_layer") == 4:  # its own one-process reference: a 4-layer model

@@ -1,8 +1,10 @@
-"""Pipeline schedules as data: what GPipe, 1F1B and interleaved 1F1B ask each rank to do, what the
-dry-run simulator says about them, and how validation rejects a broken schedule by naming the action."""
+"""Pipeline schedules as data: what GPipe, 1F1B, interleaved 1F1B, ZB-H1 and ZB-V ask each rank to
+do, what the dry-run simulator says about them, and how validation rejects a broken schedule by naming
+the action."""
 import pytest
 
-from minidist.parallel.pipeline import Action, ScheduleError, build_schedule, format_timeline, validate
+from minidist.parallel.pipeline import (Action, ScheduleError, build_schedule, format_timeline, placement_of,
+                                        rank_stages, validate)
 from minidist.parallel.pipeline.schedules import add_communication, gpipe, interleaved_1f1b, one_f_one_b
 
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)]
@@ -133,3 +135,77 @@ def test_unknown_schedules_and_ops_fail_clearly():
         build_schedule("1f1b", 2, 4, virtual_stages=2)
     with pytest.raises(ValueError, match="unknown action op 'X'"):
         Action("X", 0, 0)
+
+
+# ---- zero-bubble schedules: B and W apart, W in the bubbles ----------------------------------------------
+
+def zb_timeline(name, p, m, costs=(1.0, 1.0, 1.0)):
+    """The simulated timeline of ``name`` placed for and run with (F, B, W) = ``costs`` per stage
+    (zbv: per chunk, half)."""
+    v = 2 if name == "zbv" else 1
+    f, b, w = (c / v for c in costs)
+    return validate(build_schedule(name, p, m, v, costs=costs), p, m, v, placement=placement_of(name),
+                    forward_cost=f, backward_cost=b + w, weight_cost=w)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+@pytest.mark.parametrize("m", [8, 16])
+@pytest.mark.parametrize("costs", [(1, 1, 1), (1, 1.5, 0.5), (2, 2, 1)])
+def test_zb_h1_reaches_the_papers_bubble_at_1f1bs_memory(p, m, costs):
+    f, b, w = costs
+    one_f_one_b_step = zb_timeline("1f1b", p, m, costs)
+    zb = zb_timeline("zb-h1", p, m, costs)
+    assert one_f_one_b_step.makespan == pytest.approx(m * (f + b + w) + (p - 1) * (f + b + w))
+    assert zb.makespan == pytest.approx(m * (f + b + w) + (p - 1) * (f + b - w))  # Qi et al.'s bubble
+    assert zb.makespan < one_f_one_b_step.makespan
+    assert max(zb.peak_in_flight()) == max(one_f_one_b_step.peak_in_flight()) == p
+
+
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("m", [8, 16])
+def test_zbv_starts_its_last_rank_late_and_then_never_idles(p, m):
+    # per chunk F = B = W = 1/2: rank p-1 cannot start before (p-1) F; after that the V keeps every
+    # rank busy, so the step is that start plus 2 m (F + B + W); the activations held are 2p chunks
+    # (p stages' worth, 1F1B's peak)
+    zbv, zb = zb_timeline("zbv", p, m), zb_timeline("zb-h1", p, m)
+    assert zbv.makespan == pytest.approx((p - 1) * 0.5 + 2 * m * 1.5)
+    assert zbv.makespan < zb.makespan
+    assert max(zbv.peak_in_flight()) == 2 * p
+
+
+def test_zbv_places_chunks_in_a_v_and_hands_over_at_its_bottom():
+    assert [rank_stages(r, 4, 2, "v") for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    rank3 = [str(a) for a in build_schedule("zbv", 4, 8, 2)[3]]
+    assert "3SEND_F0" not in rank3 and "4RECV_F0" not in rank3  # stages 3 and 4 share rank 3: no message
+    assert rank3.index("3F0") < rank3.index("4F0") < rank3.index("4B0") < rank3.index("3B0")
+
+
+@pytest.mark.parametrize("name,p,m", [("zb-h1", 2, 3), ("zb-h1", 4, 8), ("zbv", 2, 4), ("zbv", 3, 5), ("zbv", 4, 8)])
+def test_every_b_has_its_w_later_on_the_same_rank(name, p, m):
+    v = 2 if name == "zbv" else 1
+    for actions in build_schedule(name, p, m, v):
+        for a in actions:
+            if a.op == "B":
+                assert actions.index(Action("W", a.stage, a.microbatch)) > actions.index(a)
+
+
+def test_a_w_before_its_b_or_a_missing_w_is_rejected():
+    schedule = build_schedule("zb-h1", 2, 2)
+    early = [a for a in schedule[1] if a.op != "W"]
+    early.insert(0, Action("W", 1, 0))
+    with pytest.raises(ScheduleError, match=r"rank 1, action #0 1W0 .* comes before 1B0"):
+        validate([schedule[0], early], 2, 2)
+    with pytest.raises(ScheduleError, match="rank 1 never runs 1W1"):
+        validate([schedule[0], [a for a in schedule[1] if a != Action("W", 1, 1)]], 2, 2)
+
+
+def test_a_message_between_two_stages_of_one_rank_is_rejected():
+    schedule = build_schedule("zbv", 2, 2, 2)
+    schedule[1].insert(schedule[1].index(Action("F", 1, 0)) + 1, Action("SEND_F", 1, 0))
+    with pytest.raises(ScheduleError, match="stage 2 is on this rank too"):
+        validate(schedule, 2, 2, 2, placement="v")
+
+
+def test_the_timeline_prints_w():
+    text = format_timeline(zb_timeline("zb-h1", 2, 3))
+    assert "W0" in text and text.splitlines()[-1].startswith("bubble:")

@@ -32,7 +32,7 @@ import numpy as np
 from minidist.autograd import Tensor, get_array_module, no_grad, to_numpy
 from minidist.model import sample_token
 from minidist.parallel.context_parallel import tokens_multiple
-from minidist.parallel.pipeline.actions import Action
+from minidist.parallel.pipeline.actions import Action, stage_rank
 from minidist.parallel.pipeline.p2p import StageLink
 from minidist.parallel.pipeline.stages import PipelineStage
 
@@ -67,7 +67,8 @@ def generate(model, idx, max_new_tokens: int, temperature: float = 1.0, top_k=No
                                                            padded.shape[1]))  # (B, V)
                 nxt[:] = sample_token(to_numpy(last), u, temperature, top_k)
             if pipeline:
-                pp_group.broadcast(nxt, src=pp_group.size - 1)  # the last stage's choice, to every stage
+                last_rank = stage_rank(model.n_stages - 1, pp_group.size, model.placement)
+                pp_group.broadcast(nxt, src=last_rank)  # the last stage's choice, to every stage
             idx = np.concatenate([idx, nxt[:, None].astype(idx.dtype)], axis=1)
     return idx
 
@@ -121,15 +122,16 @@ def pipeline_logits(stage: PipelineStage, idx, pp_group, dtype):
     sending its output to the next one's: one (B, T, C) activation per stage boundary, with the
     pipeline's own tags and placement, see p2p.py). Returns the logits (B, T, V_pad/tp) on the rank
     holding the last stage, None elsewhere."""
-    link = StageLink(pp_group, get_array_module(idx))
+    link = StageLink(pp_group, get_array_module(idx), stage.placement)
     shape = stage.activation_shape(*idx.shape)  # (B, T, C), T/tp under sequence parallelism
-    logits = None
+    logits = out = None
     for chunk, s in enumerate(stage.stages):
-        x = idx if s == 0 else Tensor(link.recv(Action("RECV_F", s, 0), shape, dtype))
+        local = s > 0 and s - 1 in stage.stages  # the previous stage is this rank's too (ZB-V's V): handed over
+        x = idx if s == 0 else out if local else Tensor(link.recv(Action("RECV_F", s, 0), shape, dtype))
         out = stage(chunk, x)  # (B, T, C), or the logits (B, T, V_pad/tp) on the last stage
         if s == stage.n_stages - 1:
             logits = out
-        else:
+        elif s + 1 not in stage.stages:
             link.send(Action("SEND_F", s, 0), out.data)
     link.wait_sends()
     return logits

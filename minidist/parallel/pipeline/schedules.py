@@ -24,7 +24,7 @@ and the zero-bubble ones (zero_bubble.py), whose backward is split into B (input
 from __future__ import annotations
 
 from minidist.parallel.pipeline.actions import Action, stage_rank
-from minidist.parallel.pipeline.zero_bubble import zb_h1, zbv
+from minidist.parallel.pipeline.zero_bubble import list_schedule
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
 CHUNKS = {"zbv": 2}  # the virtual stages a schedule is made for; the others take 1 (interleaved: any)
@@ -89,6 +89,20 @@ def interleaved_1f1b(pp_size: int, micro_batches: int, virtual_stages: int) -> l
     return schedule
 
 
+def zb_h1(pp_size: int, micro_batches: int, costs=(1.0, 1.0, 1.0)) -> list[list[Action]]:
+    """ZB-H1's compute order: 1F1B's forwards and backwards (B now only the input gradient), each W
+    placed by the list scheduler where the rank would idle, at most p micro-batches in flight."""
+    return list_schedule(pp_size, micro_batches, 1, "loop", limit=pp_size, costs=costs,
+                         fixed=one_f_one_b(pp_size, micro_batches))
+
+
+def zbv(pp_size: int, micro_batches: int, costs=(0.5, 0.5, 0.5)) -> list[list[Action]]:
+    """ZB-V's compute order: two chunks per rank in a V, F, B and W all placed by the list
+    scheduler, at most 2p chunk-micro-batches in flight (the activations of p whole stages: 1F1B's
+    peak). ``costs``: (F, B, W) of one chunk."""
+    return list_schedule(pp_size, micro_batches, 2, "v", limit=2 * pp_size, costs=costs)
+
+
 def add_communication(compute: list[list[Action]], n_stages: int, placement: str = "loop",
                       pp_size: int | None = None) -> list[list[Action]]:
     """Lower a compute order into a full schedule: RECV_F before each F that is not on stage 0,
@@ -121,10 +135,11 @@ def add_communication(compute: list[list[Action]], n_stages: int, placement: str
 
 
 def build_schedule(name: str, pp_size: int, micro_batches: int, virtual_stages: int = 1,
-                   forward_only: bool = False) -> list[list[Action]]:
+                   forward_only: bool = False, costs=(1.0, 1.0, 1.0)) -> list[list[Action]]:
     """The full schedule (communication included) of ``name`` in :data:`SCHEDULES`, one action list
     per pipeline rank. ``virtual_stages`` > 1 with "interleaved" (any) or "zbv" (2). ``forward_only``
-    keeps just the forwards in GPipe order (evaluation: no backward, nothing held)."""
+    keeps just the forwards in GPipe order (evaluation: no backward, nothing held). ``costs``: the
+    (F, B, W) of one stage that the zero-bubble schedules are placed for (a chunk costs 1/v of them)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     if pp_size < 1 or micro_batches < 1 or virtual_stages < 1:
@@ -143,9 +158,9 @@ def build_schedule(name: str, pp_size: int, micro_batches: int, virtual_stages: 
     elif name == "1f1b":
         compute = one_f_one_b(pp_size, micro_batches)
     elif name == "zb-h1":
-        compute = zb_h1(pp_size, micro_batches)
+        compute = zb_h1(pp_size, micro_batches, costs)
     elif name == "zbv":
-        compute = zbv(pp_size, micro_batches)
+        compute = zbv(pp_size, micro_batches, tuple(c / virtual_stages for c in costs))
     else:
         compute = interleaved_1f1b(pp_size, micro_batches, virtual_stages)
     return add_communication(compute, pp_size * virtual_stages, placement)

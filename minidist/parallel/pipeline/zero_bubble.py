@@ -6,20 +6,22 @@ With backward split (autograd/engine.py), a stage's backward of one micro-batch 
     W   the gradients of the stage's weights: nobody waits for it, so it can run whenever the
         rank would otherwise sit idle, as long as it comes after its B (and before the step ends)
 
-Both schedules here are made by one list scheduler, the paper's heuristic, run on the costs F, B
-and W of one chunk: each rank, whenever it is free, runs
+Both zero-bubble schedules (schedules.py) are made by one list scheduler, the paper's heuristic, run
+on the costs F, B and W of one chunk: each rank, whenever it is free, runs
 
     1. a B whose gradient has arrived (the critical path first),
     2. else an F whose input has arrived, if that keeps its activations within the memory limit,
-    3. else a pending W (it fills what would be a bubble),
+    3. else a pending W, if it ends before any of its F or B could start (it fills what would be a
+       bubble without delaying the critical path; at the memory limit no F counts),
     4. else it waits for the next message.
 
-    zb-h1   one stage per rank, at most 1F1B's p micro-batches in flight on a rank (ZB-H1): the
-            bubble falls from 1F1B's (p-1)(T_F+T_B+T_W) to about (p-1)(T_F+T_B-T_W).
+    zb-h1   one stage per rank, 1F1B's order of F and B (only the W are placed), at most 1F1B's p
+            micro-batches in flight on a rank (ZB-H1): the bubble falls from 1F1B's
+            (p-1)(T_F+T_B+T_W) to (p-1)(T_F+T_B-T_W) when the three costs are equal.
     zbv     two chunks per rank placed in a V (rank r holds stages r and 2p-1-r, so rank 0 holds the
             first and the last: embeddings and head together), at most 2p chunk-micro-batches in
-            flight, 1F1B's activation memory (ZB-V): bubble about (p-1)(T_F+T_B-2T_W) in chunk costs,
-            zero when the three are equal.
+            flight, 1F1B's activation memory (ZB-V). Only rank p-1's start, (p-1) T_F, is left idle
+            (it cannot get its first input sooner) when the costs are equal and p <= 4.
 
 A micro-batch's activations are held from its F until its W (W still needs the layer inputs).
 The result is a compute order, lowered and checked like every schedule (schedules.py, validate.py).
@@ -32,7 +34,8 @@ from minidist.parallel.pipeline.actions import Action, stage_rank
 def list_schedule(pp_size: int, micro_batches: int, virtual_stages: int, placement: str, limit: int,
                   costs=(1.0, 1.0, 1.0), fixed=None) -> list[list[Action]]:
     """The compute order (F, B, W actions per rank) that the heuristic above produces with ``limit``
-    (chunk, micro-batch) pairs in flight per rank and ``costs`` = (F, B, W) of one chunk."""
+    (chunk, micro-batch) pairs in flight per rank and ``costs`` = (F, B, W) of one chunk; ``fixed``
+    (per rank, its F and B in order) leaves the scheduler only the W to place."""
     p, m = pp_size, micro_batches
     n_stages = p * virtual_stages
     owned = [[s for s in range(n_stages) if stage_rank(s, p, placement) == r] for r in range(p)]
@@ -43,13 +46,27 @@ def list_schedule(pp_size: int, micro_batches: int, virtual_stages: int, placeme
     order = [[] for _ in range(p)]
     left = [3 * m * len(owned[r]) for r in range(p)]
 
+    def needs(op, s, i):
+        """The action whose result (op, s, i) waits for, or None (stage 0's forwards)."""
+        if op == "F":
+            return ("F", s - 1, i) if s > 0 else None
+        if op == "B":
+            return ("F", s, i) if s == n_stages - 1 else ("B", s + 1, i)
+        return ("B", s, i)
+
     def arrival(op, s, i):
         """When (op, s, i) may start as far as its inputs go; None while its input is not scheduled."""
-        if op == "F":
-            return 0.0 if s == 0 else finished.get(("F", s - 1, i))
-        if op == "B":
-            return finished.get(("F", s, i) if s == n_stages - 1 else ("B", s + 1, i))
-        return finished.get(("B", s, i))
+        before = needs(op, s, i)
+        return 0.0 if before is None else finished.get(before)
+
+    def soonest(op, s, i):
+        """The earliest (op, s, i) can start: its arrival, or while unknown, when the rank that makes
+        its input could finish that at the soonest."""
+        known = arrival(op, s, i)
+        if known is not None:
+            return known
+        before = needs(op, s, i)
+        return clock[stage_rank(before[1], p, placement)] + cost[before[0]]
 
     def candidates(r, op):
         """(arrival, stage, micro-batch) of the next ``op`` of each stage rank ``r`` holds."""
@@ -79,7 +96,8 @@ def list_schedule(pp_size: int, micro_batches: int, virtual_stages: int, placeme
             op, (_, s, i) = "B", min(ready_b, key=lambda c: (c[0], -c[1]))
         elif ready_f:  # the deepest stage first: a micro-batch reaches the loss, and frees memory, sooner
             op, (_, s, i) = "F", min(ready_f, key=lambda c: (c[0], -c[1]))
-        elif w:  # what would be a bubble: the oldest pending W
+        elif w and all(now + cost["W"] <= soonest("B" if c in b else "F", c[1], c[2]) for c in b + f):
+            # a bubble: the oldest pending W, as it ends before any F or B could start
             op, (_, s, i) = "W", min(w, key=lambda c: c[2])
         else:  # idle until an input arrives or another rank moves on, whichever is first
             later = [c[0] for c in b + f if c[0] is not None and c[0] > now]
@@ -106,14 +124,3 @@ def list_schedule(pp_size: int, micro_batches: int, virtual_stages: int, placeme
             for r in active:
                 clock[r] = max(clock[r], min(higher))
     return order
-
-
-def zb_h1(pp_size: int, micro_batches: int) -> list[list[Action]]:
-    """ZB-H1's compute order: one stage per rank, at most p micro-batches in flight (1F1B's peak)."""
-    return list_schedule(pp_size, micro_batches, 1, "loop", limit=pp_size)
-
-
-def zbv(pp_size: int, micro_batches: int) -> list[list[Action]]:
-    """ZB-V's compute order: two chunks per rank in a V, at most 2p chunk-micro-batches in flight
-    (the activations of p whole stages: 1F1B's peak)."""
-    return list_schedule(pp_size, micro_batches, 2, "v", limit=2 * pp_size)
