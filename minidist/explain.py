@@ -108,14 +108,13 @@ def _partners(e, members, me: int) -> str:
     return f"on {e.group}" + (f" with rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}" if others else "")
 
 
-def _what(e, members, me: int, span) -> str:
-    """What an activation-sized call carries. A message to a later pipeline stage (or from an earlier
-    one) is an activation, the other way a gradient; a collective inside a backward span moves
-    activation gradients, elsewhere activations."""
-    ranks = members.get(e.group)
-    if e.kind == "p2p" and ranks and me in ranks:
-        downstream = (e.peer > ranks.index(me)) == ("send" in e.op)
-        return "activation" if downstream else "gradient"
+def _what(e, span, pipeline_op) -> str:
+    """What an activation-sized call carries. A pipeline message is an activation when it belongs to
+    a forward (sent after one, ``pipeline_op``, or received before one), else a gradient: the
+    direction between ranks does not say it, as ZB-V's second chunk sends activations to lower
+    ranks. A collective inside a backward span moves activation gradients, elsewhere activations."""
+    if e.kind == "p2p" and pipeline_op is not None:
+        return "activation" if pipeline_op == "forward" else "gradient"
     return "gradient" if span is not None and span.op == "backward" else "activation"
 
 
@@ -132,7 +131,16 @@ def step_story(events, members: dict[str, list[int]], me: int, activation_shape=
             lines.append(("  " if repeat == 1 else f"  {repeat} x ") + last)
 
     hop = None  # the last ring hop span (ring attention): its own isend / irecv are told by it
-    for e in sorted(events, key=lambda e: e.start):
+    ordered = sorted(events, key=lambda e: e.start)
+    stage_ops = [(e.start, e.op) for e in ordered if e.kind == "compute" and e.group.startswith("stage")]
+
+    def pipeline_op(e):  # the stage computation a message belongs to: the one before a send, after a receive
+        before = [op for start, op in stage_ops if start <= e.start]
+        after = [op for start, op in stage_ops if start > e.start]
+        near = (before[-1:] if "send" in e.op else after[:1]) or before[-1:] or after[:1]
+        return near[0] if near else None
+
+    for e in ordered:
         if e.op.startswith("ring sendrecv"):
             hop = e
         elif hop is not None and e.op in ("isend", "irecv") and e.group == hop.group and e.start <= hop.end:
@@ -153,7 +161,7 @@ def step_story(events, members: dict[str, list[int]], me: int, activation_shape=
             else:
                 lines.append(f"after {span.op}:")
             span = None
-        shape = f" {tuple(activation_shape)} {_what(e, members, me, span)}" if e.nbytes == act_bytes else ""
+        shape = f" {tuple(activation_shape)} {_what(e, span, pipeline_op(e))}" if e.nbytes == act_bytes else ""
         algorithm = f" ({e.algorithm})" if e.algorithm else ""
         text = f"{e.op} {_bytes(e.nbytes)}{shape} {_partners(e, members, me)}{algorithm}"
         if text == last:

@@ -1,6 +1,6 @@
 """Pipeline parallelism under real MPI: one ``mpiexec -n 4`` launch (tests/mpi/pp_checks.py) trains
-pp in {2, 4} with each schedule, alone and with dp or tp, against one process; measures in-flight
-micro-batches and the bubble. (8-rank dp x tp x pp: tests/test_pipeline_3d.py, in-process.)"""
+pp in {2, 4} with each schedule (the zero-bubble ones too), alone and with dp or tp, against one
+process; measures in-flight micro-batches and the bubble against the simulator's. (8-rank dp x tp x pp: tests/test_pipeline_3d.py, in-process.)"""
 import json
 import re
 
@@ -21,7 +21,10 @@ def launch():
     "dp=1 pp=2 tp=1 schedule=interleaved m=2 v=2", "dp=1 pp=4 tp=1 schedule=gpipe m=4 v=1",
     "dp=1 pp=4 tp=1 schedule=1f1b m=8 v=1", "dp=1 pp=4 tp=1 schedule=interleaved m=4 v=2",
     "dp=2 pp=2 tp=1 schedule=1f1b m=2 v=1", "dp=1 pp=2 tp=2 schedule=interleaved m=2 v=2",
-    "dp=1 pp=2 tp=2 schedule=1f1b m=4 v=1",
+    "dp=1 pp=2 tp=2 schedule=1f1b m=4 v=1", "dp=1 pp=2 tp=1 schedule=zb-h1 m=4 v=1",
+    "dp=1 pp=4 tp=1 schedule=zb-h1 m=8 v=1", "dp=1 pp=2 tp=1 schedule=zbv m=4 v=2",
+    "dp=1 pp=4 tp=1 schedule=zbv m=8 v=2", "dp=2 pp=2 tp=1 schedule=zb-h1 m=2 v=1",
+    "dp=1 pp=2 tp=2 schedule=zbv m=2 v=2",
 ])
 def test_every_layout_matches_one_process_with_sgd_and_adamw(launch, layout):
     for optimizer in ("sgd", "adamw"):
@@ -30,13 +33,14 @@ def test_every_layout_matches_one_process_with_sgd_and_adamw(launch, layout):
 
 def test_peak_in_flight_is_m_for_gpipe_and_min_p_minus_stage_m_for_1f1b(launch):
     peaks = {(s, int(p), int(m)): json.loads(v) for s, p, m, v in
-             re.findall(r"INFLIGHT schedule=(\w+) pp=(\d) m=(\d+) peaks=(\[[\d, ]+\])", launch.stdout)}
+             re.findall(r"INFLIGHT schedule=([\w-]+) pp=(\d) m=(\d+) peaks=(\[[\d, ]+\])", launch.stdout)}
     assert peaks[("gpipe", 2, 4)] == [4, 4] and peaks[("gpipe", 4, 4)] == [4, 4, 4, 4], launch.output
     assert peaks[("1f1b", 2, 4)] == [2, 1] and peaks[("1f1b", 4, 8)] == [4, 3, 2, 1], launch.output
+    assert max(peaks[("zb-h1", 4, 8)]) == 4, launch.output  # ZB-H1: 1F1B's peak, held until W
 
 
 def test_measured_bubble_is_close_to_the_formula(launch):
-    found = re.findall(r"BUBBLE schedule=(\w+) .* measured=([\d.]+) formula=([\d.]+)", launch.stdout)
-    assert {s for s, _, _ in found} == {"gpipe", "1f1b", "interleaved"}, launch.output
+    found = re.findall(r"BUBBLE schedule=([\w-]+) .* measured=([\d.]+) formula=([\d.]+)", launch.stdout)
+    assert {s for s, _, _ in found} == {"gpipe", "1f1b", "interleaved", "zb-h1", "zbv"}, launch.output
     for schedule, measured, formula in found:
         assert float(measured) == pytest.approx(float(formula), abs=0.05), (schedule, launch.output)

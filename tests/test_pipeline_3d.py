@@ -10,7 +10,7 @@ from minidist.model import GPT
 from minidist.parallel.consolidate import consolidated_state_dict
 from minidist.parallel.data_parallel import DataParallel
 from minidist.parallel.mesh import DeviceMesh
-from minidist.parallel.pipeline import PipelineEngine, PipelineStage, split_micro_batches
+from minidist.parallel.pipeline import PipelineEngine, PipelineStage, placement_of, split_micro_batches
 from minidist.parallel.tensor_parallel import sync_sequence_parallel_grads
 from minidist.parallel.tp_model import build_tp_gpt
 from tests.test_pipeline_engine import B, STEPS, TOKENS, config, make_optimizer, one_process
@@ -23,7 +23,7 @@ def train_layout(world, dp, pp, tp, schedule, m, v, n_layer, optimizer, sequence
     cfg = config(n_layer)
     model = (build_tp_gpt(cfg, 1, "float64", mesh.tp_group, sequence_parallel) if tp > 1
              else GPT(cfg, seed=1, dtype="float64"))
-    stage = PipelineStage(model, mesh.pp_rank, pp, v)
+    stage = PipelineStage(model, mesh.pp_rank, pp, v, placement=placement_of(schedule))
     data_parallel = DataParallel(stage, mesh.dp_group)
     engine = PipelineEngine(stage, mesh, schedule, m, v, no_sync=data_parallel.no_sync)
     opt = make_optimizer(optimizer, stage.named_parameters())
@@ -33,8 +33,8 @@ def train_layout(world, dp, pp, tp, schedule, m, v, n_layer, optimizer, sequence
         rows = batch[np.array_split(np.arange(B), dp)[mesh.dp_rank]]  # this dp rank's rows
         data_parallel.zero_grad()
         loss = np.array([engine.forward_backward(split_micro_batches(rows, m))])
-        sync_sequence_parallel_grads(stage, mesh.tp_group)
         data_parallel.finish()  # DP's one all-reduce per bucket, after the last micro-batch
+        sync_sequence_parallel_grads(stage, mesh.tp_group)  # after it: the buckets are in flight until then
         engine.all_reduce_tied_grads()  # then Megatron's embedding group
         opt.step()
         losses.append(float(mesh.dp_group.all_reduce(loss, op="avg")[0]))
@@ -42,17 +42,21 @@ def train_layout(world, dp, pp, tp, schedule, m, v, n_layer, optimizer, sequence
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-@pytest.mark.parametrize("dp,pp,tp,schedule,m,v,sp", [
-    (2, 2, 1, "1f1b", 2, 1, False),
-    (1, 2, 2, "gpipe", 4, 1, False),
-    (2, 2, 2, "1f1b", 2, 1, False),
-    (2, 2, 2, "interleaved", 2, 2, False),
-    (1, 2, 2, "1f1b", 4, 1, True),
+@pytest.mark.parametrize("dp,pp,tp,schedule,m,v,sp,n_layer", [
+    (2, 2, 1, "1f1b", 2, 1, False, 4),
+    (1, 2, 2, "gpipe", 4, 1, False, 4),
+    (2, 2, 2, "1f1b", 2, 1, False, 4),
+    (2, 2, 2, "interleaved", 2, 2, False, 4),
+    (1, 2, 2, "1f1b", 4, 1, True, 4),
+    (2, 2, 2, "zb-h1", 4, 1, True, 4),
+    (2, 2, 2, "zbv", 2, 2, True, 4),
+    (2, 4, 1, "zb-h1", 4, 1, False, 4),
+    (1, 4, 2, "zbv", 8, 2, False, 8),
 ])
-def test_pipeline_with_data_and_tensor_parallelism_trains_like_one_process(dp, pp, tp, schedule, m, v, sp,
+def test_pipeline_with_data_and_tensor_parallelism_trains_like_one_process(dp, pp, tp, schedule, m, v, sp, n_layer,
                                                                           optimizer):
-    ref_losses, ref_weights = one_process(4, optimizer)
-    results = minidist.run_local(lambda world: train_layout(world, dp, pp, tp, schedule, m, v, 4, optimizer, sp),
+    ref_losses, ref_weights = one_process(n_layer, optimizer)
+    results = minidist.run_local(lambda world: train_layout(world, dp, pp, tp, schedule, m, v, n_layer, optimizer, sp),
                                  dp * pp * tp)
     seen = set()
     for losses, weights, _ in results:  # every rank: each dp replica's stage must match, not just one

@@ -73,6 +73,14 @@ LESSONS = [
         (r"  (0 \(dropless\)|1) +\d+/128 +3\.\d{12} +\d\.\de-\d\d ", 2),  # loss and gradients, dropless and not
         r"ep 2: loss and every gradient = one process's to 1e-10",
         r"All checks passed\."]),
+    ("12_zero_bubble.py", 2, ["--local", "4"], [
+        r"after B: x\.grad\[0\] = \[.*\], weight\.grad = None, bias\.grad = None\n",
+        r"x, weight, bias grads == one backward's \(np\.array_equal\): True",
+        (r"  \d,\d,\d +1f1b +\d+ +(\d+) +\1 ", 2),  # 1F1B idles (p-1)(T_F+T_B+T_W), both cost ratios
+        r"  1,1,1 +zb-h1 +\d+ +(\d+) +\1 ",  # ZB-H1 idles (p-1)(T_F+T_B-T_W) at unit costs
+        r"  1,1,1 +zbv +[\d.]+ +([\d.]+) +>= \1 ",  # ZB-V reaches its bound (p-1) T_F / 2
+        (r"(zb-h1|zbv) +losses( \d\.\d{10}){3}  matches one process", 2),
+        r"Zero-bubble schedules: B \+ W = backward bitwise; zb-h1 and zbv train as one process does\."]),
 ]
 SECONDS = 60
 

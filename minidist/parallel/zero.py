@@ -259,14 +259,13 @@ class ZeroOptimizer:
             self.tied_group.all_reduce(pair[0].grad, op="sum")
 
     def _tied_shards(self) -> list:
-        """The shards of the units that hold a tied embedding copy of a pipeline (each holds nothing
-        else, so the copies' shards line up element by element): one on the first and the last
-        stage, both where one rank holds the two."""
-        if not any(p.tied_copy for s in self.shards for _, p in s.unit.params):
-            return [s for s in self.shards if self.tied_group is not None and len(s.unit.params) == 1
-                    and s.unit.params[0][0] == "transformer.wte.weight"]
-        return [s for s in self.shards if len(s.unit.params) == 1
-                and s.unit.params[0][0] in ("transformer.wte.weight", "lm_head.weight")]
+        """The shards of the units that hold a pipeline's tied embedding copies (each holds nothing
+        else, so the copies' shards line up element by element): one on the first and on the last
+        stage, both where one rank holds the two (ZB-V's rank 0); none without tied copies."""
+        names = ("transformer.wte.weight", "lm_head.weight")
+        alone = [s for s in self.shards if len(s.unit.params) == 1 and s.unit.params[0][0] in names]
+        tied = self.tied_group is not None or any(s.unit.params[0][1].tied_copy for s in alone)
+        return alone if tied else []
 
     def found_inf(self) -> bool:
         """Mixed precision: whether any gradient element on ANY rank of the scaler's group (the world:

@@ -9,6 +9,8 @@ prints one line per check:
     PARITY dp=2 pp=2 tp=1 schedule=1f1b m=2 v=1 optimizer=adamw
     INFLIGHT schedule=1f1b pp=4 m=8 peaks=[4, 3, 2, 1]
     BUBBLE schedule=gpipe pp=4 m=4 v=1 measured=0.4331 formula=0.4286
+
+(``formula``: the simulator's ideal bubble, (p-1)/(v m + p-1) for gpipe, 1f1b and interleaved.)
 """
 import sys
 from pathlib import Path
@@ -21,7 +23,7 @@ import minidist  # noqa: E402
 from minidist.data import get_batch  # noqa: E402
 from minidist.parallel.mesh import DeviceMesh  # noqa: E402
 from minidist.parallel.pipeline import (PipelineEngine, PipelineStage, compute_spans, executed_timeline,  # noqa: E402
-                                        gather_spans, split_micro_batches)
+                                        gather_spans, placement_of, split_micro_batches)
 from tests.test_pipeline_3d import train_layout  # noqa: E402
 from tests.test_pipeline_engine import B, TOKENS, one_process, sleepy_gpt  # noqa: E402
 
@@ -30,6 +32,8 @@ LAYOUTS = [  # (dp, pp, tp, schedule, m, v, n_layer)
     (1, 2, 1, "gpipe", 4, 1, 4), (1, 2, 1, "1f1b", 4, 1, 4), (1, 2, 1, "interleaved", 2, 2, 4),
     (1, 4, 1, "gpipe", 4, 1, 4), (1, 4, 1, "1f1b", 8, 1, 4), (1, 4, 1, "interleaved", 4, 2, 8),
     (2, 2, 1, "1f1b", 2, 1, 4), (1, 2, 2, "interleaved", 2, 2, 4), (1, 2, 2, "1f1b", 4, 1, 4),
+    (1, 2, 1, "zb-h1", 4, 1, 4), (1, 4, 1, "zb-h1", 8, 1, 4), (1, 2, 1, "zbv", 4, 2, 4), (1, 4, 1, "zbv", 8, 2, 8),
+    (2, 2, 1, "zb-h1", 2, 1, 4), (1, 2, 2, "zbv", 2, 2, 4),
 ]
 references = {}
 
@@ -51,19 +55,21 @@ for dp, pp, tp, schedule, m, v, n_layer in LAYOUTS:
             np.testing.assert_allclose(value, ref_weights[name], rtol=1e-10, atol=1e-13, err_msg=name)
         if group.rank == 0:
             print(f"PARITY dp={dp} pp={pp} tp={tp} schedule={schedule} m={m} v={v} optimizer={optimizer}", flush=True)
-    if dp == tp == 1 and schedule != "interleaved":
+    if dp == tp == 1 and schedule in ("gpipe", "1f1b", "zb-h1"):
         peaks = np.zeros(pp, dtype=np.int64)
         peaks[group.rank] = peak
         group.all_reduce(peaks)
         if group.rank == 0:
             print(f"INFLIGHT schedule={schedule} pp={pp} m={m} peaks={peaks.tolist()}", flush=True)
 
-for schedule, pp, m, v in [("gpipe", 4, 4, 1), ("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2)]:
+for schedule, pp, m, v in [("gpipe", 4, 4, 1), ("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2), ("zb-h1", 4, 8, 1),
+                           ("zbv", 2, 4, 2)]:
     group = sub_world(pp)
     mesh = DeviceMesh(group, pp=pp)
-    # a balanced model whose blocks sleep (40 ms forward, 80 ms backward): ranks sharing 2 cores
-    # still run their schedule at full speed, so the measurement shows the schedule's bubble
-    stage = PipelineStage(sleepy_gpt(pp * v, 0.04), mesh.pp_rank, pp, v, layers_per_stage=[1] * (pp * v))
+    # a balanced model whose blocks sleep (40 ms forward, 40 ms each for B and W): ranks sharing 2
+    # cores still run their schedule at full speed, so the measurement shows the schedule's bubble
+    stage = PipelineStage(sleepy_gpt(pp * v, 0.04 / v), mesh.pp_rank, pp, v, layers_per_stage=[1] * (pp * v),
+                          placement=placement_of(schedule))
     engine = PipelineEngine(stage, mesh, schedule, m, v)
     bubbles = []
     for step in range(3):  # best of 3 steps: other jobs on the machine only ever add idle time
@@ -74,4 +80,4 @@ for schedule, pp, m, v in [("gpipe", 4, 4, 1), ("1f1b", 4, 8, 1), ("interleaved"
         bubbles.append(executed_timeline(spans).bubble() if group.rank == 0 else 0.0)
     if group.rank == 0:
         print(f"BUBBLE schedule={schedule} pp={pp} m={m} v={v} measured={min(bubbles):.4f} "
-              f"formula={(pp - 1) / (v * m + pp - 1):.4f}", flush=True)
+              f"formula={engine.ideal.bubble():.4f}", flush=True)

@@ -104,7 +104,7 @@ def draw_timelines(path, executed: Timeline, ideal: Timeline, title: str = "") -
         ax.invert_yaxis()
         ax.set_xlim(0, executed.makespan)
         ax.set_title(f"{name}: bubble {100 * timeline.bubble():.1f}%", fontsize=10, loc="left")
-    axes[1].set_xlabel("seconds (ideal: F = 1, B + W = 2 units, scaled to the executed step)")
+    axes[1].set_xlabel("seconds (ideal: the simulator's cost units, scaled to the executed step)")
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

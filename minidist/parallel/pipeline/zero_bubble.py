@@ -20,8 +20,10 @@ on the costs F, B and W of one chunk: each rank, whenever it is free, runs
             (p-1)(T_F+T_B+T_W) to (p-1)(T_F+T_B-T_W) when the three costs are equal.
     zbv     two chunks per rank placed in a V (rank r holds stages r and 2p-1-r, so rank 0 holds the
             first and the last: embeddings and head together), at most 2p chunk-micro-batches in
-            flight, 1F1B's activation memory (ZB-V). Only rank p-1's start, (p-1) T_F, is left idle
-            (it cannot get its first input sooner) when the costs are equal and p <= 4.
+            flight, 1F1B's activation memory (ZB-V). Rank p-1 cannot start before (p-1) T_F, so
+            the step is at least that plus 2m(T_F+T_B+T_W) in chunk costs; with equal costs this
+            heuristic reaches the bound at p = 2 and 4 and idles one chunk unit more at p = 3
+            (tests/test_pipeline_schedules.py).
 
 A micro-batch's activations are held from its F until its W (W still needs the layer inputs).
 The result is a compute order, lowered and checked like every schedule (schedules.py, validate.py).
