@@ -45,13 +45,14 @@ class PipelineEngine:
     Building it is collective over the pp group (the tied-embedding group is split off). ``no_sync``
     (e.g. ``DataParallel.no_sync``) wraps every backward (every W in a zero-bubble schedule: the
     weight gradients are final there) but the last of each stage, so data parallelism all-reduces
-    once, after the last micro-batch. ``ideal`` is the simulator's timeline
-    of the schedule; ``peak_in_flight`` after a step is the most micro-batches this rank held
+    once, after the last micro-batch. ``costs``: the (F, B, W) of one stage the zero-bubble schedules
+    are placed for (unit costs by default). ``ideal`` is the simulator's timeline of the schedule;
+    ``peak_in_flight`` after a step is the most micro-batches this rank held
     activations for at once.
     """
 
     def __init__(self, stage, mesh, schedule: str = "1f1b", micro_batches: int = 4, virtual_stages: int = 1,
-                 no_sync=None):
+                 no_sync=None, costs=(1.0, 1.0, 1.0)):
         p = mesh.shape.pp
         self.placement, self.split = placement_of(schedule), splits_backward(schedule)
         if stage.pp_size != p or len(stage.stages) != virtual_stages or stage.placement != self.placement:
@@ -60,8 +61,10 @@ class PipelineEngine:
                              f"placed {self.placement!r}")
         self.stage, self.group, self.micro_batches = stage, mesh.pp_group, micro_batches
         self.trace = mesh.pp_group.trace
-        self.schedule = build_schedule(schedule, p, micro_batches, virtual_stages)
-        self.ideal = validate(self.schedule, p, micro_batches, virtual_stages, placement=self.placement)
+        self.schedule = build_schedule(schedule, p, micro_batches, virtual_stages, costs=costs)
+        f, b, w = costs  # the ideal timeline in these units per chunk (the bubble is a share of the step)
+        self.ideal = validate(self.schedule, p, micro_batches, virtual_stages, placement=self.placement,
+                              forward_cost=f, backward_cost=b + w, weight_cost=w)
         self.eval_schedule = build_schedule(schedule, p, micro_batches, virtual_stages, forward_only=True)
         validate(self.eval_schedule, p, micro_batches, virtual_stages, forward_only=True, placement=self.placement)
         self.no_sync = no_sync if no_sync is not None else contextlib.nullcontext
@@ -134,8 +137,10 @@ class PipelineEngine:
                     else:
                         after = (a.stage + 1, a.microbatch)  # the next stage's input: its gradient is ours
                         outputs.pop(key).backward(grads.pop(key) if key in grads else inputs.pop(after).grad)
-                weights_later[key] = later
-                held -= not self.split
+                if self.split:
+                    weights_later[key] = later  # the activations stay held until W has read them
+                else:
+                    held -= 1
             elif a.op == "W":
                 final = a == last_backward[a.stage]
                 with contextlib.nullcontext() if final else self.no_sync(), self.trace.record(
