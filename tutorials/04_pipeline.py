@@ -14,7 +14,8 @@ step for p stages.
 GPipe runs all m forwards, then all backwards: every rank holds the activations of m micro-batches.
 1F1B starts backwards as soon as the last stage can, then alternates one forward, one backward: the
 same bubble, but rank r holds at most p - r micro-batches. Interleaved 1F1B gives each rank v smaller
-chunks, and the bubble shrinks by v.
+chunks, and the bubble shrinks by v. (Lesson 12 splits backward into B and W and fills the bubble
+with W: ZB-H1 and ZB-V.)
 
 In minidist a schedule is DATA: a list of actions per rank, validated (and simulated over all ranks)
 before anything is sent. This lesson prints schedules, shows the validator catching a deadlock, then
