@@ -52,8 +52,10 @@ def holdings(model, tp_size: int, ep_rank: int = 0, ep_size: int = 1) -> list[st
     """One line per parameter of ``model`` (blocks folded: ``h.{0,1}``): its shape on this rank
     and, when tensor parallelism cuts it, which shard of which full shape (tp_layout.py's table: the
     vocabulary's full shape has ``model.config.vocab_size`` rows, its padding is not part of it);
-    when expert parallelism cuts it (ep rank ``ep_rank`` of ``ep_size``), which experts."""
+    when expert parallelism cuts it (ep rank ``ep_rank`` of ``ep_size``), which experts; a
+    pipeline stage's copy of the tied embedding says so."""
     folded: dict[str, tuple[list[str], tuple]] = {}
+    copies = {name for name, p in model.named_parameters() if p.tied_copy}
     for name, p in model.named_parameters():
         block = re.search(r"\.h\.(\d+)\.", name)
         key = re.sub(r"\.h\.\d+\.", ".h.{}.", name)
@@ -73,6 +75,8 @@ def holdings(model, tp_size: int, ep_rank: int = 0, ep_size: int = 1) -> list[st
         if ep_size > 1 and is_expert(first):
             block = ep_block(model.config.n_experts, ep_rank, ep_size)
             what.append(f"experts {block.start}-{block.stop - 1} of {model.config.n_experts} (ep)")
+        if first in copies:  # a pipeline's copy of the tied embedding, summed with it after backward
+            what.append("tied copy of transformer.wte.weight")
         lines.append(f"holds {name:<42} {str(shape):<12} {', '.join(what) or 'whole'}")
     return lines
 

@@ -95,3 +95,13 @@ def test_pipeline_step_names_the_activations_sent_between_stages():
     assert re.search(r"irecv 1.0 KiB \(2, 8, 16\) activation from rank 0", last)
     assert re.search(r"isend 1.0 KiB \(2, 8, 16\) gradient to rank 0", last)  # backward flows upstream
     assert re.search(r"irecv 1.0 KiB \(2, 8, 16\) gradient from rank 1", first)
+
+
+def test_holdings_name_a_pipelines_tied_copy_of_the_embedding():
+    from minidist.explain import holdings
+    config = GPTConfig(n_layer=4, n_head=2, n_embd=16, block_size=8)
+    for rank, placement in ((1, "loop"), (0, "v")):  # 1F1B's last stage; ZB-V's rank 0 holds both ends
+        stage = PipelineStage(GPT(config, seed=1), rank, 2, 1 if placement == "loop" else 2, placement=placement)
+        lines = holdings(stage, tp_size=1)
+        assert any(line.startswith("holds lm_head.weight") and line.endswith("tied copy of transformer.wte.weight")
+                   for line in lines), lines

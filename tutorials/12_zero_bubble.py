@@ -33,11 +33,12 @@ import numpy as np
 
 import minidist
 from minidist.autograd import Tensor, linear, weight_grads_later
-from minidist.data import get_batch, inputs_and_targets
+from minidist.data import get_batch
 from minidist.model import GPT, GPTConfig
 from minidist.nn import Parameter
 from minidist.optim import SGD
 from minidist.parallel.mesh import DeviceMesh
+from minidist.parallel.step import train_step
 from minidist.parallel.pipeline import (PipelineEngine, PipelineStage, build_schedule, compute_spans, draw_timelines,
                                         executed_timeline, format_timeline, gather_spans, placement_of,
                                         split_micro_batches, validate)
@@ -139,16 +140,11 @@ def train(world, name, v, config):
 
 
 def reference(config):
+    """The same SGD steps in one process on the whole batch: the trainer's own step."""
     model = GPT(config, seed=1, dtype="float64")
     optimizer = SGD(model.named_parameters(), lr=0.1, momentum=0.9)
-    losses = []
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        _, loss = model(*inputs_and_targets(get_batch(TOKENS, step, BATCH, 16)))
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    return [train_step(model, optimizer, get_batch(TOKENS, step, BATCH, 16), lr=0.1, grad_clip=0.0)[0]
+            for step in range(STEPS)]
 
 
 def lesson(world, png=None):
