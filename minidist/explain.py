@@ -15,6 +15,7 @@ interleaved output:
 """
 from __future__ import annotations
 
+import bisect
 import re
 import sys
 from contextlib import contextmanager
@@ -136,13 +137,14 @@ def step_story(events, members: dict[str, list[int]], me: int, activation_shape=
 
     hop = None  # the last ring hop span (ring attention): its own isend / irecv are told by it
     ordered = sorted(events, key=lambda e: e.start)
-    stage_ops = [(e.start, e.op) for e in ordered if e.kind == "compute" and e.group.startswith("stage")]
+    stage_spans = [e for e in ordered if e.kind == "compute" and e.group.startswith("stage")]
+    stage_starts = [e.start for e in stage_spans]
 
     def pipeline_op(e):  # the stage computation a message belongs to: the one before a send, after a receive
-        before = [op for start, op in stage_ops if start <= e.start]
-        after = [op for start, op in stage_ops if start > e.start]
-        near = (before[-1:] if "send" in e.op else after[:1]) or before[-1:] or after[:1]
-        return near[0] if near else None
+        i = bisect.bisect_right(stage_starts, e.start)  # stage_spans[:i] started by then
+        before, after = stage_spans[i - 1:i], stage_spans[i:i + 1]
+        near = (before if "send" in e.op else after) or before or after
+        return near[0].op if near else None
 
     for e in ordered:
         if e.op.startswith("ring sendrecv"):

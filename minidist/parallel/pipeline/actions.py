@@ -85,5 +85,5 @@ def stage_rank(stage: int, pp_size: int, placement: str = "loop") -> int:
 
 
 def rank_stages(rank: int, pp_size: int, virtual_stages: int, placement: str = "loop") -> list[int]:
-    """The global stages ``rank`` holds, chunk by chunk."""
-    return [c * pp_size + (pp_size - 1 - rank if placement == "v" and c % 2 else rank) for c in range(virtual_stages)]
+    """The global stages ``rank`` holds, chunk by chunk (one per chunk, so in increasing order)."""
+    return [s for s in range(pp_size * virtual_stages) if stage_rank(s, pp_size, placement) == rank]

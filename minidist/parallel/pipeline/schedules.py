@@ -23,7 +23,7 @@ and the zero-bubble ones (zero_bubble.py), whose backward is split into B (input
 """
 from __future__ import annotations
 
-from minidist.parallel.pipeline.actions import Action, stage_rank
+from minidist.parallel.pipeline.actions import Action, rank_stages, stage_rank
 from minidist.parallel.pipeline.zero_bubble import list_schedule
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
@@ -150,8 +150,7 @@ def build_schedule(name: str, pp_size: int, micro_batches: int, virtual_stages: 
                          f"(--virtual-stages {CHUNKS.get(name, 1)}), not {virtual_stages}")
     placement = placement_of(name)
     if forward_only:
-        compute = [[Action("F", s, i) for i in range(micro_batches)
-                    for s in sorted(s for s in range(pp_size * virtual_stages) if stage_rank(s, pp_size, placement) == r)]
+        compute = [[Action("F", s, i) for i in range(micro_batches) for s in rank_stages(r, pp_size, virtual_stages, placement)]
                    for r in range(pp_size)]
     elif name == "gpipe":
         compute = gpipe(pp_size, micro_batches)

@@ -21,11 +21,10 @@ on the rank itself (:meth:`PipelineStage.all_reduce_tied_grads`, ``ZeroOptimizer
 """
 from __future__ import annotations
 
+import copy
 import time
 
 import numpy as np
-
-import copy
 
 from minidist import nn
 from minidist.autograd import Tensor, get_array_module
@@ -139,13 +138,12 @@ class PipelineStage(nn.Module):
         self.transformer = nn.ModuleDict(parts)
         if self.holds_last:
             self.lm_head = model.lm_head
-            if model.config.tie_embeddings and self.holds_first and pp_size > 1:  # the V: both ends here
-                self.lm_head = copy.copy(model.lm_head)  # the same layer, with a parameter of its own
-                object.__setattr__(self.lm_head, "_parameters", dict(model.lm_head._parameters))
-                self.lm_head.weight = nn.Parameter(model.lm_head.weight.data.copy())
-                for tag in ("tensor_parallel", "sequence_parallel", "expert"):
-                    setattr(self.lm_head.weight, tag, getattr(model.lm_head.weight, tag))
-            if model.config.tie_embeddings and (not self.holds_first or pp_size > 1):
+            if model.config.tie_embeddings and pp_size > 1:
+                if self.holds_first:  # the V: both ends here, the head gets a parameter of its own
+                    self.lm_head = copy.copy(model.lm_head)
+                    object.__setattr__(self.lm_head, "_parameters", dict(model.lm_head._parameters))
+                    self.lm_head.weight = nn.Parameter(model.lm_head.weight.data.copy())
+                    self.lm_head.weight.tensor_parallel = model.lm_head.weight.tensor_parallel
                 self.lm_head.weight.tied_copy = True  # a copy of the first stage's wte: counted once (grad_ownership.py)
 
     @property
@@ -192,18 +190,16 @@ class PipelineStage(nn.Module):
         :meth:`embedding_group`): first stage ``transformer.wte.weight`` + last stage ``lm_head.weight``,
         as one process would have accumulated into its single matrix. Sends one all-reduce of (V, C);
         with both copies on this rank (the "v" placement) adds them here and sends nothing."""
-        if self.holds_first and self.holds_last and self.lm_head.weight.tied_copy:
-            pair = (self.transformer.wte.weight, self.lm_head.weight)
-            total = sum((p.grad for p in pair if p.grad is not None), get_array_module(pair[0].data).zeros_like(pair[0].data))
-            for p in pair:
-                if p.grad is None:
-                    p.grad = total.copy()
-                else:
-                    p.grad[...] = total
+        if not (self.config.tie_embeddings and self.pp_size > 1):
             return
-        if embedding_group is None:
-            return
-        weight = self.transformer.wte.weight if self.holds_first else self.lm_head.weight
-        if weight.grad is None:
-            weight.grad = get_array_module(weight.data).zeros_like(weight.data)
-        embedding_group.all_reduce(weight.grad, op="sum")
+        here = ([self.transformer.wte.weight] if self.holds_first else []) + (
+            [self.lm_head.weight] if self.holds_last else [])  # the copies this rank holds
+        for p in here:
+            if p.grad is None:
+                p.grad = get_array_module(p.data).zeros_like(p.data)
+        if len(here) == 2:  # both ends on this rank (the "v" placement): added here, nothing sent
+            total = here[0].grad + here[1].grad
+            for p in here:
+                p.grad[...] = total
+        elif embedding_group is not None:
+            embedding_group.all_reduce(here[0].grad, op="sum")

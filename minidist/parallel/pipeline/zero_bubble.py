@@ -30,7 +30,7 @@ The result is a compute order, lowered and checked like every schedule (schedule
 """
 from __future__ import annotations
 
-from minidist.parallel.pipeline.actions import Action, stage_rank
+from minidist.parallel.pipeline.actions import Action, rank_stages, stage_rank
 
 
 def list_schedule(pp_size: int, micro_batches: int, virtual_stages: int, placement: str, limit: int,
@@ -40,7 +40,7 @@ def list_schedule(pp_size: int, micro_batches: int, virtual_stages: int, placeme
     (per rank, its F and B in order) leaves the scheduler only the W to place."""
     p, m = pp_size, micro_batches
     n_stages = p * virtual_stages
-    owned = [[s for s in range(n_stages) if stage_rank(s, p, placement) == r] for r in range(p)]
+    owned = [rank_stages(r, p, virtual_stages, placement) for r in range(p)]
     cost = dict(zip("FBW", costs))
     finished = {}  # (op, stage, micro-batch) -> the time it ends
     next_mb = {(op, s): 0 for op in "FBW" for s in range(n_stages)}  # each stage runs each op in order
