@@ -180,10 +180,11 @@ def step_story(events, members: dict[str, list[int]], me: int, activation_shape=
 
 
 def explain_first_step(mesh, model, events, *, activation_shape=None, batch_shape=None,
-                       state_bytes: dict | None = None) -> list[str]:
+                       state_bytes: dict | None = None, notes: list[str] | None = None) -> list[str]:
     """This rank's account of one step: heading, groups, what it holds, then the step's ``events``
     (trace events recorded during it). ``activation_shape`` (b, T, C) labels the calls that move
-    activations; ``batch_shape`` is this rank's batch; ``state_bytes`` ({what: bytes}) its memory."""
+    activations; ``batch_shape`` is this rank's batch; ``state_bytes`` ({what: bytes}) its memory;
+    ``notes`` more lines about the step (what offload moved)."""
     members = group_members(mesh)
     groups = [f"{name} = ranks {ranks}" for name, ranks in members.items()
               if len(ranks) > 1 and name != mesh.world.name]
@@ -198,6 +199,7 @@ def explain_first_step(mesh, model, events, *, activation_shape=None, batch_shap
     lines += holdings(model, mesh.shape.tp, mesh.ep_rank, mesh.shape.ep) + routing(model, mesh)
     if state_bytes:
         lines.append("model states: " + ", ".join(f"{k} {_bytes(v)}" for k, v in state_bytes.items()))
+    lines += notes or []
     itemsize = next(iter(model.parameters())).data.dtype.itemsize
     return lines + step_story(events, members, mesh.rank, activation_shape, itemsize)
 

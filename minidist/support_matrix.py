@@ -1,6 +1,6 @@
 """The support matrix: every combination of the trainer's features, and whether it runs.
 
-The grid is the product of ten axes (a new user's first questions):
+The grid is the product of eleven axes (a new user's first questions):
 
     layout      dp, tp, pp each 1 or 2                              8
     context parallelism    cp 1 or 2                                2
@@ -11,14 +11,17 @@ The grid is the product of ten axes (a new user's first questions):
     recompute   off, on                                             2
     precision   float32, bfloat16, float16                          3
     checkpoints off, on (save, and resume from the newest)          2
-    experts     none (dense), MoE with experts on every dp rank     3      = 69,120 cells
+    experts     none (dense), MoE with experts on every dp rank     3
                 (ep 1), MoE with experts split over 2 (ep 2)
+    offload     none, optimizer (host memory), optimizer,params     3      = 207,360 cells
+                (in files under --offload-dir)
 
 A cell is MEANINGLESS when it asks for something its layout does not have (sequence parallelism
 without tensor parallelism: nothing to split the sequence over; a schedule other than the default
 without pipeline parallelism: with one stage every schedule is the same run, counted once, as 1f1b;
 likewise a cp algorithm other than ring with cp 1; expert parallelism with dp 1, as ep splits the
-experts over dp ranks).
+experts over dp ranks; offloading parameters below ZeRO-3, whose stages 0-2 keep every parameter
+whole on each rank).
 Every other cell must be accepted by :func:`~minidist.train_config.check_config`: a refusal is a
 debt, and :func:`refusals` lists them (none today). tests/test_composition.py trains the cells
 against one process; the README's matrix is :func:`markdown`, checked against it by a test.
@@ -44,6 +47,7 @@ AXES = {
     "dtype": ["float32", "bfloat16", "float16"],
     "checkpoint": [False, True],
     "moe": ["none", "ep1", "ep2"],
+    "offload": ["none", "optimizer", "optimizer,params"],
 }
 DEFAULT_SCHEDULE, DEFAULT_CP_ALGORITHM = "1f1b", "ring"
 
@@ -53,7 +57,8 @@ class Cell:
     """One combination: a layout (dp, tp, pp), context parallelism (cp and its algorithm), a ZeRO
     stage, sequence parallelism, a schedule, recompute, a precision, whether it checkpoints, and
     its experts ("none": a dense GPT; "ep1": 4 experts per MoE block, on every rank; "ep2": split
-    over 2 dp ranks)."""
+    over 2 dp ranks) and what it offloads ("optimizer": the optimizer shards, to host memory;
+    "optimizer,params": with the parameter shards, to files)."""
     dp: int
     tp: int
     pp: int
@@ -66,12 +71,14 @@ class Cell:
     dtype: str
     checkpoint: bool
     moe: str = "none"
+    offload: str = "none"
 
     def __str__(self) -> str:
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"] + [f"cp{self.cp}-{self.cp_algorithm}"] * (self.cp > 1)
         parts += [f"zero{self.zero}"]
         parts += ["sp"] * self.sequence_parallel + [self.schedule] * (self.pp > 1) + ["recompute"] * self.recompute
-        return "-".join(parts + [self.dtype] + ["ckpt"] * self.checkpoint + [f"moe-{self.moe}"] * (self.moe != "none"))
+        parts += [self.dtype] + ["ckpt"] * self.checkpoint + [f"moe-{self.moe}"] * (self.moe != "none")
+        return "-".join(parts + [f"offload-{self.offload.replace(',', '+')}"] * (self.offload != "none"))
 
 
     @property
@@ -80,9 +87,10 @@ class Cell:
 
 
 def grid() -> list[Cell]:
-    """All 69,120 cells, in a fixed order."""
+    """All 207,360 cells, in a fixed order."""
     return [Cell(**layout, cp=cp, cp_algorithm=a, zero=z, sequence_parallel=sp, schedule=s, recompute=r, dtype=d,
-                 checkpoint=c, moe=e) for layout, cp, a, z, sp, s, r, d, c, e in itertools.product(*AXES.values())]
+                 checkpoint=c, moe=e, offload=o)
+            for layout, cp, a, z, sp, s, r, d, c, e, o in itertools.product(*AXES.values())]
 
 
 def meaningless(cell: Cell) -> str | None:
@@ -95,14 +103,16 @@ def meaningless(cell: Cell) -> str | None:
         return "a cp algorithm says how attention reaches the other cp ranks' tokens: with cp 1 every one is the same run"
     if cell.moe == "ep2" and cell.dp == 1:
         return "expert parallelism splits the experts over dp ranks: with dp 1 there is no one to split them with"
+    if cell.offload == "optimizer,params" and cell.zero != 3:
+        return "offloading parameters moves ZeRO-3's parameter shards: stages 0-2 keep every parameter whole on each rank"
     return None
 
 
 def config_for(cell: Cell, **sizes) -> TrainConfig:
     """The TrainConfig of ``cell`` (two micro-batches per step, two virtual stages per rank under
     the interleaved and zbv schedules; with experts, 4 per MoE block, top-2, in every second block; ``sizes``
-    override the model and batch). A checkpointing cell saves into ``ckpt`` (a relative path: only
-    checked, never written here)."""
+    override the model and batch). A checkpointing cell saves into ``ckpt``, and an offloading cell of
+    parameters keeps its files in ``offload`` (relative paths: only checked, never written here)."""
     base = dict(n_layer=4, n_head=4, n_embd=16, block_size=16, batch_size=8, micro_batches=2)
     base.update(sizes)
     return TrainConfig(**base, dp=cell.dp, tp=cell.tp, pp=cell.pp, cp=cell.cp, cp_algorithm=cell.cp_algorithm,
@@ -111,7 +121,8 @@ def config_for(cell: Cell, **sizes) -> TrainConfig:
                        virtual_stages=2 if cell.schedule in ("interleaved", "zbv") and cell.pp > 1 else 1,
                        recompute=cell.recompute, dtype=cell.dtype,
                        ckpt_dir="ckpt" if cell.checkpoint else None, save_every=2 if cell.checkpoint else 0,
-                       n_experts=0 if cell.moe == "none" else 4, moe_every=2, ep=2 if cell.moe == "ep2" else 1)
+                       n_experts=0 if cell.moe == "none" else 4, moe_every=2, ep=2 if cell.moe == "ep2" else 1,
+                       offload=cell.offload, offload_dir="offload" if cell.offload == "optimizer,params" else None)
 
 
 def refusals() -> dict:
@@ -140,6 +151,7 @@ FEATURES = {  # a feature: the cells that have it
     "bf16": lambda c: c.dtype == "bfloat16", "fp16": lambda c: c.dtype == "float16",
     "checkpoints": lambda c: c.checkpoint,
     "MoE": lambda c: c.moe != "none", "EP": lambda c: c.moe == "ep2",
+    "offload": lambda c: c.offload != "none", "offload params": lambda c: c.offload == "optimizer,params",
 }
 
 

@@ -59,7 +59,8 @@ from minidist.parallel.sampler import DistributedSampler
 from minidist.parallel.step import loss_scaler, train_step
 from minidist.train_build import (build_parallel, describe_layout, load_data, memory_table, select_device,
                                   tokenizer_for, with_hf_model, world_of_one)
-from minidist.train_config import ConfigError, check_config, comm_timeout_problems, fault_injection_armed, parse_args
+from minidist.train_config import (ConfigError, check_config, comm_timeout_problems, fault_injection_armed, parse_args,
+                                   runs_zero_optimizer)
 from minidist.train_outputs import estimate_val_loss, explain_step, open_metrics, sample, trace_file, write_outputs
 from minidist.train_ps import train_ps
 
@@ -82,7 +83,7 @@ def train(cfg, progress=True, world=None, keep_history=True):
     model, optimizer, dp, engine, amp = build_parallel(cfg, mesh)
     scaler = loss_scaler(optimizer, amp)  # mixed precision's, or None
     if lead:
-        n_params = (sum(s.unit.numel for s in optimizer.shards) if cfg.zero  # ZeRO-3 holds shards only
+        n_params = (sum(s.unit.numel for s in optimizer.shards) if runs_zero_optimizer(cfg)  # ZeRO-3 holds shards only
                     else sum(p.data.size for p in model.parameters()))
         print(f"{n_params:,} parameters on rank 0, {len(train_tokens):,} train / {len(val_tokens):,} val "
               f"tokens, {cfg.batch_size} x {cfg.block_size} tokens per step, {mesh!r}")
@@ -108,8 +109,8 @@ def train(cfg, progress=True, world=None, keep_history=True):
                                              sequence_parallel=cfg.sequence_parallel, trace=world.trace, amp=amp)
             tokens_per_s = cfg.batch_size * cfg.block_size / (time.perf_counter() - t0)
             if step == start and cfg.explain:
-                explain_step(cfg, mesh, model, step_events, batch.shape)
-            if step == start and cfg.zero and lead:  # after a step: every model state exists, at its size
+                explain_step(cfg, mesh, model, step_events, batch.shape, optimizer)
+            if step == start and runs_zero_optimizer(cfg) and lead:  # after a step: every model state exists, at its size
                 bar.write(memory_table(optimizer))
             record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "grad_norm": grad_norm}
             if cfg.n_experts:  # the routing's load per expert (one small all-reduce)
@@ -132,6 +133,8 @@ def train(cfg, progress=True, world=None, keep_history=True):
     if ckpts is not None:
         ckpts.wait()
     write_outputs(cfg, model, optimizer, mesh, amp)
+    if runs_zero_optimizer(cfg):
+        optimizer.close()  # offload: its files go
     return model, history
 
 

@@ -21,6 +21,7 @@ from minidist.parallel.accounting import format_memory_table
 from minidist.parallel.context_parallel import context_parallel
 from minidist.parallel.data_parallel import DataParallel
 from minidist.parallel.experts import expert_parallel
+from minidist.parallel.offload import Offload
 from minidist.parallel.pipeline import PipelineEngine, PipelineStage, placement_of, rank_stages
 from minidist.parallel.recompute import recompute_blocks
 from minidist.parallel.ring_attention import sequence_chunks, token_ranges
@@ -28,7 +29,7 @@ from minidist.parallel.tensor_parallel import shard_for
 from minidist.parallel.tp_layout import ep_block
 from minidist.parallel.tp_model import build_tp_gpt
 from minidist.parallel.zero import ZeroOptimizer
-from minidist.train_config import ConfigError, TrainConfig
+from minidist.train_config import ConfigError, TrainConfig, runs_zero_optimizer
 
 ADAMW_BETAS = (0.9, 0.95)
 
@@ -219,10 +220,11 @@ def build_parallel(cfg, mesh):
 
     ``model``: the GPT, its tensor-parallel shard over ``mesh.tp_group``, and with ``cfg.pp > 1`` the
     PipelineStage of this pp rank (blocks recomputed in backward with ``cfg.recompute``).
-    ``optimizer``: with ``cfg.zero`` a ZeroOptimizer over ``mesh.dp_cp_group`` (the dp group, and
-    under context parallelism the cp ranks too: they hold the same parameters), which then syncs the
-    gradients itself (``dp`` None) and under mixed precision holds the sharded float32 masters and
-    the loss scaler (``amp`` None); else SGD / AdamW and ``dp`` a DataParallel, and with ``--dtype
+    ``optimizer``: with ``cfg.zero`` (or ``cfg.offload``) a ZeroOptimizer over ``mesh.dp_cp_group`` (the dp
+    group, and under context parallelism the cp ranks too: they hold the same parameters), which then
+    syncs the gradients itself (``dp`` None), under mixed precision holds the sharded float32 masters
+    and the loss scaler (``amp`` None), and with offload keeps its shards on the host or in
+    ``cfg.offload_dir`` (minidist/parallel/offload.py); else SGD / AdamW and ``dp`` a DataParallel, and with ``--dtype
     float16 / bfloat16`` ``amp`` the MixedPrecision whose float32 masters the optimizer updates.
     ``engine``: the PipelineEngine running ``cfg.schedule`` (None without pipeline parallelism)."""
     model = build_model(cfg, mesh.tp_group, mesh.cp_group, mesh.ep_group)
@@ -233,12 +235,15 @@ def build_parallel(cfg, mesh):
     scaler = build_loss_scaler(cfg, mesh.world)
     mixed = cfg.dtype if scaler is not None else None
     dp = amp = None
-    if cfg.zero > 0:
+    if runs_zero_optimizer(cfg):
         hyper = {"betas": ADAMW_BETAS} if cfg.optimizer == "adamw" else {"momentum": cfg.momentum}
+        offload = (Offload(cfg.offload, cfg.offload_dir, mesh.rank, gpu=cfg.device == "cuda")
+                   if cfg.offload != "none" else None)
         optimizer = ZeroOptimizer(model, mesh.dp_cp_group, cfg.zero, cfg.optimizer, lr=cfg.lr,
                                   weight_decay=cfg.weight_decay, tp_group=mesh.tp_group, pp_group=mesh.pp_group,
                                   mixed_precision=mixed, scaler=scaler, reshard_after_forward=cfg.pp == 1,
-                                  replicas=cfg.dp, expert_group=mesh.expert_dp_group, ep_group=mesh.ep_group, **hyper)
+                                  replicas=cfg.dp, expert_group=mesh.expert_dp_group, ep_group=mesh.ep_group,
+                                  offload=offload, **hyper)
     else:
         dp = DataParallel(model, mesh.dp_cp_group, bucket_bytes=int(cfg.bucket_mb * 2**20), replicas=cfg.dp,
                           expert_group=mesh.expert_dp_group)
@@ -248,7 +253,7 @@ def build_parallel(cfg, mesh):
     if cfg.pp > 1:
         engine = PipelineEngine(model, mesh, cfg.schedule, cfg.micro_batches, cfg.virtual_stages,
                                 no_sync=dp.no_sync if dp else optimizer.no_sync)
-        if cfg.zero:
+        if runs_zero_optimizer(cfg):
             optimizer.tied_group = engine.embedding_group  # ZeRO sums the tied copies on its shards
     return model, optimizer, dp, engine, amp
 
@@ -271,6 +276,10 @@ def describe_layout(cfg, mesh, model) -> str:
     replicas = shape.dp * shape.cp
     cut = ([f"1/{shape.tp} of its matrices (tp)"] if shape.tp > 1 else []) + (
         [f"1/{replicas} of their {sharded[cfg.zero - 1]} (ZeRO-{cfg.zero})"] if cfg.zero else [])
+    if cfg.offload != "none":
+        where = f"files under {cfg.offload_dir}" if cfg.offload_dir else "host memory"
+        what = "optimizer shard (masters, moments)" + (" and parameter shards" if cfg.offload == "optimizer,params" else "")
+        cut.append(f"its {what} in {where}, updated there (offload)")
     pipeline = f", {cfg.schedule} schedule" if cfg.pp > 1 else ""
     cp = f" x cp {shape.cp}" if shape.cp > 1 else ""
     lines = [f"mesh: dp {shape.dp} x pp {shape.pp}{cp} x tp {shape.tp} = {shape.world} ranks, "
@@ -296,15 +305,18 @@ def describe_layout(cfg, mesh, model) -> str:
 
 
 def memory_table(optimizer) -> str:
-    """ZeRO's model-state bytes on this rank: the paper's formula beside what the arrays hold, and
-    under mixed precision the paper's bytes per parameter (2 + 2 + K)."""
-    rows = [{"label": f"ZeRO-{optimizer.stage} formula", **optimizer.formula()},
+    """ZeRO's model-state bytes on this rank: the paper's formula beside what the arrays hold (device
+    memory, then under offload the host's and the disk's), and under mixed precision the paper's
+    bytes per parameter (2 + 2 + K)."""
+    offload = f" + offload to the {optimizer.offload.where}" if optimizer.offload is not None else ""
+    rows = [{"label": f"ZeRO-{optimizer.stage}{offload} formula", **optimizer.formula()},
             {"label": "measured on rank 0", **optimizer.model_state_bytes()}]
-    table = format_memory_table([dict(r, total=sum(v for k, v in r.items() if k != "label")) for r in rows])
+    device = ("parameters", "gradients", "optimizer")  # then the device's total, then host and disk if any
+    table = format_memory_table([{"label": r["label"], **{k: r[k] for k in device}, "total": sum(r[k] for k in device),
+                                  **{k: v for k, v in r.items() if k not in device + ("label",)}} for r in rows])
     if not optimizer.mixed_precision:
         return table
-    numel = sum(s.unit.numel for s in optimizer.shards)
-    k = round(optimizer.formula()["optimizer"] * (optimizer.group.size if optimizer.stage else 1) / numel)
+    k = optimizer.optimizer_bytes_per_parameter
     b = optimizer.shards[0].unit.dtype.itemsize
     emulated = " (bfloat16 emulated in float32 storage)" if b == 4 else ""
     return (table + f"\n(mixed precision, the paper's model: {optimizer.mixed_precision} parameters and gradients, "

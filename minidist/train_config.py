@@ -6,11 +6,13 @@ listing every problem (:class:`ConfigError`) instead of hanging halfway through 
 """
 import argparse
 import dataclasses
+from pathlib import Path
 
 from minidist.amp import COMPUTE_DTYPES
 from minidist.checkpoint.paths import ckpt_dir_problems
 from minidist.device import DEVICES
 from minidist.parallel.context_parallel import ALGORITHMS, tokens_multiple
+from minidist.parallel.offload import CHOICES as OFFLOAD_CHOICES
 from minidist.parallel.param_server import check_parameter_server
 from minidist.parallel.pipeline import SCHEDULES
 
@@ -68,6 +70,8 @@ class TrainConfig:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     zero: int = 0
+    offload: str = "none"
+    offload_dir: str | None = None
     recompute: bool = False
     bucket_mb: float = 1.0
     export: str | None = None
@@ -83,6 +87,12 @@ class TrainConfig:
     async_save: bool = False
     fail_at_step: int = -1
     fail_rank: int = 0
+
+
+def runs_zero_optimizer(cfg) -> bool:
+    """Whether ``cfg`` trains with ZeRO's optimizer (minidist/parallel/zero.py): a ZeRO stage, or
+    offload, which moves ZeRO's shards (with ``--zero 0`` every rank offloads the whole state)."""
+    return cfg.zero > 0 or cfg.offload != "none"
 
 
 class ConfigError(ValueError):
@@ -185,6 +195,7 @@ def check_config(cfg, world_size: int) -> None:
                         f"of pp ({cfg.pp})")
     problems += comm_timeout_problems(cfg)
     problems += checkpoint_problems(cfg, world_size) + mixed_precision_problems(cfg) + device_problems(cfg)
+    problems += offload_problems(cfg)
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
 
@@ -259,12 +270,31 @@ def parameter_server_problems(cfg, world_size: int) -> list[str]:
         problems = [str(e)]
     else:
         problems = []
-    collective = [f"--{name.replace('_', '-')}" for name in ("dp", "pp", "tp", "cp", "ep", "micro_batches", "zero", "ckpt_dir",
+    collective = [f"--{name.replace('_', '-')}" for name in ("dp", "pp", "tp", "cp", "ep", "micro_batches", "zero", "offload", "ckpt_dir",
                                                              "explain", "sequence_parallel", "recompute",
                                                              "export_hf", "init_from_hf")
-                  if getattr(cfg, name) not in (1, 0, None, False)]
+                  if getattr(cfg, name) not in (1, 0, None, False, "none")]
     if collective:
         problems.append(f"--mode ps trains whole models on its workers: {', '.join(collective)} do not apply")
+    return problems
+
+
+def offload_problems(cfg) -> list[str]:
+    """What --offload and --offload-dir cannot run: parameters move only under ZeRO-3 (stages 0-2
+    compute with every parameter whole on each rank), and a folder is only for offloaded state."""
+    if cfg.offload not in OFFLOAD_CHOICES:
+        return [f"--offload must be one of {', '.join(OFFLOAD_CHOICES)}, got {cfg.offload!r}"]
+    problems = []
+    if cfg.offload == "optimizer,params" and cfg.zero != 3:
+        problems.append(f"--offload optimizer,params moves ZeRO-3's parameter shards, and --zero {cfg.zero} keeps every "
+                        f"parameter whole on each rank to compute with: use --zero 3, or --offload optimizer")
+    if cfg.offload_dir is not None:
+        if cfg.offload == "none":
+            problems.append("--offload-dir is where offloaded state lives: add --offload optimizer (or "
+                            "optimizer,params with --zero 3)")
+        existing = next(p for p in (Path(cfg.offload_dir), *Path(cfg.offload_dir).parents) if p.exists())
+        if not existing.is_dir():
+            problems.append(f"--offload-dir {cfg.offload_dir}: {existing} is not a folder")
     return problems
 
 
@@ -322,7 +352,7 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     choices = {"mode": ["collective", "ps"], "dtype": ["float32", "float64", "float16", "bfloat16"], "optimizer": ["sgd", "adamw"], "schedule": list(SCHEDULES),
                "cp_algorithm": list(ALGORITHMS),
-               "zero": [0, 1, 2, 3], "device": list(DEVICES), "backend": ["ring", "mpi", "nccl"]}
+               "zero": [0, 1, 2, 3], "offload": list(OFFLOAD_CHOICES), "device": list(DEVICES), "backend": ["ring", "mpi", "nccl"]}
     helps = {
         "steps": "optimizer steps", "batch_size": "sequences per step (the global batch)",
         "seed": "seeds the weights and the batches",
@@ -365,6 +395,10 @@ def parse_args(argv=None):
         "micro_batches": "micro-batches per step and dp rank (gradient accumulation; the pipeline's units)",
         "schedule": "pipeline schedule", "virtual_stages": "model chunks per pipeline rank (interleaved; 2 for zbv)",
         "zero": "ZeRO stage: shard optimizer states (1), + gradients (2), + parameters (3) over dp",
+        "offload": "ZeRO-Offload: keep the optimizer shard (masters, moments) off the device and update it on the "
+                   "host; optimizer,params (--zero 3): the parameter shards too",
+        "offload_dir": "ZeRO-Infinity: keep the offloaded state in memory-mapped files under this folder instead of "
+                       "host memory",
         "recompute": "recompute each block's activations in backward instead of keeping them",
         "bucket_mb": "data-parallel gradient bucket size in MiB",
         "export": "write the consolidated full-model state_dict here at the end (.npz or .safetensors; nanoGPT / "

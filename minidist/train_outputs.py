@@ -17,6 +17,7 @@ from minidist.inspect.write import model_state_bytes, stream_trace, write_memory
 from minidist.parallel.consolidate import full_state_dict
 from minidist.parallel.generate import generate
 from minidist.parallel.sampler import micro_batches
+from minidist.train_config import runs_zero_optimizer
 
 
 def open_metrics(out, start: int = 0):
@@ -60,14 +61,17 @@ def estimate_val_loss(model, val_tokens, cfg, engine=None):
     return float(np.mean(losses))
 
 
-def explain_step(cfg, mesh, model, events, batch_shape):
+def explain_step(cfg, mesh, model, events, batch_shape, optimizer=None):
     """``--explain``: every rank's story of the step just run, printed by rank 0 in rank order
     (collective over the world). An activation is one micro-batch's (b, T, C), T cut by cp under
-    context parallelism and by tp under sequence parallelism."""
+    context parallelism and by tp under sequence parallelism. Under offload each story says what
+    ``optimizer`` moved between device, host and disk."""
     rows = batch_shape[0] // cfg.micro_batches
     seq = cfg.block_size // cfg.cp
     seq = seq // cfg.tp if cfg.sequence_parallel else seq
-    print_explanation(mesh, model, events, batch_shape=batch_shape, activation_shape=(rows, seq, cfg.n_embd))
+    offload = getattr(optimizer, "offload", None)
+    print_explanation(mesh, model, events, batch_shape=batch_shape, activation_shape=(rows, seq, cfg.n_embd),
+                      notes=offload.story() if offload is not None else None)
 
 
 def write_outputs(cfg, model, optimizer, mesh, amp=None):
@@ -79,7 +83,7 @@ def write_outputs(cfg, model, optimizer, mesh, amp=None):
     (each rank writes its own file; :func:`trace_file` has written its events during the loop). Under
     mixed precision the exports hold the float32 masters."""
     if cfg.export is not None or cfg.export_hf is not None:
-        with (optimizer.full_parameters(masters=True) if cfg.zero else masters_in_model(amp) if amp
+        with (optimizer.full_parameters(masters=True) if runs_zero_optimizer(cfg) else masters_in_model(amp) if amp
               else contextlib.nullcontext()):
             state = full_state_dict(model, mesh)
         if mesh.rank == 0 and cfg.export is not None:
@@ -87,7 +91,7 @@ def write_outputs(cfg, model, optimizer, mesh, amp=None):
         if mesh.rank == 0 and cfg.export_hf is not None:
             write_hf(cfg.export_hf, state, model.config)
     if cfg.trace is not None:
-        held = optimizer.model_state_bytes() if cfg.zero else model_state_bytes(model, optimizer)
+        held = optimizer.model_state_bytes() if runs_zero_optimizer(cfg) else model_state_bytes(model, optimizer)
         write_memory_report(cfg.trace, mesh.rank, [dict(label="after last step", **held)])
 
 

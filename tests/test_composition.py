@@ -1,16 +1,20 @@
 """The composition grid: every meaningful combination of layout (dp, tp, pp each 1 or 2), context
 parallelism (cp 1 or 2, ring, zig-zag or Ulysses), ZeRO stage, sequence parallelism, pipeline
-schedule, recompute, precision, checkpointing and experts (none, a mixture of experts on every rank,
-or split over 2 dp ranks) trains like one process on the full batch (minidist/support_matrix.py lists
-the 69,120 cells; the meaningless ones name a schedule without a pipeline, sequence parallelism
-without tensor parallelism, a cp algorithm without cp, or expert parallelism without dp).
+schedule, recompute, precision, checkpointing, experts (none, a mixture of experts on every rank,
+or split over 2 dp ranks) and offload (none, the optimizer shards to host memory, with ZeRO-3's
+parameter shards to files) trains like one process on the full batch (minidist/support_matrix.py
+lists the 207,360 cells; the meaningless ones name a schedule without a pipeline, sequence
+parallelism without tensor parallelism, a cp algorithm without cp, expert parallelism without dp, or
+offloaded parameters below ZeRO-3).
 
-``--slow`` trains the 6,912 meaningful dense cells (1,728 without cp, 5,184 with cp 2), the 2,592
-mixture-of-experts cells without cp, and a pairwise cover of all 10,368 mixture-of-experts cells. The
-default run trains a sample: 18 dense cells without cp that hold every value of every axis, the
-first 8 cells of a pairwise cover of the dense cp cells (41 cells in which every pair of values of
-any two axes, such as zig-zag x fp16 or Ulysses x ZeRO-3, occurs at least once; its first 8 hold
-every algorithm, ZeRO stage and precision), and the first 8 of the experts' pairwise cover.
+``--slow`` trains the 6,912 meaningful dense cells without offload (1,728 without cp, 5,184 with
+cp 2), the 2,592 mixture-of-experts cells without cp, a pairwise cover of all 10,368
+mixture-of-experts cells, the 2,160 offloading dense cells without cp, and the cells of a pairwise
+cover of all 21,600 offloading cells that have cp or experts. The default run trains a sample: 18
+dense cells without cp that hold every value of every axis, the first 8 cells of a pairwise cover of
+the dense cp cells (41 cells in which every pair of values of any two axes, such as zig-zag x fp16
+or Ulysses x ZeRO-3, occurs at least once; its first 8 hold every algorithm, ZeRO stage and
+precision), and the first 8 of the experts' and of the offloading cells' pairwise covers.
 
 A mixture-of-experts cell's one-process reference is the same MoE GPT (4 experts in blocks 1 and 3).
 In float64 each token goes to its top 2 experts. A routing decision is not continuous: where a
@@ -62,9 +66,10 @@ TRAIN = dict(steps=4, eval_every=100, eval_iters=1, sample_tokens=0, warmup=1, l
              optimizer="sgd", momentum=0.9, bucket_mb=0.01, loss_scale_window=2)
 UNIT_ROUNDOFF = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
 CELLS = [c for c in grid() if meaningless(c) is None]
-DENSE_CELLS = [c for c in CELLS if c.moe == "none"]
+DENSE_CELLS = [c for c in CELLS if c.moe == "none" and c.offload == "none"]
 CP1_CELLS = [c for c in DENSE_CELLS if c.cp == 1]
-MOE_CELLS = [c for c in CELLS if c.moe != "none"]
+MOE_CELLS = [c for c in CELLS if c.moe != "none" and c.offload == "none"]
+OFFLOAD_CELLS = [c for c in CELLS if c.offload != "none"]
 
 
 def fit(cfg):
@@ -95,9 +100,10 @@ def reference(dtype: str, data_dir: str, optimizer: str = "sgd", moe: bool = Fal
 def train_cell(cell: Cell, data_dir: str, tmp_path, optimizer: str = "sgd"):
     """Train ``cell``: rows of the steps it ran (a checkpointing cell: the resumed steps 2 and 3) and
     its final weights."""
-    cfg = dataclasses.replace(config_for(cell, **SIZES), **{**TRAIN, "optimizer": optimizer},
-                              **experts(cell.dtype, cell.moe != "none"),
-                              dtype=run_dtype(cell.dtype), data_dir=data_dir, export=str(tmp_path / "w.npz"))
+    cfg = config_for(cell, **SIZES)
+    cfg = dataclasses.replace(cfg, **{**TRAIN, "optimizer": optimizer}, **experts(cell.dtype, cell.moe != "none"),
+                              dtype=run_dtype(cell.dtype), data_dir=data_dir, export=str(tmp_path / "w.npz"),
+                              offload_dir=str(tmp_path / "offload") if cfg.offload_dir else None)
     if not cell.checkpoint:
         return fit(cfg)
     cfg = dataclasses.replace(cfg, ckpt_dir=str(tmp_path / "ckpt"))
@@ -173,14 +179,20 @@ def pairwise_cover(cells, seed: int = 17) -> list:
 
 CP_CELLS = pairwise_cover([c for c in DENSE_CELLS if c.cp == 2])
 MOE_COVER = pairwise_cover(MOE_CELLS)
+OFFLOAD_COVER = pairwise_cover(OFFLOAD_CELLS)
 
 
 def test_the_grid_has_no_refusals_and_every_axis_value_is_sampled():
-    assert len(grid()) == 69120 and len(CP1_CELLS) == 1728 and len(DENSE_CELLS) == 1728 + 5184
+    assert len(grid()) == 207360 and len(CP1_CELLS) == 1728 and len(DENSE_CELLS) == 1728 + 5184
     assert len(MOE_CELLS) == 6912 + 3456  # ep 2 needs dp 2
+    assert len(OFFLOAD_CELLS) == 17280 + 17280 // 4  # parameters move under ZeRO-3 only
     assert refusals() == {}  # every meaningful cell is accepted: refusals are debts
     covered = {v for c in sample(18) for v in axis_values(c)}
-    assert len(covered) == 8 + 1 + 1 + 4 + 2 + 5 + 2 + 3 + 2 + 1  # (cp 1: one cp value, one algorithm; dense)
+    assert len(covered) == 8 + 1 + 1 + 4 + 2 + 5 + 2 + 3 + 2 + 1 + 1  # (cp 1: one cp value, one algorithm; dense; no offload)
+    first = {v for c in OFFLOAD_COVER[:8] for v in axis_values(c)}
+    assert {v for v in first if v[0] in ("offload", "zero", "dtype")} == {
+        ("offload", "optimizer"), ("offload", "optimizer,params")} | {("zero", z) for z in AXES["zero"]} | {
+        ("dtype", d) for d in AXES["dtype"]}
     first = {v for c in MOE_COVER[:8] for v in axis_values(c)}
     assert {v for v in first if v[0] in ("moe", "zero", "dtype")} == {("moe", "ep1"), ("moe", "ep2")} | {
         ("zero", z) for z in AXES["zero"]} | {("dtype", d) for d in AXES["dtype"]}
@@ -221,6 +233,11 @@ def test_a_sample_of_the_mixture_of_experts_cells_trains_like_one_process(cell, 
     check_cell(cell, data_dir, tmp_path)
 
 
+@pytest.mark.parametrize("cell", OFFLOAD_COVER[:8], ids=str)
+def test_a_sample_of_the_offloading_cells_trains_like_one_process(cell, data_dir, tmp_path):
+    check_cell(cell, data_dir, tmp_path)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("cell", DENSE_CELLS, ids=str)
 def test_every_cell_of_the_grid_trains_like_one_process(cell, data_dir, tmp_path):
@@ -230,6 +247,13 @@ def test_every_cell_of_the_grid_trains_like_one_process(cell, data_dir, tmp_path
 @pytest.mark.slow
 @pytest.mark.parametrize("cell", [c for c in MOE_CELLS if c.cp == 1] + [c for c in MOE_COVER if c.cp == 2], ids=str)
 def test_the_mixture_of_experts_cells_train_like_one_process(cell, data_dir, tmp_path):
+    check_cell(cell, data_dir, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cell", [c for c in OFFLOAD_CELLS if c.cp == 1 and c.moe == "none"] +
+                         [c for c in OFFLOAD_COVER if c.cp == 2 or c.moe != "none"], ids=str)
+def test_the_offloading_cells_train_like_one_process(cell, data_dir, tmp_path):
     check_cell(cell, data_dir, tmp_path)
 
 

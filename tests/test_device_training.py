@@ -93,6 +93,8 @@ def test_data_parallel_on_device_arrays_trains_bitwise_like_numpy(cupy, data_dir
     dict(cp=2, cp_algorithm="ulysses", dp=2, zero=3), dict(cp=2, cp_algorithm="zigzag", pp=2, micro_batches=2),
     dict(n_experts=4), dict(n_experts=4, dp=2, ep=2, tp=2, zero=1), dict(n_experts=4, dp=2, ep=2, pp=2, micro_batches=2),
     dict(n_experts=4, dp=2, ep=2, zero=3, capacity_factor=1.0),
+    dict(dp=2, zero=2, offload="optimizer"), dict(dp=2, pp=2, zero=1, micro_batches=2, offload="optimizer"),
+    dict(dp=2, zero=3, offload="optimizer,params", dtype="bfloat16"), dict(zero=0, offload="optimizer"),
 ], ids=lambda c: " ".join(f"{k}={v}" for k, v in c.items()))
 def test_parallel_layouts_on_device_arrays_train_bitwise_like_numpy(cupy, data_dir, tmp_path, changes):
     cfg = dataclasses.replace(TrainConfig(**TINY, data_dir=data_dir, optimizer="adamw"), **changes)

@@ -12,7 +12,7 @@ one with its saved and its current value. The identity holds whatever changes th
                   weight_decay, grad_clip, batch_size, dtype; momentum for SGD only;
                   loss_scale and loss_scale_window in mixed precision only
 
-and nothing that only says HOW the same math is laid out: dp, tp, pp, ep, zero, schedule, virtual
+and nothing that only says HOW the same math is laid out: dp, tp, pp, ep, zero, offload, schedule, virtual
 stages, sequence parallelism, recomputation, bucket size, device, backend and the world size may all
 change (that is resharding), and so may ``micro_batches``: cutting a batch into micro-batches sums
 the same per-example gradients with the same 1/B factor, equal in exact arithmetic; in floating point

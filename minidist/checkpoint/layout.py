@@ -82,7 +82,7 @@ def training_pieces(model, optimizer, mesh, amp=None) -> list:
     """This rank's pieces of the model and of the optimizer state (SGD/AdamW over
     ``model.named_parameters()`` or mixed precision's masters, ``amp``; or a :class:`ZeroOptimizer`'s
     flat shards, float32 masters under mixed precision), each tensor written once over the whole mesh."""
-    if isinstance(optimizer, ZeroOptimizer) and optimizer.stage > 0:
+    if isinstance(optimizer, ZeroOptimizer):
         return _zero_pieces(model, optimizer, mesh)
     pieces = []
     for stored, name, p, shape in _held(model, mesh, amp):
@@ -98,9 +98,12 @@ def training_pieces(model, optimizer, mesh, amp=None) -> list:
 
 def _zero_pieces(model, optimizer, mesh) -> list:
     """Every dp x cp rank's own flat pieces: its shard of the parameters (``shard.param``, which ZeRO-3
-    keeps alone) and of each optimizer slot."""
+    keeps alone) and of each optimizer slot. Stage 0 (offload without ZeRO) shards nothing: each
+    unit's first replica writes it whole."""
     pieces = []
     for s in optimizer.shards:
+        if not optimizer.partitions.optimizer_states and s.group.rank != 0:
+            continue
         arrays = [("", s.param.data)] + [(f"{slot}/", state) for slot, state in s.state.items()]
         for stored, p, shape, a, b, flat in zero_regions(s.unit, model.config, mesh):
             if _written_here(p, mesh):
@@ -127,7 +130,7 @@ def load_training_state(ckpt, model, optimizer, mesh, amp=None, scaler=None) -> 
     as well (every dp rank computes with all of them), in stage 3 the shards are all it keeps. Under
     mixed precision the float32 masters are read (``amp``'s, or ZeRO's shards), the model gets them
     rounded to its dtype exactly as after an update, and ``scaler`` its saved state."""
-    zero = isinstance(optimizer, ZeroOptimizer) and optimizer.stage > 0
+    zero = isinstance(optimizer, ZeroOptimizer)
     if not (zero and optimizer.stage == 3):
         _load_boxes(ckpt, model, {} if zero else optimizer.state, mesh, None if zero else amp)
     if zero:

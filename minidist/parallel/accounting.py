@@ -63,6 +63,16 @@ def zero_formula(stage: int, param_bytes: int, optimizer_bytes: int, n: int) -> 
     return {k: v / n if shard[k] else v for k, v in full.items()}
 
 
+def offload_formula(part: dict, shard_bytes: float, where: str, params: bool, master_copy: bool) -> dict:
+    """:func:`zero_formula`'s ``part`` with offload (offload.py): the optimizer shard leaves the
+    device for ``where`` ("host" or "disk"), and so does the parameter shard (``shard_bytes``: numel/N
+    in the model's dtype) when ``params`` are offloaded (ZeRO-3) or ``master_copy`` (full precision:
+    the master is a copy of the shard); the host keeps the gradient shard (``shard_bytes``) as well."""
+    stored = part["optimizer"] + (shard_bytes if params or master_copy else 0)
+    return {"parameters": 0 if params else part["parameters"], "gradients": part["gradients"], "optimizer": 0,
+            "host": shard_bytes + stored * (where == "host"), "disk": stored * (where == "disk")}
+
+
 def bus_bytes(events, group_name: str, group_size: int) -> dict:
     """Per op (all_reduce / reduce_scatter / all_gather) the bytes each rank of ``group_name`` sends
     for the recorded ``events``, plus their ``"total"``."""
@@ -77,7 +87,8 @@ def bus_bytes(events, group_name: str, group_size: int) -> dict:
 def format_memory_table(rows: list[dict]) -> str:
     """A text table, one row per dict (keys: label, then byte counts), bytes shown in KiB."""
     columns = [k for k in rows[0] if k != "label"]
-    lines = [f"{'':<22}" + "".join(f"{c:>14}" for c in columns)]
+    width = max(22, *(len(r["label"]) + 2 for r in rows))
+    lines = [f"{'':<{width}}" + "".join(f"{c:>14}" for c in columns)]
     for r in rows:
-        lines.append(f"{r['label']:<22}" + "".join(f"{r[c] / 1024:>11.1f} KiB" for c in columns))
+        lines.append(f"{r['label']:<{width}}" + "".join(f"{r[c] / 1024:>11.1f} KiB" for c in columns))
     return "\n".join(lines)

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from minidist.amp import to_compute, unscale
-from minidist.autograd import Tensor
+from minidist.autograd import Tensor, get_array_module, to_numpy
 from minidist.optim import adamw_update, clip_coef, sgd_update
 from minidist.parallel import accounting, zero3
 from minidist.parallel.data_parallel import average_over_replicas
@@ -91,6 +91,9 @@ class Shard:
     sequence_parallel: np.ndarray | None = None  # bool per shard element: a partial sum over tp
     grad_flat: np.ndarray | None = None  # stages 0 and 1
     grad: np.ndarray | None = None
+    host_grad: np.ndarray | None = None  # offload: the gradient shard's host buffer (hi - lo,)
+    stored: list = field(default_factory=list)  # offload: the arrays kept in the offload store
+    downloaded: object = None  # offload: the ``grad`` array already copied into ``host_grad``
     ready: int = 0  # stages 2, 3: parameters of the unit whose gradient is final in this backward
     work: object = None  # stages 2, 3: the reduce-scatter in flight
 
@@ -116,7 +119,7 @@ class ZeroOptimizer:
                  momentum: float = 0.0, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
                  tp_group=None, pp_group=None, tied_group=None, mixed_precision: str | None = None, scaler=None,
                  reshard_after_forward: bool = True, replicas: int | None = None, expert_group=None,
-                 ep_group=None):
+                 ep_group=None, offload=None):
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
         if optimizer not in SLOTS:
@@ -129,6 +132,10 @@ class ZeroOptimizer:
         self.lr, self.momentum, self.betas, self.eps, self.weight_decay = lr, momentum, betas, eps, weight_decay
         self.tp_group, self.pp_group, self.tied_group, self.ep_group = tp_group, pp_group, tied_group, ep_group
         self.mixed_precision, self.scaler = mixed_precision, scaler
+        if offload is not None and offload.params and not self.partitions.parameters:
+            raise ValueError("offloading the parameters moves ZeRO-3's parameter shards: stages 0-2 keep every "
+                             "parameter whole on each rank")
+        self.offload = offload
         self.step_count = 0
         self._reduced = False  # gradients of this step already reduced over dp
         self._in_flight = None  # stages 2, 3: the shard whose reduce-scatter is queued
@@ -142,7 +149,7 @@ class ZeroOptimizer:
             for s in self.shards:
                 for _, p in s.unit.params:
                     p.register_grad_ready_hook(lambda p, s=s: self._grad_ready(s))
-        self.gatherer = (zero3.fully_shard(model, self.shards, reshard_after_forward)
+        self.gatherer = (zero3.fully_shard(model, self.shards, reshard_after_forward, offload)
                          if self.partitions.parameters else None)
         self.zero_grad()
 
@@ -158,11 +165,33 @@ class ZeroOptimizer:
             master = compute.astype(np.float32)
             whole = compute if flat is None else flat
             whole[...] = to_compute(whole.astype(np.float32), self.mixed_precision)
+        masks = [unit.decay_mask(), unit.tensor_parallel_mask().astype(bool), unit.counted_mask().astype(bool)]
+        if self.offload is not None:
+            return self._offloaded_shard(unit, group, compute, flat, master, masks)
         state = {slot: unit.xp.zeros(unit.hi - unit.lo, dtype=master.dtype) for slot in SLOTS[self.optimizer]}
         grad_flat = unit.xp.zeros(unit.numel, dtype=unit.dtype) if not self.partitions.gradients else None  # (numel,)
-        return Shard(unit, group, Tensor(master), compute, flat, state, unit.decay_mask(),
-                     unit.tensor_parallel_mask().astype(bool), unit.counted_mask().astype(bool),
+        return Shard(unit, group, Tensor(master), compute, flat, state, *masks,
                      unit.sequence_parallel_mask().astype(bool), grad_flat)
+
+    def _offloaded_shard(self, unit: FlatUnit, group, compute, flat, master, masks) -> Shard:
+        """A Shard whose master and optimizer slots (and with parameter offload its 16-bit or full
+        parameter shard, ``compute``) live in the offload store, initialised from the device's values
+        (offload.py); its gradient gets a host buffer. The masks the host update reads are host copies."""
+        off, n = self.offload, unit.hi - unit.lo
+        host = off.store.array(f"{unit.name}.master", n, master.dtype)
+        host[...] = to_numpy(master)
+        if off.params:
+            stored_compute = off.store.array(f"{unit.name}.compute", n, unit.dtype)
+            stored_compute[...] = to_numpy(compute)
+            compute = stored_compute
+            host = compute if not self.mixed_precision else host  # full precision: the master is the shard
+        state = {slot: off.store.array(f"{unit.name}.{slot}", n, host.dtype) for slot in SLOTS[self.optimizer]}
+        grad_flat = unit.xp.zeros(unit.numel, dtype=unit.dtype) if not self.partitions.gradients else None  # (numel,)
+        stored = list({id(a): a for a in [host, *state.values()] + ([compute] if off.params else [])}.values())
+        off.store.write_back(stored)  # initialised: to disk, out of memory
+        return Shard(unit, group, Tensor(host), compute, flat, state, *(to_numpy(m) for m in masks),
+                  unit.sequence_parallel_mask().astype(bool), grad_flat,
+                  host_grad=off.host.array(f"{unit.name}.grad", n, unit.dtype), stored=stored)
 
     # ---- gradients --------------------------------------------------------------------------------
 
@@ -170,6 +199,8 @@ class ZeroOptimizer:
         """Forget the gradients: the next backward starts from nothing. Stages 0 and 1 zero the flat
         gradient buffers and point every ``p.grad`` at its view (backward accumulates in place);
         stages 2 and 3 drop the full gradients and the shards."""
+        if self.offload is not None:
+            self.offload.moved.clear()  # from here on: this step's bytes
         for s in self.shards:
             s.grad, s.param.grad, s.ready, s.work = None, None, 0, None
             if s.grad_flat is not None:
@@ -213,6 +244,15 @@ class ZeroOptimizer:
             grad = s.work.wait()  # (hi - lo,)
             s.grad = grad if s.grad is None else s.grad + grad
             s.work = None
+            if self.offload is not None and not self._completed_later(s):  # final now: down during backward
+                self.offload.down(s.grad, s.host_grad)
+                s.downloaded = s.grad
+
+    def _completed_later(self, s: Shard) -> bool:
+        """Whether the shard's reduced gradient still changes after the dp reduction: summed over tp
+        (sequence-parallel elements) or with its tied copy."""
+        return (self.tp_group is not None and self.tp_group.size > 1 and bool(s.sequence_parallel.any())) or \
+            any(t is s for t in self._tied_shards())
 
     def reduce_gradients(self) -> None:
         """Make ``shard.grad`` the dp-averaged, tp- and tied-complete gradient of every shard in the
@@ -235,9 +275,17 @@ class ZeroOptimizer:
         if missing:
             raise RuntimeError(f"no complete gradient for units {missing}: did backward reach every parameter?")
         self._complete_over_tp_and_tied()
+        grads = [s.grad for s in self.shards]  # the optimizer's input: on the device, or its host copy
+        if self.offload is not None:
+            for s in self.shards:
+                if s.downloaded is not s.grad:
+                    self.offload.down(s.grad, s.host_grad)
+                s.downloaded = None
+            self.offload.wait()
+            grads = [s.host_grad for s in self.shards]
         scale = self.scaler.scale if self.scaler else 1.0
-        for s in self.shards:
-            s.param.grad = unscale(s.grad, scale, self.mixed_precision) if self.mixed_precision else s.grad
+        for s, g in zip(self.shards, grads):
+            s.param.grad = unscale(g, scale, self.mixed_precision) if self.mixed_precision else g
         self._reduced = True
 
     def _complete_over_tp_and_tied(self) -> None:
@@ -292,13 +340,14 @@ class ZeroOptimizer:
         it). The squares are summed (in float64) and sent where the shards live; one float crosses
         to the host."""
         self.reduce_gradients()
-        xp = self.shards[0].unit.xp
+        xp = get_array_module(self.shards[0].param.grad)  # where the update runs: the host under offload
         sums = {}  # shard group -> [tensor-parallel elements, replicated elements]
         for s in self.shards:
             g = s.param.grad
             group_sums = sums.setdefault(s.group, xp.zeros(2))
             group_sums[0] += (g[s.tensor_parallel & s.counted] ** 2).sum()
             group_sums[1] += (g[~s.tensor_parallel & s.counted] ** 2).sum()
+        sums = {group: self.shards[0].unit.xp.asarray(v) for group, v in sums.items()}  # sent from the device
         for group, group_sums in sums.items():
             if self.partitions.optimizer_states:
                 group.all_reduce(group_sums)
@@ -328,8 +377,13 @@ class ZeroOptimizer:
         if lr is not None:
             self.lr = lr
         self.step_count += 1
-        gathers = []
-        for s in self.shards:
+        gathers, off = [], self.offload
+        if off is not None and self.shards:
+            off.read_ahead(self.shards[0].stored)
+        for i, s in enumerate(self.shards):
+            if off is not None:  # this unit's state is used now, the next one's soon
+                off.read(s.stored)
+                off.read_ahead(self.shards[i + 1].stored if i + 1 < len(self.shards) else [])
             decay = self.weight_decay * s.decay if self.weight_decay else 0.0
             if self.optimizer == "sgd":
                 sgd_update(s.param.data, s.param.grad, s.state["momentum_buf"], lr=self.lr,
@@ -338,8 +392,9 @@ class ZeroOptimizer:
                 adamw_update(s.param.data, s.param.grad, s.state["exp_avg"], s.state["exp_avg_sq"],
                              step=self.step_count, lr=self.lr, beta1=self.betas[0], beta2=self.betas[1],
                              eps=self.eps, weight_decay=decay)
-            if self.mixed_precision:
-                s.compute[...] = to_compute(s.param.data, self.mixed_precision)
+            self._publish(s)
+            if off is not None:
+                off.write_back(s.stored)
             if self.partitions.optimizer_states and not self.partitions.parameters:  # overlaps the next update
                 gathers.append(s.group.all_gather(s.compute, count=s.unit.numel, out=s.flat, async_op=True))
         for work in gathers:
@@ -348,22 +403,37 @@ class ZeroOptimizer:
             self.scaler.update(found_inf=False)
         self._end_step()
 
+    def _publish(self, s: Shard) -> None:
+        """Write the shard's parameters in the model's dtype from its master (rounded under mixed
+        precision) where the model reads them: up to the device when the master is offloaded, or into
+        the store when the parameters are offloaded too; nothing when the master is the shard itself."""
+        value = to_compute(s.param.data, self.mixed_precision) if self.mixed_precision else s.param.data
+        if value is s.compute:
+            return
+        if self.offload is not None and not self.offload.params:
+            self.offload.up(value, s.compute)
+            self.offload.wait()  # the all-gather below reads it
+        else:
+            s.compute[...] = value
+
     def _end_step(self) -> None:
         if self.gatherer is not None:
             self.gatherer.free_all()  # nothing gathered outlives the step: the shards just changed
         self._reduced = False
 
     def masters_to_model(self) -> None:
-        """After a checkpoint loaded the master shards: cast them into the model's dtype (stage 3's
-        shards; stages 0-2 read their full parameters from the checkpoint and round them here)."""
-        if not self.mixed_precision:
-            return
+        """After a checkpoint loaded the master shards: bring the model's values from them (stage 3's
+        shards, rounded under mixed precision, up to the device under offload; stages 0-2 read their
+        full parameters from the checkpoint and round them here), and write offloaded arrays back."""
         if self.partitions.parameters:
             for s in self.shards:
-                s.compute[...] = to_compute(s.param.data, self.mixed_precision)
-        else:
+                self._publish(s)
+        elif self.mixed_precision:
             for s in self.shards:
                 s.flat[...] = to_compute(s.flat.astype(np.float32), self.mixed_precision)
+        if self.offload is not None:
+            for s in self.shards:
+                self.offload.store.write_back(s.stored)
 
     # ---- inspection -----------------------------------------------------------------------------------
 
@@ -375,10 +445,10 @@ class ZeroOptimizer:
         all-gathers the master shards, float32, and rebinds the model's own values after)."""
         if masters and self.mixed_precision:
             for s in self.shards:
-                full = s.param.data  # stage 0: the masters are whole
+                full = s.unit.xp.asarray(s.param.data)  # stage 0: the masters are whole (on the device)
                 if self.partitions.optimizer_states:
                     full = s.unit.xp.empty(s.unit.numel, dtype=s.param.data.dtype)  # (numel,) float32
-                    s.group.all_gather(s.param.data, count=s.unit.numel, out=full)
+                    s.group.all_gather(s.unit.xp.asarray(s.param.data), count=s.unit.numel, out=full)
                 s.unit.bind(full)
         elif self.gatherer is not None:
             self.gatherer.ensure(self.shards)
@@ -397,34 +467,61 @@ class ZeroOptimizer:
         """Bytes this rank holds now in parameters and gradients (the model's dtype) and optimizer
         state (moments, and the float32 masters under mixed precision), measured from the live arrays
         (a buffer counted once however many views share it). Call it after backward and
-        :meth:`reduce_gradients`, when the model states are at their largest."""
+        :meth:`reduce_gradients`, when the model states are at their largest. Those three are device
+        memory; under offload ``host`` and ``disk`` hold what lives there (offload.py)."""
         params = [p for s in self.shards for _, p in s.unit.params]
+        stored = {id(a) for s in self.shards for a in s.stored}
+        on_device = lambda arrays: [a for a in arrays if a is not None and id(a) not in stored]  # noqa: E731
         masters = [s.param.data for s in self.shards] if self.mixed_precision else []
         grads = [p.grad for p in params] + [s.grad for s in self.shards]
-        if not self.mixed_precision:
+        if not self.mixed_precision and self.offload is None:
             grads += [s.param.grad for s in self.shards]
-        return {
-            "parameters": accounting.unique_nbytes([p.data for p in params] + [s.compute for s in self.shards]),
+        held = {
+            "parameters": accounting.unique_nbytes(on_device([p.data for p in params] + [s.compute for s in self.shards])),
             "gradients": accounting.unique_nbytes(grads),
-            "optimizer": accounting.unique_nbytes(masters + [a for s in self.shards for a in s.state.values()]),
+            "optimizer": accounting.unique_nbytes(on_device(masters + [a for s in self.shards for a in s.state.values()])),
         }
+        if self.offload is not None:
+            offloaded = accounting.unique_nbytes([a for s in self.shards for a in s.stored])
+            host_grads = accounting.unique_nbytes([s.host_grad for s in self.shards])
+            held["host"] = host_grads + offloaded * (self.offload.where == "host")
+            held["disk"] = offloaded * (self.offload.where == "disk")
+        return held
 
     def activation_bytes(self, loss) -> int:
         """Bytes the still-unused graph behind ``loss`` keeps for backward (weights not counted)."""
         return accounting.activation_bytes(loss, exclude=[p.data for s in self.shards for _, p in s.unit.params])
 
+    @property
+    def optimizer_bytes_per_parameter(self) -> int:
+        """K of the ZeRO paper: slots x 4 (+ 4 for the float32 masters) under mixed precision, slots
+        x the model's itemsize without it (mixed-precision AdamW: 12)."""
+        itemsize = self.shards[0].unit.dtype.itemsize if self.shards else 0
+        return len(SLOTS[self.optimizer]) * (4 if self.mixed_precision else itemsize) + 4 * bool(self.mixed_precision)
+
     def formula(self) -> dict:
         """The ZeRO paper's bytes per rank for this stage: P = G = numel x the model's itemsize,
-        O = K x numel with K = slots x 4 (+ 4 for the float32 masters under mixed precision; AdamW in
-        mixed precision: K = 12). Stage 1 P + G + O/N, 2 P + (G + O)/N, 3 (P + G + O)/N."""
+        O = K x numel (:attr:`optimizer_bytes_per_parameter`). Stage 1 P + G + O/N, 2 P + (G + O)/N,
+        3 (P + G + O)/N. Under offload O/N leaves the device for the store (the host or the disk), with
+        the parameter shard P/N (ZeRO-3 parameters offloaded, or without mixed precision the master
+        copy), and the host holds the gradient shard (numel/N x itemsize) too."""
         itemsize = self.shards[0].unit.dtype.itemsize if self.shards else 0
-        k = len(SLOTS[self.optimizer]) * (4 if self.mixed_precision else itemsize) + 4 * bool(self.mixed_precision)
         total = {}
         for group in {id(s.group): s.group for s in self.shards}.values():  # experts: over their own group
             numel = sum(s.unit.numel for s in self.shards if s.group is group)
-            part = accounting.zero_formula(self.stage, numel * itemsize, numel * k, group.size)
+            part = accounting.zero_formula(self.stage, numel * itemsize, numel * self.optimizer_bytes_per_parameter,
+                                           group.size)
+            if self.offload is not None:
+                part = accounting.offload_formula(part, numel * itemsize / (group.size if self.stage else 1),
+                                                  self.offload.where, self.offload.params,
+                                                  master_copy=not self.mixed_precision)
             total = {key: total.get(key, 0) + value for key, value in part.items()}
         return total
+
+    def close(self) -> None:
+        """Remove the offload files, if any (the end of a run)."""
+        if self.offload is not None:
+            self.offload.close()
 
 
 def reduce_scatter_grads(unit: FlatUnit, group, replicas: int | None = None, async_op: bool = False):

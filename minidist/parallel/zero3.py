@@ -36,9 +36,10 @@ class Gatherer:
     Shards the i-th module call uses (in forward order); ``prefetch`` queues the next call's
     all-gathers while the current one computes."""
 
-    def __init__(self, calls: list, prefetch: bool = True, reshard_after_forward: bool = True):
+    def __init__(self, calls: list, prefetch: bool = True, reshard_after_forward: bool = True, offload=None):
         self.calls, self.prefetch = calls, prefetch
         self.reshard_after_forward = reshard_after_forward
+        self.offload = offload if offload is not None and offload.params else None  # parameter shards off the device
         self._full = {}  # id(shard) -> its full flat array (numel,) while gathered
         self._queued = {}  # id(shard) -> (full flat array, Work) of an all-gather in flight
         self._by_array = {}  # id(a gathered parameter's array) -> (shard, parameter index): what pack recognises
@@ -46,8 +47,11 @@ class Gatherer:
     def gather(self, index: int, direction: int) -> None:
         """Bind the full parameters of call ``index``'s units (waiting for a prefetch, or
         all-gathering now) and queue those of call ``index + direction``. Each all-gather sends
-        this rank's shard to every rank of the shard's group and receives theirs."""
+        this rank's shard to every rank of the shard's group and receives theirs. With the parameter
+        shards offloaded, those of call ``index + 2 direction`` start coming in from disk."""
         nxt = index + direction
+        if self.offload is not None and 0 <= nxt + direction < len(self.calls):
+            self.offload.read_ahead([s.compute for s in self.calls[nxt + direction]])
         if self.prefetch and 0 <= nxt < len(self.calls):
             self._queue(self.calls[nxt])
         self.ensure(self.calls[index])
@@ -67,8 +71,8 @@ class Gatherer:
         for s in shards:
             if id(s) not in self._full and id(s) not in self._queued:
                 full = s.unit.xp.empty(s.unit.numel, dtype=s.unit.dtype)  # (numel,)
-                self._queued[id(s)] = (full, s.group.all_gather(s.compute, count=s.unit.numel, out=full,
-                                                                   async_op=True))
+                shard = s.compute if self.offload is None else self.offload.fetch(s.compute, s.unit.xp)  # up first
+                self._queued[id(s)] = (full, s.group.all_gather(shard, count=s.unit.numel, out=full, async_op=True))
 
     def free(self, shards) -> None:
         """Drop the full parameters of every unit of ``shards`` (only the shards remain)."""
@@ -152,11 +156,12 @@ def _used_by(shards, *modules):
     return [s for s in shards if any(id(p) in ids for _, p in s.unit.params)]
 
 
-def fully_shard(model, shards, reshard_after_forward: bool = True) -> Gatherer:
+def fully_shard(model, shards, reshard_after_forward: bool = True, offload=None) -> Gatherer:
     """Route every module call of ``model`` through :func:`sharded` (the name is FSDP2's): a GPT's
     ``embed``, each block's ``forward`` and ``head``; a pipeline stage's ``forward`` per chunk.
     ``shards`` are the model's units' Shard records; their full parameters are freed here, so from
-    now on the model holds only shards between uses; each is gathered over its own ``group``.
+    now on the model holds only shards between uses; each is gathered over its own ``group``, and
+    with ``offload`` (offload.py) moving the parameter shards, fetched from where they live first.
     Returns the :class:`Gatherer`."""
     owner = {id(p) for s in shards for _, p in s.unit.params}
     if len(owner) != sum(1 for _ in model.parameters()):
@@ -167,14 +172,14 @@ def fully_shard(model, shards, reshard_after_forward: bool = True) -> Gatherer:
                   + ([t.ln_f, model.lm_head] if model.stages[c] == model.n_stages - 1 else [])
                   for c in range(len(model.stages))]
         gatherer = Gatherer([_used_by(shards, *m) for m in chunks], prefetch=False,
-                            reshard_after_forward=reshard_after_forward)
+                            reshard_after_forward=reshard_after_forward, offload=offload)
         forward = model.forward
         calls = [sharded(lambda x, targets=None, c=c: forward(c, x, targets), gatherer, c) for c in range(len(chunks))]
         object.__setattr__(model, "forward", lambda chunk, x, targets=None: calls[chunk](x, targets))
     else:
         gatherer = Gatherer([_used_by(shards, t.wte, t.wpe), *(_used_by(shards, b) for b in t.h),
                                     _used_by(shards, t.ln_f, model.lm_head)],
-                            reshard_after_forward=reshard_after_forward)
+                            reshard_after_forward=reshard_after_forward, offload=offload)
         object.__setattr__(model, "embed", sharded(model.embed, gatherer, 0))
         for i, block in enumerate(t.h, start=1):
             object.__setattr__(block, "forward", sharded(block.forward, gatherer, i))

@@ -203,6 +203,13 @@ class _Stream:
     null = None
     ptr = 0
 
+    def __init__(self, null=False, non_blocking=False, priority=0):
+        pass
+
+    def wait_event(self, event):
+        """Later work on this stream waits for ``event``: here, the work it recorded is waited for now."""
+        event.synchronize()
+
     def synchronize(self):
         _wait_for(_pending())
 
