@@ -81,6 +81,15 @@ LESSONS = [
         r"  1,1,1 +zbv +[\d.]+ +([\d.]+) +>= \1 ",  # ZB-V reaches its bound (p-1) T_F / 2
         (r"(zb-h1|zbv) +losses( \d\.\d{10}){3}  matches one process", 2),
         r"Zero-bubble schedules: B \+ W = backward bitwise; zb-h1 and zbv train as one process does\."]),
+    ("13_offload.py", 2, ["--local", "2"], [
+        r"  measured = formula to the byte: 6 configurations x 2 ranks, every rank the same bytes",
+        r"  ZeRO-3 \+ optimizer,params -> files +G/N = 1 +G/N = 1 +O/N \+ P/N = 7\n",  # 16 bytes/param, where
+        # moved in one step: down G/N, up = the all-gathers' inputs, disk read = store + them, write = store
+        r"  ZeRO-3 \+ optimizer,params -> files +27\.4 +56\.8 +248\.4 +191\.6  \| +27\.4 +56\.8 +248\.4 +191\.6\n",
+        (r"vs ZeRO-[23]: 4 losses, 4 grad norms, 28,032 float32 masters; bitwise equal: True", 4),
+        r"  20 files, 196,224 B = the disk column above .*: no file left",
+        r"Offload: device bytes fall from 246\.4 to 82\.1 KiB \(ZeRO-2\) and from 219\.0 to 27\.4 KiB \(ZeRO-3\) per rank; "
+        r"offloaded runs equal the runs without, bitwise\.\nAll checks passed\."]),
 ]
 SECONDS = 60
 

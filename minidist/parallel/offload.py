@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from minidist.device import is_cupy, pinned_empty
+from minidist.device import is_cupy, pinned_empty, to_numpy
 
 CHOICES = ("none", "optimizer", "optimizer,params")
 
@@ -146,6 +146,24 @@ class Offload:
             import cupy
             self._side = cupy.cuda.Stream(non_blocking=True)
         return self._side
+
+    def place(self, name: str, master, compute, slots, mixed_precision) -> tuple:
+        """Move one ZeRO shard's optimizer state into the store (and with :attr:`params` its parameter
+        shard): returns (master, compute, {slot: zeroed array}, the stored arrays, a host buffer for
+        the gradient shard). ``master`` and ``compute`` are the device's (hi - lo,) arrays; without
+        mixed precision they are one array, and so are the stored master and parameter shard when
+        both move."""
+        def keep(suffix, values):  # a store array holding the device array's values
+            a = self.store.array(f"{name}.{suffix}", values.size, values.dtype)
+            a[...] = to_numpy(values)
+            return a
+        if self.params:
+            compute = keep("compute", compute)
+        master = compute if self.params and not mixed_precision else keep("master", master)
+        state = {slot: self.store.array(f"{name}.{slot}", master.size, master.dtype) for slot in slots}
+        stored = list({id(a): a for a in [master, *state.values()] + [compute] * self.params}.values())
+        self.store.write_back(stored)  # initialised: to disk, out of memory (not counted: no step yet)
+        return master, compute, state, stored, self.host.array(f"{name}.grad", compute.size, compute.dtype)
 
     def down(self, device_array, host_array) -> None:
         """Copy a device array into its host buffer (same shape and dtype). On a GPU the copy is queued

@@ -29,6 +29,11 @@ Stage 2: the same, but each unit is reduce-scattered as soon as backward has fin
 backward reduce-scatters them once: torchtitan's FSDP with pipelining does the same.
 Stage 3: the parameters are sharded as well, gathered around each use (zero3.py).
 
+Offload (offload.py, ZeRO-Offload and ZeRO-Infinity) moves a shard's optimizer state (and under
+ZeRO-3 its parameter shard) to host memory or files: the reduced gradient shard goes down, the
+update runs on the host, the new parameter shard goes up. The arithmetic is the same, so an
+offloaded run equals the run without, bitwise; with stage 0 each rank offloads the whole state.
+
 After the dp reduction the gradient shards are completed over the other axes, on shards: the
 sequence-parallel elements all-reduced over tp, and a pipeline's tied embedding copies over the
 first and last stage (their units have the same length, so their shards line up).
@@ -78,7 +83,9 @@ class Shard:
     gradient shard; ``compute`` the shard in the model's dtype (what stage 3 all-gathers);
     ``flat`` the unit's full flat parameters (stages 0-2; the model's parameters are views of it);
     ``grad`` the reduced gradient shard in the model's dtype, still scaled; ``state`` the optimizer
-    slots. Stages 0 and 1 keep the full gradient in ``grad_flat`` (numel,), ``p.grad`` being views."""
+    slots. Under offload ``param`` (the master) and ``state`` live in the offload store (with
+    parameter offload ``compute`` too: ``stored`` lists them), ``host_grad`` is the gradient's host
+    buffer and ``param.grad`` is computed from it. Stages 0 and 1 keep the full gradient in ``grad_flat`` (numel,), ``p.grad`` being views."""
     unit: FlatUnit
     group: object
     param: Tensor
@@ -110,7 +117,9 @@ class ZeroOptimizer:
     last stage). ``mixed_precision`` ("float16" / "bfloat16") with ``scaler`` (a DynamicLossScaler
     over the world): float32 masters and moments, as in the module docstring.
     ``reshard_after_forward`` (stage 3): False keeps a unit gathered from its first forward of a step
-    to its last backward (pipelines). ``expert_group`` / ``ep_group`` (expert parallelism): the
+    to its last backward (pipelines). ``offload``: an :class:`~minidist.parallel.offload.Offload`
+    keeping the optimizer shards (and under stage 3 with its ``params`` the parameter shards) off
+    the device, the step run where they live. ``expert_group`` / ``ep_group`` (expert parallelism): the
     group the experts' units (``p.expert``) are sharded and reduced over instead (the ranks holding the
     same experts), and the ep group whose ranks hold the other experts (their squares add up in the norm).
     """
@@ -174,24 +183,14 @@ class ZeroOptimizer:
                      unit.sequence_parallel_mask().astype(bool), grad_flat)
 
     def _offloaded_shard(self, unit: FlatUnit, group, compute, flat, master, masks) -> Shard:
-        """A Shard whose master and optimizer slots (and with parameter offload its 16-bit or full
-        parameter shard, ``compute``) live in the offload store, initialised from the device's values
-        (offload.py); its gradient gets a host buffer. The masks the host update reads are host copies."""
-        off, n = self.offload, unit.hi - unit.lo
-        host = off.store.array(f"{unit.name}.master", n, master.dtype)
-        host[...] = to_numpy(master)
-        if off.params:
-            stored_compute = off.store.array(f"{unit.name}.compute", n, unit.dtype)
-            stored_compute[...] = to_numpy(compute)
-            compute = stored_compute
-            host = compute if not self.mixed_precision else host  # full precision: the master is the shard
-        state = {slot: off.store.array(f"{unit.name}.{slot}", n, host.dtype) for slot in SLOTS[self.optimizer]}
+        """A Shard whose master and optimizer slots (and with parameter offload its parameter shard)
+        live in the offload store (:meth:`~minidist.parallel.offload.Offload.place`); the masks the
+        host update reads are host copies."""
+        master, compute, state, stored, host_grad = self.offload.place(unit.name, master, compute,
+                                                                        SLOTS[self.optimizer], self.mixed_precision)
         grad_flat = unit.xp.zeros(unit.numel, dtype=unit.dtype) if not self.partitions.gradients else None  # (numel,)
-        stored = list({id(a): a for a in [host, *state.values()] + ([compute] if off.params else [])}.values())
-        off.store.write_back(stored)  # initialised: to disk, out of memory
-        return Shard(unit, group, Tensor(host), compute, flat, state, *(to_numpy(m) for m in masks),
-                  unit.sequence_parallel_mask().astype(bool), grad_flat,
-                  host_grad=off.host.array(f"{unit.name}.grad", n, unit.dtype), stored=stored)
+        return Shard(unit, group, Tensor(master), compute, flat, state, *(to_numpy(m) for m in masks),
+                     unit.sequence_parallel_mask().astype(bool), grad_flat, host_grad=host_grad, stored=stored)
 
     # ---- gradients --------------------------------------------------------------------------------
 
