@@ -22,7 +22,7 @@ configuration once, in the order above, so load on the machine hits all alike; m
 Per configuration:
   step time     median over the steps after the first two (each step timed around train_step);
                 ratio against the no-offload configuration of the same stage and dtype.
-  peak RSS      ``ru_maxrss`` of the subprocess, run with MALLOC_MMAP_THRESHOLD_=131072 (as
+  peak RSS      ``VmHWM`` of the subprocess, run with MALLOC_MMAP_THRESHOLD_=131072 (as
                 tests/test_offload.py: otherwise glibc keeps freed temporaries resident) and
                 OMP_NUM_THREADS=1; also its RSS after imports, before the model is built.
   bytes         ZeroOptimizer.formula(): parameters + gradients + optimizer (the device), host, disk.
@@ -77,18 +77,18 @@ DTYPES = ("float32", "bfloat16")
 
 # ---- one configuration, in its own process -----------------------------------------------------------
 
-def vm_rss() -> int:
-    """This process's resident set now, in bytes (/proc/self/status)."""
+def vm_rss(field: str = "VmRSS") -> int:
+    """This process's resident set now (``VmRSS``), or its peak (``VmHWM``), in bytes, from
+    /proc/self/status. The peak is this process image's own: ``ru_maxrss`` is not, as Linux carries
+    the parent's peak into a child started by vfork + exec (Python's subprocess)."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return 0
 
 
 def worker(spec: dict) -> dict:
     """Build and train ``spec``'s configuration for spec["steps"] steps; what it measured."""
-    import resource
-
     from minidist.data import get_batch
     from minidist.parallel.mesh import DeviceMesh
     from minidist.parallel.step import train_step
@@ -113,7 +113,7 @@ def worker(spec: dict) -> dict:
         seconds.append(time.perf_counter() - t0)
         losses.append(loss)
     out = dict(seconds=seconds, losses=losses, rss_imports=rss_imports,
-               peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+               peak_rss=vm_rss("VmHWM"),
                formula={k: float(v) for k, v in optimizer.formula().items()},
                measured={k: int(v) for k, v in optimizer.model_state_bytes().items()},
                moved=dict(optimizer.offload.moved) if optimizer.offload is not None else {},
@@ -245,7 +245,7 @@ def markdown(meta: dict, rows: list[dict], disk: dict) -> str:
          f"float32, and bfloat16 mixed precision (emulated: 4-byte storage, float32 masters and moments). One "
          f"subprocess per configuration, {meta['rounds']} interleaved round(s) (every configuration once per round), "
          f"{s['steps']} steps each; step time = median over steps {SKIP + 1}-{s['steps']} of a run, then median over "
-         f"rounds; peak RSS = `ru_maxrss`, median over rounds. Device / host / disk are `ZeroOptimizer.formula()`'s "
+         f"rounds; peak RSS = `VmHWM` (not `ru_maxrss`, which a subprocess inherits from its parent's peak), median over rounds. Device / host / disk are `ZeroOptimizer.formula()`'s "
          f"bytes (device = P + G + O); moved = `Offload.moved` in one step (on this CPU, down / up are memcpys "
          f"standing for PCIe copies).", "",
          "### Memory and bytes moved per step (MiB)", "",
@@ -325,8 +325,9 @@ def reading(meta: dict, rows: list[dict], disk: dict) -> str:
          f"fsync {disk['write_fsync'] / 1e6:,.0f} MB/s to a new file, {disk['rewrite_fsync'] / 1e6:,.0f} MB/s in "
          f"place); on a machine whose RAM cannot hold the files they would "
          f"come from the disk.",
-         (f"The load average ran {min(loads):.1f}-{max(loads):.1f} on {meta['cores']} cores during the run, so the "
-          f"times carry that noise; the bytes are exact. " if max(loads) > 0.5 * meta["cores"] else "") +
+         f"The load average ran {min(loads):.1f}-{max(loads):.1f} on {meta['cores']} cores during the run" +
+         (", so the times carry that noise; the bytes are exact. " if max(loads) > 1.25
+          else ": the benchmark's own process, the machine otherwise idle. ") +
          ("Every offloaded run's losses equal its no-offload run's exactly." if same
           else "NOTE: some offloaded run's losses differ from its no-offload run's (see the JSON).")]
     return " ".join(s)

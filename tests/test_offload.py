@@ -205,19 +205,23 @@ def test_an_offload_dir_that_is_a_file_is_refused(tmp_path):
 # ---- memory --------------------------------------------------------------------------------------------
 
 RSS_SCRIPT = """
-import json, resource, sys
+import json, sys
+from pathlib import Path
 from minidist.train import train
 from minidist.train_config import TrainConfig
 cfg = TrainConfig(**json.loads(sys.argv[1]))
 model, _ = train(cfg, progress=False)
-print(json.dumps({"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+peak = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM:"))
+print(json.dumps({"peak_rss": int(peak.split()[1]) * 1024}))
 """
 
 
 def peak_rss(cfg: dict) -> int:
-    """The peak resident set of a process that trains ``cfg``. glibc's mmap threshold is fixed, so
-    every large array is its own mapping and a freed temporary leaves the resident set at once (by
-    default the threshold grows with the arrays freed, and freed heap memory stays resident)."""
+    """The peak resident set of a process that trains ``cfg``: its VmHWM (``ru_maxrss`` would start
+    from this process's own peak, which Linux hands to a child started by vfork + exec). glibc's mmap
+    threshold is fixed, so every large array is its own mapping and a freed temporary leaves the
+    resident set at once (by default the threshold grows with the arrays freed, and freed heap memory
+    stays resident)."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
     out = subprocess.run([sys.executable, "-c", RSS_SCRIPT, json.dumps(cfg)], capture_output=True, text=True,
                          check=True, env=env)
