@@ -21,7 +21,7 @@ without tensor parallelism: nothing to split the sequence over; a schedule other
 without pipeline parallelism: with one stage every schedule is the same run, counted once, as 1f1b;
 likewise a cp algorithm other than ring with cp 1; expert parallelism with dp 1, as ep splits the
 experts over dp ranks; offloading parameters below ZeRO-3, whose stages 0-2 keep every parameter
-whole on each rank).
+whole on each rank: the run that offloads the optimizer alone, counted once).
 Every other cell must be accepted by :func:`~minidist.train_config.check_config`: a refusal is a
 debt, and :func:`refusals` lists them (none today). tests/test_composition.py trains the cells
 against one process; the README's matrix is :func:`markdown`, checked against it by a test.
@@ -104,7 +104,8 @@ def meaningless(cell: Cell) -> str | None:
     if cell.moe == "ep2" and cell.dp == 1:
         return "expert parallelism splits the experts over dp ranks: with dp 1 there is no one to split them with"
     if cell.offload == "optimizer,params" and cell.zero != 3:
-        return "offloading parameters moves ZeRO-3's parameter shards: stages 0-2 keep every parameter whole on each rank"
+        return ("offloading parameters moves ZeRO-3's parameter shards: stages 0-2 keep every parameter whole, so "
+                "it is the run that offloads the optimizer alone")
     return None
 
 

@@ -29,7 +29,7 @@ from minidist.parallel.tensor_parallel import shard_for
 from minidist.parallel.tp_layout import ep_block
 from minidist.parallel.tp_model import build_tp_gpt
 from minidist.parallel.zero import ZeroOptimizer
-from minidist.train_config import ConfigError, TrainConfig, runs_zero_optimizer
+from minidist.train_config import ConfigError, TrainConfig, offloaded, runs_zero_optimizer
 
 ADAMW_BETAS = (0.9, 0.95)
 
@@ -237,7 +237,7 @@ def build_parallel(cfg, mesh):
     dp = amp = None
     if runs_zero_optimizer(cfg):
         hyper = {"betas": ADAMW_BETAS} if cfg.optimizer == "adamw" else {"momentum": cfg.momentum}
-        offload = (Offload(cfg.offload, cfg.offload_dir, mesh.rank, gpu=cfg.device == "cuda")
+        offload = (Offload(offloaded(cfg), cfg.offload_dir, mesh.rank, gpu=cfg.device == "cuda")
                    if cfg.offload != "none" else None)
         optimizer = ZeroOptimizer(model, mesh.dp_cp_group, cfg.zero, cfg.optimizer, lr=cfg.lr,
                                   weight_decay=cfg.weight_decay, tp_group=mesh.tp_group, pp_group=mesh.pp_group,
@@ -278,8 +278,9 @@ def describe_layout(cfg, mesh, model) -> str:
         [f"1/{replicas} of their {sharded[cfg.zero - 1]} (ZeRO-{cfg.zero})"] if cfg.zero else [])
     if cfg.offload != "none":
         where = f"files under {cfg.offload_dir}" if cfg.offload_dir else "host memory"
-        what = "optimizer shard (masters, moments)" + (" and parameter shards" if cfg.offload == "optimizer,params" else "")
-        cut.append(f"its {what} in {where}, updated there (offload)")
+        what = "optimizer shard (masters, moments)" + (" and parameter shards" if offloaded(cfg) != "optimizer" else "")
+        whole = "; its parameters stay: below ZeRO-3 they are whole" if offloaded(cfg) != cfg.offload else ""
+        cut.append(f"its {what} in {where}, updated there (offload){whole}")
     pipeline = f", {cfg.schedule} schedule" if cfg.pp > 1 else ""
     cp = f" x cp {shape.cp}" if shape.cp > 1 else ""
     lines = [f"mesh: dp {shape.dp} x pp {shape.pp}{cp} x tp {shape.tp} = {shape.world} ranks, "

@@ -280,14 +280,12 @@ def parameter_server_problems(cfg, world_size: int) -> list[str]:
 
 
 def offload_problems(cfg) -> list[str]:
-    """What --offload and --offload-dir cannot run: parameters move only under ZeRO-3 (stages 0-2
-    compute with every parameter whole on each rank), and a folder is only for offloaded state."""
+    """What --offload and --offload-dir cannot run: an unknown offload, and a folder for nothing
+    offloaded or that cannot be one. (``optimizer,params`` below ZeRO-3 runs as ``optimizer``: stages
+    0-2 compute with every parameter whole on each rank, so there is no parameter shard to move.)"""
     if cfg.offload not in OFFLOAD_CHOICES:
         return [f"--offload must be one of {', '.join(OFFLOAD_CHOICES)}, got {cfg.offload!r}"]
     problems = []
-    if cfg.offload == "optimizer,params" and cfg.zero != 3:
-        problems.append(f"--offload optimizer,params moves ZeRO-3's parameter shards, and --zero {cfg.zero} keeps every "
-                        f"parameter whole on each rank to compute with: use --zero 3, or --offload optimizer")
     if cfg.offload_dir is not None:
         if cfg.offload == "none":
             problems.append("--offload-dir is where offloaded state lives: add --offload optimizer (or "
@@ -296,6 +294,12 @@ def offload_problems(cfg) -> list[str]:
         if not existing.is_dir():
             problems.append(f"--offload-dir {cfg.offload_dir}: {existing} is not a folder")
     return problems
+
+
+def offloaded(cfg) -> str:
+    """What ``cfg`` offloads: ``cfg.offload``, but parameters only under ZeRO-3 (the only stage with
+    parameter shards between uses)."""
+    return "optimizer" if cfg.offload == "optimizer,params" and cfg.zero != 3 else cfg.offload
 
 
 def mixed_precision_problems(cfg) -> list[str]:
@@ -396,7 +400,7 @@ def parse_args(argv=None):
         "schedule": "pipeline schedule", "virtual_stages": "model chunks per pipeline rank (interleaved; 2 for zbv)",
         "zero": "ZeRO stage: shard optimizer states (1), + gradients (2), + parameters (3) over dp",
         "offload": "ZeRO-Offload: keep the optimizer shard (masters, moments) off the device and update it on the "
-                   "host; optimizer,params (--zero 3): the parameter shards too",
+                   "host; optimizer,params: with --zero 3 the parameter shards too",
         "offload_dir": "ZeRO-Infinity: keep the offloaded state in memory-mapped files under this folder instead of "
                        "host memory",
         "recompute": "recompute each block's activations in backward instead of keeping them",
