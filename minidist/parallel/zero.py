@@ -83,9 +83,10 @@ class Shard:
     gradient shard; ``compute`` the shard in the model's dtype (what stage 3 all-gathers);
     ``flat`` the unit's full flat parameters (stages 0-2; the model's parameters are views of it);
     ``grad`` the reduced gradient shard in the model's dtype, still scaled; ``state`` the optimizer
-    slots. Under offload ``param`` (the master) and ``state`` live in the offload store (with
-    parameter offload ``compute`` too: ``stored`` lists them), ``host_grad`` is the gradient's host
-    buffer and ``param.grad`` is computed from it. Stages 0 and 1 keep the full gradient in ``grad_flat`` (numel,), ``p.grad`` being views."""
+    slots. Stages 0 and 1 keep the full gradient in ``grad_flat`` (numel,), ``p.grad`` being views.
+    Under offload ``param`` (the master) and ``state`` live in the offload store (with parameter
+    offload ``compute`` too: ``stored`` lists them), and ``host_grad`` is the gradient's host buffer,
+    from which ``param.grad`` is computed."""
     unit: FlatUnit
     group: object
     param: Tensor
