@@ -176,20 +176,19 @@ class ZeroOptimizer:
             whole = compute if flat is None else flat
             whole[...] = to_compute(whole.astype(np.float32), self.mixed_precision)
         masks = [unit.decay_mask(), unit.tensor_parallel_mask().astype(bool), unit.counted_mask().astype(bool)]
-        if self.offload is not None:
-            return self._offloaded_shard(unit, group, compute, flat, master, masks)
-        state = {slot: unit.xp.zeros(unit.hi - unit.lo, dtype=master.dtype) for slot in SLOTS[self.optimizer]}
         grad_flat = unit.xp.zeros(unit.numel, dtype=unit.dtype) if not self.partitions.gradients else None  # (numel,)
+        if self.offload is not None:
+            return self._offloaded_shard(unit, group, compute, flat, master, masks, grad_flat)
+        state = {slot: unit.xp.zeros(unit.hi - unit.lo, dtype=master.dtype) for slot in SLOTS[self.optimizer]}
         return Shard(unit, group, Tensor(master), compute, flat, state, *masks,
                      unit.sequence_parallel_mask().astype(bool), grad_flat)
 
-    def _offloaded_shard(self, unit: FlatUnit, group, compute, flat, master, masks) -> Shard:
+    def _offloaded_shard(self, unit: FlatUnit, group, compute, flat, master, masks, grad_flat) -> Shard:
         """A Shard whose master and optimizer slots (and with parameter offload its parameter shard)
         live in the offload store (:meth:`~minidist.parallel.offload.Offload.place`); the masks the
         host update reads are host copies."""
         master, compute, state, stored, host_grad = self.offload.place(unit.name, master, compute,
                                                                         SLOTS[self.optimizer], self.mixed_precision)
-        grad_flat = unit.xp.zeros(unit.numel, dtype=unit.dtype) if not self.partitions.gradients else None  # (numel,)
         return Shard(unit, group, Tensor(master), compute, flat, state, *(to_numpy(m) for m in masks),
                      unit.sequence_parallel_mask().astype(bool), grad_flat, host_grad=host_grad, stored=stored)
 
