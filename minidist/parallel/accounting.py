@@ -84,6 +84,31 @@ def bus_bytes(events, group_name: str, group_size: int) -> dict:
     return sent
 
 
+AXIS_OF_GROUP = {"dp_cp": "dp", "edp": "dp"}  # gradient groups over dp x cp, the experts' dp ranks: data parallelism
+
+
+def axis_of(group_name: str) -> str:
+    """The mesh axis a group belongs to, from its name: ``tp[dp0,pp1]`` -> "tp", ``dp_cp[pp0,tp0]``
+    -> "dp", the pipeline's ``pp[dp0,tp0]/embedding`` -> "pp"."""
+    prefix = group_name.split("[")[0]
+    return AXIS_OF_GROUP.get(prefix, prefix)
+
+
+def sent_bytes(events, group_sizes: dict[str, int]) -> dict:
+    """Per mesh axis (:func:`axis_of`), the bytes this rank sent in ``events``: each collective's
+    bus bytes (nccl-tests' factors, :func:`~minidist.comm.ops.bus_factor`, on the group's size from
+    ``group_sizes``), each point-to-point send's bytes (half of a sendrecv's); receives, waits and
+    compute send nothing."""
+    sent: dict = {}
+    for e in events:
+        if e.kind not in ("collective", "p2p") or e.op in ("recv", "irecv"):
+            continue
+        factor = 0.5 if e.op == "sendrecv" else bus_factor(e.op, group_sizes[e.group])
+        if factor is not None:
+            sent[axis_of(e.group)] = sent.get(axis_of(e.group), 0.0) + e.nbytes * factor
+    return sent
+
+
 def format_memory_table(rows: list[dict]) -> str:
     """A text table, one row per dict (keys: label, then byte counts), bytes shown in KiB."""
     columns = [k for k in rows[0] if k != "label"]

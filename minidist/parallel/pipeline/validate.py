@@ -56,12 +56,19 @@ class Timeline:
         """Per rank, the most micro-batches forwarded but not yet backwarded at once (activations
         held; in a zero-bubble schedule until their W, which still reads the layer inputs); with v
         chunks, each (chunk, micro-batch) counts."""
+        return [int(peak) for peak in self.peak_held(lambda stage: 1)]
+
+    def peak_held(self, weight) -> list[float]:
+        """Per rank, the most of ``weight(stage)`` held at once, a (stage, micro-batch) being held
+        from its F to its B (to its W in a zero-bubble schedule): with ``weight`` a stage's activation
+        bytes of one micro-batch, the rank's peak activation memory (minidist/plan/memory.py)."""
         release = "W" if any(s.action.op == "W" for spans in self.spans for s in spans) else "B"
         peaks = []
         for spans in self.spans:
             held = peak = 0
             for s in spans:
-                held += {"F": 1, release: -1}.get(s.action.op, 0)
+                sign = {"F": 1, release: -1}.get(s.action.op, 0)
+                held += sign * weight(s.action.stage)
                 peak = max(peak, held)
             peaks.append(peak)
         return peaks

@@ -1,0 +1,162 @@
+"""The ``local`` hardware profile: this machine, measured.
+
+    python -m minidist.plan.calibrate            # prints the profile as JSON
+
+Four measurements, each the median of a few repeats:
+
+- matmul speed: NumPy's ``x @ w`` at the model's (b s, C) x (C, 4C) in the dtype minidist computes
+  in (bfloat16 is emulated in float32 storage), on one thread as the benchmarks run;
+- memory bandwidth: ``numpy.add`` of two 32 MiB arrays into a third (3 x 32 MiB moved);
+- the fixed costs: the forward and backward of one minidist block on a (1, 2, 8) input, where FLOPs
+  and bytes are nothing and the interpreter is everything; of a 1-block GPT's embeddings, head and
+  loss beyond that block; of an AdamW step per parameter tensor;
+- the all-reduce: the collectives benchmark's ring on 2 MPI processes (``mpiexec``, when there is
+  one), else on 2 threads; its 4 KiB time is the latency, its 4 MiB bus bandwidth the link's.
+
+All ranks of a local run share the machine's cores: :class:`Hardware` ``cores`` says how many run at
+once, and the time model slows each rank by ranks / cores when there are more ranks than cores.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from functools import lru_cache
+
+import numpy as np
+
+from minidist.plan.hardware import GIB, Hardware
+
+SMALL, LARGE = 4096, 4 << 20  # all-reduce sizes for the latency and the bandwidth
+
+
+def _median_time(fn, repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def matmul_flops(rows: int, cols: int, dtype: str) -> float:
+    """FLOP/s of ``(rows, cols) @ (cols, 4 cols)`` in ``dtype`` (bfloat16: float32 storage)."""
+    np_dtype = np.float32 if dtype == "bfloat16" else np.dtype(dtype)
+    rng = np.random.default_rng(0)
+    x, w = rng.random((rows, cols)).astype(np_dtype), rng.random((cols, 4 * cols)).astype(np_dtype)
+    repeats = max(3, int(2e8 // (2 * rows * cols * 4 * cols + 1)))
+    seconds = _median_time(lambda: [x @ w for _ in range(repeats)]) / repeats
+    return 2 * rows * cols * 4 * cols / seconds
+
+
+def memory_bandwidth() -> float:
+    """Bytes/s that ``numpy.add(a, b, out=c)`` moves on 32 MiB float32 arrays."""
+    a = np.ones(8 << 20, dtype=np.float32)
+    b, c = np.ones_like(a), np.empty_like(a)
+    return 3 * a.nbytes / _median_time(lambda: np.add(a, b, out=c))
+
+
+def block_overhead() -> float:
+    """Seconds of one minidist block's forward and backward at a size where only the overhead counts."""
+    from minidist.autograd import Tensor
+    from minidist.model import Block, GPTConfig
+    block = Block(GPTConfig(n_embd=8, n_head=2, block_size=2), dtype="float32")
+    x = np.random.default_rng(0).random((1, 2, 8)).astype(np.float32)
+
+    def step():
+        y = block(Tensor(x, requires_grad=True))
+        y.backward(np.ones_like(y.data))
+    step()
+    return min(_median_time(step, 11) for _ in range(3))
+
+
+def step_overheads() -> tuple[float, float]:
+    """(seconds per micro-batch outside the blocks: embeddings, head and loss, forward and backward;
+    seconds of an AdamW step per parameter tensor), at a size where only the overhead counts."""
+    from minidist.model import GPT, GPTConfig
+    from minidist.optim import AdamW
+    model = GPT(GPTConfig(vocab_size=16, block_size=2, n_layer=1, n_head=2, n_embd=8), dtype="float32")
+    idx = np.zeros((1, 2), dtype=np.int64)
+    optimizer = AdamW(model.named_parameters(), lr=1e-3)
+
+    def forward_backward():
+        model(idx, idx)[1].backward()
+    forward_backward()
+    passes = min(_median_time(forward_backward, 11) for _ in range(3))
+    optimizer.step()
+    update = min(_median_time(optimizer.step, 11) for _ in range(3))
+    return max(passes - block_overhead(), 0.0), update / len(list(model.parameters()))
+
+
+def _all_reduce_times(group) -> dict:
+    out = {}
+    for nbytes in (SMALL, LARGE):
+        x = np.ones(nbytes // 4, dtype=np.float32)
+        group.all_reduce(x.copy())
+        group.barrier()
+        out[nbytes] = _median_time(lambda: group.all_reduce(x.copy()), 7)
+    return out
+
+
+def all_reduce_link() -> tuple[float, float, str]:
+    """(bus bandwidth bytes/s, latency s, how): the ring all-reduce on 2 ranks, over MPI processes
+    when ``mpiexec`` runs here, else over threads."""
+    times, how = None, "2 threads"
+    try:
+        from minidist.run import find_mpiexec
+        cmd = [find_mpiexec(), "-n", "2", sys.executable, "-m", "minidist.plan.calibrate", "--all-reduce"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
+        times, how = {int(k): v for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}, "2 MPI processes"
+    except Exception:  # noqa: BLE001 -- no mpiexec, or it failed: the threads are the fallback
+        from minidist import run_local
+        times = run_local(_all_reduce_times, 2)[0]
+    bandwidth = LARGE / (times[LARGE] - times[SMALL])  # bus bytes: 2 (n-1)/n = 1 on 2 ranks
+    return bandwidth, times[SMALL], how
+
+
+@lru_cache(maxsize=8)
+def _calibrate(rows: int, cols: int, dtype: str) -> Hardware:
+    bandwidth, latency, how = all_reduce_link()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    flops, memory = matmul_flops(rows, cols, dtype), memory_bandwidth()
+    outside, per_tensor = step_overheads()
+    note = (f"measured here: matmul {flops / 1e9:.1f} GFLOP/s at ({rows}, {cols}) x ({cols}, {4 * cols}) {dtype}, "
+            f"all-reduce over {how}")
+    return Hardware("local", flops, 1.0, memory, 0.75 * _memory_total(), 1 << 20, bandwidth, bandwidth, latency,
+                    latency, block_overhead(), outside, per_tensor, host_bandwidth=memory,
+                    host_memory_bandwidth=memory, disk_bandwidth=1e9, cores=cores, note=note)
+
+
+def _memory_total() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 * GIB
+
+
+def calibrate(model=None, run=None) -> Hardware:
+    """The ``local`` profile, measured at ``model``'s and ``run``'s matmul shape (b s tokens x C)
+    when given (cached per shape for the process)."""
+    rows = run.micro_batch_size * run.seq // run.cp if run is not None else 1024
+    cols = model.n_embd // (run.tp if run is not None else 1) if model is not None else 256
+    return _calibrate(max(rows, 1), max(cols, 1), run.dtype if run is not None else "float32")
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv == ["--all-reduce"]:  # one of the 2 MPI ranks all_reduce_link starts
+        import minidist
+        group = minidist.init()
+        times = _all_reduce_times(group)
+        if group.rank == 0:
+            print(json.dumps(times))
+        return
+    profile = calibrate()
+    print(json.dumps({k: v for k, v in vars(profile).items()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""The other side of the planner: a minidist run's bytes and traffic, measured, for the same questions.
+
+:func:`measure` trains a layout of minidist's own GPT for a few steps on threads (one rank each) and
+returns per rank what the planner predicts: the model states held after backward (from the live
+arrays), the activations one micro-batch's graph keeps (without a pipeline: with one, the schedule's
+in-flight count is the simulator's, which tests/test_pipeline_engine.py checks against the engine),
+and the bytes sent per mesh axis in the last step (from the trace, ``accounting.sent_bytes``). The
+planner reads the same run through :func:`run_spec_of`; tests/test_plan_validation.py holds the two
+side by side.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from minidist.comm.launch import run_local
+from minidist.inspect.write import model_state_bytes as plain_state_bytes
+from minidist.parallel.accounting import activation_bytes, sent_bytes, unique_nbytes
+from minidist.parallel.mesh import DeviceMesh
+from minidist.parallel.step import train_step
+from minidist.plan.layout import RunSpec
+from minidist.train_build import build_parallel
+from minidist.train_config import check_config, runs_zero_optimizer
+
+
+def run_spec_of(cfg) -> RunSpec:
+    """The planner's RunSpec of a ``TrainConfig`` (its global batch cut over dp and micro-batches)."""
+    return RunSpec(seq=cfg.block_size, micro_batch_size=cfg.batch_size // (cfg.dp * cfg.micro_batches),
+                   micro_batches=cfg.micro_batches, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep,
+                   zero=cfg.zero, dtype=cfg.dtype, optimizer=cfg.optimizer, sequence_parallel=cfg.sequence_parallel,
+                   recompute="full" if cfg.recompute else "none", schedule=cfg.schedule,
+                   virtual_stages=cfg.virtual_stages, cp_algorithm=cfg.cp_algorithm, offload=cfg.offload,
+                   offload_to="disk" if cfg.offload_dir else "host")
+
+
+def _held(cfg, model, optimizer, amp) -> dict:
+    """Model-state bytes in the planner's keys: ZeRO's optimizer bytes are masters + moments."""
+    if runs_zero_optimizer(cfg):
+        held = optimizer.model_state_bytes()
+        masters = sum(s.param.data.nbytes for s in optimizer.shards) if optimizer.mixed_precision else 0
+        masters *= "host" not in held  # offloaded: the masters are in host / disk with the moments
+        held["master_weights"], held["optimizer_states"] = masters, held.pop("optimizer") - masters
+        return held
+    held = plain_state_bytes(model, optimizer)
+    held["optimizer_states"] = held.pop("optimizer")
+    held["master_weights"] = unique_nbytes([m.data for m in amp.masters]) if amp else 0
+    return held
+
+
+def measure(cfg, steps: int = 2, seed: int = 0) -> list[dict]:
+    """Train ``cfg`` (a TrainConfig) ``steps`` steps on random tokens, one thread per rank; per rank
+    (in rank order) a dict: ``coords`` (dp, pp, cp, tp), ``model_states`` after the last backward,
+    ``activations`` of one micro-batch's forward (None under pipeline parallelism),
+    ``comm_bytes_per_step`` of the last step per axis, ``step_time_s`` of the last step (threads
+    share one interpreter: a time to read with care)."""
+    check_config(cfg, cfg.dp * cfg.pp * cfg.cp * cfg.tp)
+    batch_all = np.random.default_rng(seed).integers(0, 256, (cfg.batch_size, cfg.block_size + 1))
+
+    def rank(world):
+        mesh = DeviceMesh(world, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp, ep=cfg.ep)
+        model, optimizer, dp, engine, amp = build_parallel(cfg, mesh)
+        rows = cfg.batch_size // cfg.dp
+        batch = batch_all[mesh.dp_rank * rows:(mesh.dp_rank + 1) * rows]  # (B/dp, T+1)
+        groups = [world, mesh.dp_group, mesh.tp_group, mesh.pp_group, mesh.cp_group, mesh.dp_cp_group,
+                  mesh.ep_group, mesh.expert_dp_group, getattr(engine, "embedding_group", None)]
+        sizes = {g.name: g.size for g in groups if g is not None}
+        for _ in range(steps):
+            world.barrier()
+            start = time.perf_counter()
+            with world.trace.capture() as events:
+                train_step(model, optimizer, batch, 1e-3, 1.0, dp=dp, engine=engine, mesh=mesh,
+                           n_micro=cfg.micro_batches, sequence_parallel=cfg.sequence_parallel, trace=world.trace,
+                           amp=amp)
+            seconds = time.perf_counter() - start
+        held = _held(cfg, model, optimizer, amp)
+        acts = None
+        if cfg.pp == 1:
+            one = batch[:rows // cfg.micro_batches]  # one micro-batch (b, T+1)
+            _, loss = model(np.ascontiguousarray(one[:, :-1]), np.ascontiguousarray(one[:, 1:]))  # own buffers
+            acts = activation_bytes(loss, exclude=[p.data for p in model.parameters()])
+        if runs_zero_optimizer(cfg):
+            optimizer.close()
+        return {"coords": (mesh.dp_rank, mesh.pp_rank, mesh.cp_rank, mesh.tp_rank), "model_states": held,
+                "activations": acts, "comm_bytes_per_step": sent_bytes(events, sizes), "step_time_s": seconds}
+
+    return run_local(rank, cfg.dp * cfg.pp * cfg.cp * cfg.tp)

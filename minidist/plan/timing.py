@@ -1,0 +1,211 @@
+"""Seconds per step: FLOPs at the hardware's speed, bytes at its links', the bubble from the simulator.
+
+FLOPs (Kaplan et al., PaLM's appendix B): a token costs 2 N forward and 4 N backward in the matmuls
+(N: the parameters a token multiplies, :func:`~minidist.plan.models.active_parameters`), plus the
+attention scores and their use, 4 s h a layer forward (s: the keys a query sees; minidist computes
+every score of the causal square and masks half, so the full s counts). Model FLOPs per token are
+therefore 6 N + 12 L h s; full recompute runs the forward twice (8 N + 16 L h s of hardware FLOPs),
+selective recompute the attention scores only.
+
+A block's time on one rank, per micro-batch: its FLOPs at ``flops x matmul_efficiency``, plus three
+passes over its activations at the memory bandwidth (forward; twice that backward), plus the
+profile's fixed ``layer_overhead``; the head adds its (h x V / t) matmul and the softmax's passes.
+Backward costs twice the forward; split into B and W (zero-bubble schedules), half each.
+
+Communication: a collective's time is its latency per step of the ring plus its bus bytes
+(comm.py) over the link of its group (inside a node or across). What overlaps what, stated:
+
+- tensor parallelism: exposed, on the critical path of every block (Megatron's default);
+- pipeline sends: exposed, added to the sending micro-batch's F or B;
+- context parallelism's ring: overlapped with the attention of the blocks it feeds (exposed only
+  where the transfer is longer); Ulysses' all-to-alls and expert parallelism's: exposed;
+- data parallelism: the gradient reduction runs in buckets under the last micro-batch's backward
+  (ZeRO-2 and 3 under every micro-batch's, without a pipeline), exposed only beyond it; ZeRO-1 and
+  2's all-gather of the new parameters after the step is exposed; ZeRO-3's all-gathers are
+  prefetched under the compute, exposed only beyond it;
+- the optimizer step: its bytes at the memory bandwidth, or with offload the gradient and parameter
+  shards over PCIe and the update at the host's memory bandwidth (disk: NVMe reads and writes).
+
+The pipeline's step comes from the schedule's simulator, its chunk costs the slowest stage's, and
+the bubble is its idle share. MFU = model FLOPs per second per device over the peak.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from minidist.parallel.pipeline import placement_of, simulate, splits_backward
+from minidist.plan import comm
+from minidist.plan.hardware import Hardware
+from minidist.plan.layout import SLOTS, RunSpec
+from minidist.plan.memory import (FLOAT32, activation_bytes_per_layer, head_activation_bytes, optimizer_numel,
+                                  pipeline_schedule, rank_units)
+from minidist.plan.models import ModelSpec, active_parameters, layers_per_stage
+
+
+def model_flops_per_token(model: ModelSpec, seq: int) -> float:
+    """6 N + 12 L h s: the training FLOPs a token costs, without recompute."""
+    return 6 * active_parameters(model) + 12 * model.n_layer * model.n_embd * seq
+
+
+def group_span(run: RunSpec, axis: str) -> int:
+    """How many consecutive devices an ``axis`` group spans in minidist's mesh order (dp, pp, cp, tp:
+    tp neighbours are adjacent devices, dp the farthest apart)."""
+    size = {"dp": run.dp, "pp": run.pp, "cp": run.cp, "tp": run.tp, "ep": run.ep, "world": run.world}[axis]
+    stride = {"tp": 1, "cp": run.tp, "pp": run.cp * run.tp, "dp": run.pp * run.cp * run.tp,
+              "ep": run.pp * run.cp * run.tp, "world": 1}[axis]
+    return (size - 1) * stride + 1
+
+
+def transfer_time(hw: Hardware, run: RunSpec, axis: str, nbytes: float, messages: int = 1) -> float:
+    """Seconds to send ``nbytes`` of bus bytes over the ``axis`` group in ``messages`` ring steps."""
+    if nbytes <= 0:
+        return 0.0
+    bandwidth, latency = hw.link(group_span(run, axis))
+    return messages * latency + nbytes / bandwidth
+
+
+def _slowdown(hw: Hardware, run: RunSpec) -> float:
+    """Ranks that share cores run that much slower (a CPU with more ranks than cores)."""
+    return max(1.0, run.world / hw.cores) if hw.cores else 1.0
+
+
+def block_forward_time(model: ModelSpec, run: RunSpec, hw: Hardware, layer: int = 0) -> tuple[float, float]:
+    """(seconds of one block's forward for one micro-batch on one rank, of which the attention
+    scores), FLOPs and memory passes and a third of the fixed overhead."""
+    tokens, t = run.micro_batch_size * run.seq // run.cp, run.tp
+    C, F = model.n_embd, model.hidden
+    q, kv = model.n_head * model.head_dim, model.kv_heads * model.head_dim
+    matrices = C * (2 * q + 2 * kv) + (3 if model.gated else 2) * C * F * (model.top_k if model.is_moe(layer) else 1)
+    attention = 4 * tokens * run.seq * C  # scores and their use, every key of the sequence
+    speed = hw.flops * hw.matmul_efficiency / _slowdown(hw, run)
+    passes = 3 * activation_bytes_per_layer(model, RunSpec(**{**vars(run), "recompute": "none"}))
+    memory = passes / (hw.memory_bandwidth / _slowdown(hw, run))
+    core = attention / t / speed
+    return (2 * tokens * matrices / t) / speed + core + memory + hw.layer_overhead * _slowdown(hw, run) / 3, core
+
+
+def head_forward_time(model: ModelSpec, run: RunSpec, hw: Hardware) -> float:
+    """The LM head's matmul (h x V / t) and the cross-entropy's passes over the logits, one micro-batch."""
+    tokens = run.micro_batch_size * run.seq // run.cp
+    speed = hw.flops * hw.matmul_efficiency / _slowdown(hw, run)
+    return 2 * tokens * model.n_embd * model.vocab_size / run.tp / speed + \
+        3 * head_activation_bytes(model, run) / (hw.memory_bandwidth / _slowdown(hw, run))
+
+
+def tp_time_per_block(model: ModelSpec, run: RunSpec, hw: Hardware) -> float:
+    """Forward + backward of one block's 4 all-reduces of X (or their all-gathers and reduce-scatters)."""
+    x = comm.activation(model, run)
+    return 4 * transfer_time(hw, run, "tp", comm.all_reduce(x, run.tp), 2 * (run.tp - 1)) if run.tp > 1 else 0.0
+
+
+def cp_exposed_per_block(model: ModelSpec, run: RunSpec, hw: Hardware, core: float) -> float:
+    """Forward + backward of one block's context-parallel traffic not hidden under its attention."""
+    if run.cp == 1:
+        return 0.0
+    x = comm.activation(model, run) / run.tp
+    if run.cp_algorithm == "ulysses":
+        return 8 * transfer_time(hw, run, "cp", comm.one_way(x, run.cp), run.cp - 1)
+    forward = (run.cp - 1) * transfer_time(hw, run, "cp", 2 * x)
+    backward = (run.cp - 1) * transfer_time(hw, run, "cp", 2 * x) + run.cp * transfer_time(hw, run, "cp", 2 * x)
+    return max(0.0, forward - core) + max(0.0, backward - 2 * core)
+
+
+def stage_costs(model: ModelSpec, run: RunSpec, hw: Hardware) -> list[tuple[float, float]]:
+    """Per global pipeline stage, (forward, backward) seconds of one micro-batch: its blocks, the
+    head on the last stage, the exposed tp, cp and ep traffic and the pipeline's sends."""
+    counts = layers_per_stage(model, run.n_stages)
+    x_pp = comm.activation(model, run) / (run.tp if run.sequence_parallel else 1)
+    send = transfer_time(hw, run, "pp", x_pp) if run.pp > 1 else 0.0
+    costs, layer = [], 0
+    for s, n in enumerate(counts):
+        forward = backward = 0.0
+        for i in range(layer, layer + n):
+            f, core = block_forward_time(model, run, hw, i)
+            extra = {"none": 0.0, "selective": core, "full": f}[run.recompute]
+            tp, cp = tp_time_per_block(model, run, hw), cp_exposed_per_block(model, run, hw, core)
+            ep = 0.0
+            if run.ep > 1 and model.is_moe(i):
+                ep = 4 * transfer_time(hw, run, "ep", comm.one_way(comm.activation(model, run) * model.top_k, run.ep),
+                                       run.ep - 1)
+            forward += f + (tp + cp + ep) / 3
+            backward += 2 * f + extra + 2 * (tp + cp + ep) / 3
+        if s == run.n_stages - 1:
+            head = head_forward_time(model, run, hw) + hw.microbatch_overhead * _slowdown(hw, run) / 3
+            forward, backward = forward + head, backward + 2 * head
+        costs.append((forward + send, backward + send))
+        layer += n
+    return costs
+
+
+def optimizer_time(model: ModelSpec, run: RunSpec, hw: Hardware) -> float:
+    """The optimizer step on pipeline rank 0: read and write its shard's state, gradient and
+    parameter once; on the device, or with offload on the host after the gradient shard came down
+    (the new parameter shard goes up), the store read from and written to disk under "disk"."""
+    _, numel = optimizer_numel(model, run)
+    b = run.itemsize
+    state = numel * (SLOTS[run.optimizer] * (FLOAT32 if run.mixed else b) + FLOAT32 * run.mixed)
+    if run.offload == "none":
+        tensors = len(rank_units(model, run)) if run.zero or run.offload != "none" else parameter_tensors(model, run)
+        fixed = tensors * hw.tensor_update_overhead
+        return (2 * (state + 2 * numel * b) / hw.memory_bandwidth + fixed) * _slowdown(hw, run)
+    moved = 2 * numel * b / hw.host_bandwidth  # the gradient shard down, the parameter shard up
+    disk = 2 * state / hw.disk_bandwidth if run.offload_to == "disk" else 0.0
+    return moved + 2 * (state + 2 * numel * b) / hw.host_memory_bandwidth + disk
+
+
+def parameter_tensors(model: ModelSpec, run: RunSpec) -> int:
+    """How many parameter tensors pipeline rank 0 updates one by one (without ZeRO's flat units):
+    per block two norms and four Linears, with biases twice as many; the embeddings, final norm, head."""
+    per_block = (2 + 4) * (2 if model.bias else 1)
+    blocks = sum(1 for name, _, _ in rank_units(model, run) if ".h." in name and not name.endswith("experts"))
+    return per_block * blocks + sum(1 for name, _, _ in rank_units(model, run) if ".h." not in name) * 2
+
+
+def dp_exposed(model: ModelSpec, run: RunSpec, hw: Hardware, backward: float, compute: float) -> float:
+    """Data parallelism's exposed seconds per step on pipeline rank 0 (the overlap rules above):
+    ``backward`` is one micro-batch's backward on the stage, ``compute`` the step's compute."""
+    n = run.dp * run.cp
+    if n == 1:
+        return 0.0
+    grads = optimizer_numel(model, run)[0] * run.itemsize
+    reduce = transfer_time(hw, run, "dp", comm.all_reduce(grads, n) if run.zero == 0 else comm.one_way(grads, n), n - 1)
+    per_microbatch = run.zero >= 2 and run.pp == 1
+    exposed = (run.micro_batches if per_microbatch else 1) * max(0.0, reduce - backward)
+    gather = transfer_time(hw, run, "dp", comm.one_way(grads, n), n - 1)
+    if run.zero in (1, 2):
+        exposed += gather
+    elif run.zero == 3:
+        uses = (3 if run.pp == 1 else 1) * (run.micro_batches if run.pp == 1 else 1)
+        exposed += max(0.0, uses * gather - compute)
+    return exposed
+
+
+@lru_cache(maxsize=4096)
+def simulated(name: str, pp: int, micro_batches: int, virtual_stages: int, ratio: float) -> tuple[float, float]:
+    """(makespan in forward costs, bubble share) of the schedule simulated with F = 1 and B =
+    ``ratio`` (split into B and W halves in a zero-bubble schedule). A timeline scales with its costs,
+    so the step is the slowest stage's forward times this makespan; the ratio is rounded to 3
+    significant digits so that a search simulates each shape once."""
+    schedule, _ = pipeline_schedule(name, pp, micro_batches, virtual_stages)
+    weight = ratio / 2 if splits_backward(name) else 0.0
+    timeline = simulate(schedule, pp, 1.0, ratio, weight, placement_of(name))
+    return timeline.makespan, timeline.bubble()
+
+
+def step_time(model: ModelSpec, run: RunSpec, hw: Hardware) -> dict:
+    """Seconds of one step and where they go (pipeline rank 0's view): ``pipeline`` (the forward and
+    backward of every micro-batch, their exposed tp, cp, ep and pp traffic, and the bubble, of which
+    ``bubble`` seconds idle), ``dp_exposed``, ``optimizer``, ``total``; ``bubble_share`` of the
+    pipeline idle."""
+    costs = stage_costs(model, run, hw)
+    if run.pp == 1:
+        pipeline, share = run.micro_batches * sum(costs[0]), 0.0
+    else:
+        forward, backward = max(c[0] for c in costs), max(c[1] for c in costs)
+        makespan, share = simulated(run.schedule, run.pp, run.micro_batches, run.virtual_stages,
+                                    float(f"{backward / forward:.3g}"))
+        pipeline = forward * makespan
+    dp = dp_exposed(model, run, hw, costs[0][1], pipeline)
+    optimizer = optimizer_time(model, run, hw)
+    return {"pipeline": pipeline, "bubble": share * pipeline, "dp_exposed": dp, "optimizer": optimizer,
+            "total": pipeline + dp + optimizer, "bubble_share": share}
