@@ -106,11 +106,14 @@ def all_reduce_link() -> tuple[float, float, str]:
     when ``mpiexec`` runs here, else over threads."""
     times, how = None, "2 threads"
     try:
-        from minidist.run import find_mpiexec
-        cmd = [find_mpiexec(), "-n", "2", sys.executable, "-m", "minidist.plan.calibrate", "--all-reduce"]
+        from minidist.run import find_mpiexec, mpiexec_flags
+        mpiexec = find_mpiexec()  # SystemExit when there is none
+        root = hasattr(os, "geteuid") and os.geteuid() == 0
+        cmd = [mpiexec, *mpiexec_flags(mpiexec, allow_root=root), "-n", "2", sys.executable, "-m",
+               "minidist.plan.calibrate", "--all-reduce"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
         times, how = {int(k): v for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}, "2 MPI processes"
-    except Exception:  # noqa: BLE001 -- no mpiexec, or it failed: the threads are the fallback
+    except (Exception, SystemExit):  # noqa: BLE001 -- no mpiexec, or it failed: the threads are the fallback
         from minidist import run_local
         times = run_local(_all_reduce_times, 2)[0]
     bandwidth = LARGE / (times[LARGE] - times[SMALL])  # bus bytes: 2 (n-1)/n = 1 on 2 ranks

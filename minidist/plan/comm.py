@@ -27,6 +27,9 @@ Two counts are averages over ranks: the experts' all-to-alls (an even routing's 
 with sequence parallelism, the norms' gradient elements in each rank's shards (where the shard
 boundaries fall decides each rank's share; the ZeRO group's mean is exact).
 
+Full recompute runs each block's forward again inside its backward, with the forward's tp, cp and
+ep traffic.
+
 ZeRO-2 and 3 reduce-scatter after every micro-batch's backward, unless a pipeline defers the
 gradient sync to the last one (``no_sync``); ZeRO-3 then also re-gathers per micro-batch.
 """
@@ -82,11 +85,13 @@ def tp_bytes(model: ModelSpec, run: RunSpec, pp_rank: int = 0) -> float:
     stages = rank_stages(pp_rank, run.pp, run.virtual_stages, placement_of(run.schedule))
     layers = sum(counts[s] for s in stages)
     ends = (0 in stages) + (run.n_stages - 1 in stages)  # the embedding's and the head's
-    per_microbatch = (4 * layers + ends) * all_reduce(x, t)  # = the same in all-gathers + reduce-scatters
+    forwards = 2 if run.recompute == "full" else 1  # recompute runs each block's forward again in backward
+    per_microbatch = ((2 * forwards + 2) * layers + ends) * all_reduce(x, t)  # = in all-gathers + reduce-scatters
     tokens = run.micro_batch_size * run.seq // run.cp
     moe = moe_layers(model, run, pp_rank)  # their experts' partial outputs: k rows a token; the router's logits
-    per_microbatch += moe * (all_reduce((model.top_k - 1) * x, t) + one_way(tokens * model.n_experts * run.itemsize, t)
-                             + run.sequence_parallel * one_way(x, t))  # (SP: its output's gradient gathered)
+    per_microbatch += moe * forwards * (all_reduce((model.top_k - 1) * x, t)  # (SP: an all-reduce of X, not
+                                        + one_way(tokens * model.n_experts * run.itemsize, t)  # a reduce-scatter)
+                                        + run.sequence_parallel * one_way(x, t))
     ce = 3 * all_reduce(tokens * max(run.itemsize, 4), t) * (run.n_stages - 1 in stages)
     sp_grads = 0.0
     if run.sequence_parallel:  # LayerNorms, row-parallel biases, positions: summed over tp, under ZeRO
@@ -133,11 +138,12 @@ def cp_bytes(model: ModelSpec, run: RunSpec, pp_rank: int = 0) -> float:
     stages = rank_stages(pp_rank, run.pp, run.virtual_stages, placement_of(run.schedule))
     layers, last = sum(counts[s] for s in stages), run.n_stages - 1 in stages
     x = activation(model, run) / run.tp
+    forwards = 2 if run.recompute == "full" else 1  # recompute runs each block's forward again in backward
     if run.cp_algorithm == "ulysses":
-        per_layer = 8 * one_way(x, c)
+        per_layer = (4 * forwards + 4) * one_way(x, c)
     else:
         kv, dkv = 2 * x, 2 * x * max(run.itemsize, 4) / run.itemsize  # gradients in float32 under 16-bit
-        per_layer = 2 * (c - 1) * kv + c * dkv
+        per_layer = (forwards + 1) * (c - 1) * kv + c * dkv
     return run.micro_batches * (layers * per_layer + last * all_reduce(4, c))  # the loss's token count
 
 
@@ -154,7 +160,8 @@ def ep_bytes(model: ModelSpec, run: RunSpec, pp_rank: int = 0) -> float:
     moe = moe_layers(model, run, pp_rank)
     routed = activation(model, run) * model.top_k  # as many rows as an even routing sends (whole: tp ranks hold every token)
     counts = one_way(model.n_experts * 8, run.ep)  # (ep, E/ep) int64: how many rows go to each expert
-    return run.micro_batches * moe * (4 * one_way(routed, run.ep) + counts) + (1 + (run.zero > 0)) * all_reduce(SCALAR, run.ep)  # the norm
+    forwards = 2 if run.recompute == "full" else 1  # recompute runs each block's forward again in backward
+    return run.micro_batches * moe * ((2 * forwards + 2) * one_way(routed, run.ep) + forwards * counts) + (1 + (run.zero > 0)) * all_reduce(SCALAR, run.ep)  # the norm
 
 
 def comm_bytes_per_step(model: ModelSpec, run: RunSpec, pp_rank: int = 0) -> dict:

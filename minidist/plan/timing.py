@@ -92,10 +92,17 @@ def head_forward_time(model: ModelSpec, run: RunSpec, hw: Hardware) -> float:
         3 * head_activation_bytes(model, run) / (hw.memory_bandwidth / _slowdown(hw, run))
 
 
+def forwards(run: RunSpec) -> int:
+    """How many times a block's forward runs per micro-batch: twice under full recompute."""
+    return 2 if run.recompute == "full" else 1
+
+
 def tp_time_per_block(model: ModelSpec, run: RunSpec, hw: Hardware) -> float:
-    """Forward + backward of one block's 4 all-reduces of X (or their all-gathers and reduce-scatters)."""
+    """Forward(s) + backward of one block's all-reduces of X, 2 each (or their all-gathers and
+    reduce-scatters)."""
     x = comm.activation(model, run)
-    return 4 * transfer_time(hw, run, "tp", comm.all_reduce(x, run.tp), 2 * (run.tp - 1)) if run.tp > 1 else 0.0
+    calls = 2 * forwards(run) + 2
+    return calls * transfer_time(hw, run, "tp", comm.all_reduce(x, run.tp), 2 * (run.tp - 1)) if run.tp > 1 else 0.0
 
 
 def cp_exposed_per_block(model: ModelSpec, run: RunSpec, hw: Hardware, core: float) -> float:
@@ -104,10 +111,10 @@ def cp_exposed_per_block(model: ModelSpec, run: RunSpec, hw: Hardware, core: flo
         return 0.0
     x = comm.activation(model, run) / run.tp
     if run.cp_algorithm == "ulysses":
-        return 8 * transfer_time(hw, run, "cp", comm.one_way(x, run.cp), run.cp - 1)
+        return (4 * forwards(run) + 4) * transfer_time(hw, run, "cp", comm.one_way(x, run.cp), run.cp - 1)
     forward = (run.cp - 1) * transfer_time(hw, run, "cp", 2 * x)
     backward = (run.cp - 1) * transfer_time(hw, run, "cp", 2 * x) + run.cp * transfer_time(hw, run, "cp", 2 * x)
-    return max(0.0, forward - core) + max(0.0, backward - 2 * core)
+    return forwards(run) * max(0.0, forward - core) + max(0.0, backward - 2 * core)
 
 
 def stage_costs(model: ModelSpec, run: RunSpec, hw: Hardware) -> list[tuple[float, float]]:
@@ -125,8 +132,8 @@ def stage_costs(model: ModelSpec, run: RunSpec, hw: Hardware) -> list[tuple[floa
             tp, cp = tp_time_per_block(model, run, hw), cp_exposed_per_block(model, run, hw, core)
             ep = 0.0
             if run.ep > 1 and model.is_moe(i):
-                ep = 4 * transfer_time(hw, run, "ep", comm.one_way(comm.activation(model, run) * model.top_k, run.ep),
-                                       run.ep - 1)
+                routed = comm.one_way(comm.activation(model, run) * model.top_k, run.ep)
+                ep = (2 * forwards(run) + 2) * transfer_time(hw, run, "ep", routed, run.ep - 1)
             forward += f + (tp + cp + ep) / 3
             backward += 2 * f + extra + 2 * (tp + cp + ep) / 3
         if s == run.n_stages - 1:
