@@ -198,3 +198,17 @@ def test_the_cli_search_prints_the_table_and_the_reasons():
                     "--global-batch-size", "32", "--top", "3")
     assert done.returncode == 0, done.stderr
     assert "layouts fit" in done.stdout and "rejected, by reason" in done.stdout
+
+
+def test_the_local_profile_is_measured_here_and_predicts_a_step():
+    """``--hardware local`` measures this machine (matmul, memory, overheads, the all-reduce over MPI
+    or threads); the numbers are only checked to be sane, never timed against a target."""
+    from minidist.plan import from_gpt_config, hardware_profile
+    from minidist.train_config import TrainConfig
+    cfg = TrainConfig(dp=2, tp=2)
+    model, run = from_gpt_config(cfg), RunSpec(seq=64, micro_batch_size=8, dp=2, tp=2, dtype="float32")
+    hw = hardware_profile("local", model, run)
+    assert hw.flops > 1e8 and hw.memory_bandwidth > 1e8 and hw.intra_bandwidth > 1e6
+    assert 0 < hw.intra_latency < 0.1 and 0 < hw.layer_overhead < 0.1 and hw.cores >= 1
+    p = predict(model, run, hw)
+    assert p["step_time_s"] > 0 and p["hardware"] == "local" and "measured here" in p["hardware_note"]

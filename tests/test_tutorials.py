@@ -90,6 +90,21 @@ LESSONS = [
         r"  20 files, 196,224 B = the disk column above .*: no file left",
         r"Offload: device bytes fall from 246\.4 to 82\.1 KiB \(ZeRO-2\) and from 219\.0 to 27\.4 KiB \(ZeRO-3\) per rank; "
         r"offloaded runs equal the runs without, bitwise\.\nAll checks passed\."]),
+    # the planner runs its small layouts on threads itself (minidist.plan.measure): one process only
+    ("14_scale.py", None, [], [
+        r"  pp rank 0: 17,504 elements a tp rank x \(2 \+ 2\) B float16; its ZeRO-1 shard, 1/2 = 8,752, x \(4 \+ 8\)",
+        (r"     \d \(\d,\d,0,\d\) +(35,008 +35,008 +35,008 +70,016|34,112 +34,112 +34,112 +68,224) +\| +\1\n", 8),
+        r"model states: 8 ranks x 4 components, measured = planned to the byte",
+        r"bytes sent: 8 ranks x 4 axes \(dp, tp, pp, world\), measured = planned to the byte",
+        r"  = [\d,]+ B a block x 4 blocks \+ the head [\d,]+ B .*\n    \+ the embeddings [\d,]+ B .* = 60,928 B",
+        (r"     \d \(\d,0,\d,\d\) +(60,928 +60,928 +30,464 +60,928 +60,928) +\| +\1\n", 8),  # + activations
+        r"model states and activations: 8 ranks x 5, measured = planned to the byte",
+        r"the mean of the 4\s+ranks\s+that\s+share\s+a\s+tp\s+rank\s+is\s+the\s+plan's [\d,]+ B",  # tp (ZeRO + SP)
+        (r"\n   [1-6]( +\d+\.\d){7}  (yes|no) ", 6),  # each 70B layout's bytes by component, fits or not
+        r"\n   1( +\d+\.\d){4} +8\d\d\.\d( +\d+\.\d){2}  no ",  # dp 1024, ZeRO-3: 800+ GiB of activations
+        r"python -m minidist\.plan --model llama3-70b --seq 8192 --search --gpus 1024 --global-batch-size 1024",
+        r"The plan of 8 ranks = the run, to the byte .*\n\d of 6 layouts of llama3-70b fit on 1,024 GPUs\.\n"
+        r"All checks passed\."]),
 ]
 SECONDS = 60
 

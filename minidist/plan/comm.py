@@ -59,21 +59,28 @@ def activation(model: ModelSpec, run: RunSpec) -> float:
     return run.micro_batch_size * run.seq // run.cp * model.n_embd * run.itemsize
 
 
-def dp_bytes(model: ModelSpec, run: RunSpec, pp_rank: int = 0) -> float:
-    b, sent = run.itemsize, 0.0
+def dp_parts(model: ModelSpec, run: RunSpec, pp_rank: int = 0) -> dict:
+    """The data-parallel bytes of pipeline rank ``pp_rank`` per step, by what they are for:
+    ``reduce`` (the gradients' all-reduce or reduce-scatters), ``gather`` (ZeRO's all-gathers of
+    parameters) and ``scalars`` (the loss; with ZeRO the norm's two pieces)."""
+    b, parts = run.itemsize, {"reduce": 0.0, "gather": 0.0}
+    every = run.micro_batches if run.pp == 1 else 1  # ZeRO-2, 3 without a pipeline: per micro-batch
     for name, numel, experts in rank_units(model, run, pp_rank):
         n = zero_group(run, experts)
-        every = run.micro_batches if run.pp == 1 else 1  # without a pipeline, per micro-batch
         if run.zero == 0:
-            sent += all_reduce(numel * b, n)
-        elif run.zero < 3:
-            sent += (every * (run.zero == 2) + (run.zero == 1) + 1) * one_way(numel * b, n)
-        else:
-            uses = 2 if run.pp == 1 else 1  # gathered for forward and again for backward, or kept
-            if run.pp == 1 and model.tied and name == "transformer.wte":
-                uses += 1  # the head gathers the tied matrix once more
-            sent += every * (uses + 1) * one_way(numel * b, n)
-    return sent + all_reduce(SCALAR, run.dp) + (run.zero > 0) * 2 * all_reduce(SCALAR, run.dp * run.cp)
+            parts["reduce"] += all_reduce(numel * b, n)
+            continue
+        parts["reduce"] += (every if run.zero >= 2 else 1) * one_way(numel * b, n)
+        uses = 1
+        if run.zero == 3 and run.pp == 1:  # gathered for forward and again for backward (a pipeline keeps them)
+            uses = every * (2 + (model.tied and name == "transformer.wte"))  # the head gathers the tied matrix again
+        parts["gather"] += uses * one_way(numel * b, n)
+    parts["scalars"] = all_reduce(SCALAR, run.dp) + (run.zero > 0) * 2 * all_reduce(SCALAR, run.dp * run.cp)
+    return parts
+
+
+def dp_bytes(model: ModelSpec, run: RunSpec, pp_rank: int = 0) -> float:
+    return sum(dp_parts(model, run, pp_rank).values())
 
 
 def tp_bytes(model: ModelSpec, run: RunSpec, pp_rank: int = 0) -> float:

@@ -19,14 +19,17 @@ sequences, h hidden, a heads, t tensor-parallel ranks; bytes), two models:
     without dropout (minidist's GPT: what its autograd saves, in the compute dtype), per layer
         LayerNorm x-hat, 2 LayerNorm outputs (Linear inputs)     4 s b h   replicated over tp
         q, k, v; attention output; GELU input and tanh; GELU out 16 s b h / t   (with an MLP of 4h;
-                                                                  its 12 scale with the width)
+                                                                  its 12 scale with the width;
+                                                                  k, v with the kv heads;
+                                                                  SwiGLU keeps 4 of width F)
         attention probabilities                                  a s^2 b / t
         LayerNorm 1 / std                                        2 s b
     sequence parallelism cuts all but the two LayerNorm outputs (the column-parallel Linears save
     their all-gathered inputs); recompute keeps the block's input s b h; ring attention keeps its
     output and log-sum-exp (float32 under 16-bit) instead of the probabilities.
 
-Context parallelism gives each rank s = seq / cp tokens. A pipeline rank holds a stage's activations
+Context parallelism gives each rank s = seq / cp tokens (their queries still score every key of the
+sequence where scores are kept: a s^2 b becomes a s^2 b / cp). A pipeline rank holds a stage's activations
 from its forward to its backward (its W in a zero-bubble schedule) for the micro-batches in flight:
 the schedule's own simulator says how many (``Timeline.peak_held``).
 """
@@ -105,20 +108,21 @@ def layer_activation_terms(model: ModelSpec, run: RunSpec, layer: int = 0) -> li
     s, bsz, h, a, t = run.seq // run.cp, run.micro_batch_size, model.n_embd, model.n_head, run.tp
     sbh, sp = s * bsz * h, t if run.sequence_parallel else 1
     mlp = model.hidden / h  # 4 for GPT-2's MLP
+    kv = model.kv_heads / model.n_head  # k and v are this much of q's width (grouped-query attention)
     if run.recompute == "full":
         return [("block input (the rest recomputed)", (2 if run.dropout else run.itemsize) * sbh / sp)]
     if run.dropout:  # Korthikanti et al., 2-byte activations and 1-byte masks
         terms = [("LayerNorm inputs", 4 * sbh / sp), ("QKV and MLP inputs", 4 * sbh / sp),
                  ("dropout masks after attention and MLP", 2 * sbh / sp),
-                 ("Q, K, V and the projection's input", 8 * sbh / t),
-                 ("MLP activation in and out", (4 + 2 * model.gated) * mlp * sbh / t)]
-        core = [("softmax output, dropout mask and output", 5 * a * s * s * bsz / t)]
+                 ("Q, K, V and the projection's input", (4 + 4 * kv) * sbh / t),
+                 ("MLP activation in and out", (4 + 4 * model.gated) * mlp * sbh / t)]
+        core = [("softmax output, dropout mask and output", 5 * a * s * s * run.cp * bsz / t)]  # s/cp queries, s keys
     else:  # minidist's GPT: what its autograd saves, in the compute dtype
         b = run.itemsize
         terms = [("norm x-hat", 2 * b * sbh / sp), ("norm outputs (Linear inputs; gathered under SP)", 2 * b * sbh),
-                 ("q, k, v and the attention output", 4 * b * sbh / t),
-                 ("MLP hidden activations (" + ("gate, up, product" if model.gated else "GELU's input, tanh, output")
-                  + ")", 3 * mlp * b * sbh / t),
+                 ("q, k, v and the attention output", (2 + 2 * kv) * b * sbh / t),
+                 ("MLP hidden activations (" + ("gate, SiLU, up, product" if model.gated else "GELU's input, tanh, output")
+                  + ")", (3 + model.gated) * mlp * b * sbh / t),
                  *moe_terms(model, run, layer, b),
                  ("norm 1/std", 2 * b * s * bsz / sp)]
         if run.cp > 1 and run.cp_algorithm in ("ring", "zigzag"):

@@ -31,6 +31,7 @@ the bubble is its idle share. MFU = model FLOPs per second per device over the p
 """
 from __future__ import annotations
 
+import dataclasses
 from functools import lru_cache
 
 from minidist.parallel.pipeline import placement_of, simulate, splits_backward
@@ -78,7 +79,7 @@ def block_forward_time(model: ModelSpec, run: RunSpec, hw: Hardware, layer: int 
     matrices = C * (2 * q + 2 * kv) + (3 if model.gated else 2) * C * F * (model.top_k if model.is_moe(layer) else 1)
     attention = 4 * tokens * run.seq * C  # scores and their use, every key of the sequence
     speed = hw.flops * hw.matmul_efficiency / _slowdown(hw, run)
-    passes = 3 * activation_bytes_per_layer(model, RunSpec(**{**vars(run), "recompute": "none"}))
+    passes = 3 * activation_bytes_per_layer(model, dataclasses.replace(run, recompute="none"), layer)
     memory = passes / (hw.memory_bandwidth / _slowdown(hw, run))
     core = attention / t / speed
     return (2 * tokens * matrices / t) / speed + core + memory + hw.layer_overhead * _slowdown(hw, run) / 3, core
@@ -152,7 +153,7 @@ def optimizer_time(model: ModelSpec, run: RunSpec, hw: Hardware) -> float:
     b = run.itemsize
     state = numel * (SLOTS[run.optimizer] * (FLOAT32 if run.mixed else b) + FLOAT32 * run.mixed)
     if run.offload == "none":
-        tensors = len(rank_units(model, run)) if run.zero or run.offload != "none" else parameter_tensors(model, run)
+        tensors = len(rank_units(model, run)) if run.zero else parameter_tensors(model, run)  # ZeRO: flat units
         fixed = tensors * hw.tensor_update_overhead
         return (2 * (state + 2 * numel * b) / hw.memory_bandwidth + fixed) * _slowdown(hw, run)
     moved = 2 * numel * b / hw.host_bandwidth  # the gradient shard down, the parameter shard up
@@ -170,21 +171,19 @@ def parameter_tensors(model: ModelSpec, run: RunSpec) -> int:
 
 def dp_exposed(model: ModelSpec, run: RunSpec, hw: Hardware, backward: float, compute: float) -> float:
     """Data parallelism's exposed seconds per step on pipeline rank 0 (the overlap rules above):
-    ``backward`` is one micro-batch's backward on the stage, ``compute`` the step's compute."""
+    ``backward`` is one micro-batch's backward on the stage, ``compute`` the step's compute. The
+    reduction and the all-gathers share one link, so ZeRO-3's whole traffic is set against the
+    compute once."""
     n = run.dp * run.cp
     if n == 1:
         return 0.0
-    grads = optimizer_numel(model, run)[0] * run.itemsize
-    reduce = transfer_time(hw, run, "dp", comm.all_reduce(grads, n) if run.zero == 0 else comm.one_way(grads, n), n - 1)
-    per_microbatch = run.zero >= 2 and run.pp == 1
-    exposed = (run.micro_batches if per_microbatch else 1) * max(0.0, reduce - backward)
-    gather = transfer_time(hw, run, "dp", comm.one_way(grads, n), n - 1)
-    if run.zero in (1, 2):
-        exposed += gather
-    elif run.zero == 3:
-        uses = (3 if run.pp == 1 else 1) * (run.micro_batches if run.pp == 1 else 1)
-        exposed += max(0.0, uses * gather - compute)
-    return exposed
+    parts = comm.dp_parts(model, run)
+    reduce = transfer_time(hw, run, "dp", parts["reduce"], (2 if run.zero == 0 else 1) * (n - 1))
+    gather = transfer_time(hw, run, "dp", parts["gather"], n - 1)
+    if run.zero == 3:
+        return max(0.0, reduce + gather - compute)
+    calls = run.micro_batches if run.zero == 2 and run.pp == 1 else 1  # ZeRO-2 reduces every micro-batch
+    return calls * max(0.0, reduce / calls - backward) + gather
 
 
 @lru_cache(maxsize=4096)
