@@ -97,7 +97,7 @@ def main(argv=None) -> int:
         hw = hardware_profile(args.hardware, model, run)
         limit = args.memory_gib * GIB if args.memory_gib else hw.memory_bytes
         batch = args.global_batch_size or run.global_batch
-        fits, rejected = search(model, args.gpus, hw, run, batch, limit)
+        fits, rejected = search(model, args.gpus, hw, run, batch, limit, progress=True)
         if args.json:
             print(json.dumps({"parameters": parameter_count(model), "fits": fits,
                               "rejected": [{"run": dataclasses.asdict(r), "why": why} for r, why in rejected]}))

@@ -4,8 +4,9 @@
 
 Four measurements, each the median of a few repeats:
 
-- matmul speed: NumPy's ``x @ w`` at the model's (b s, C) x (C, 4C) in the dtype minidist computes
-  in (bfloat16 is emulated in float32 storage), on one thread as the benchmarks run;
+- matmul speed: NumPy's ``x @ w`` on the four GEMMs of one block's forward at the model's shapes on
+  a tp rank, in the dtype minidist multiplies in (float32 for both 16-bit dtypes), with this
+  process's BLAS threads (set ``OMP_NUM_THREADS`` as the run will: the benchmarks use 1);
 - memory bandwidth: ``numpy.add`` of two 32 MiB arrays into a third (3 x 32 MiB moved);
 - the fixed costs: the forward and backward of one minidist block on a (1, 2, 8) input, where FLOPs
   and bytes are nothing and the interpreter is everything; of a 1-block GPT's embeddings, head and
@@ -15,6 +16,9 @@ Four measurements, each the median of a few repeats:
 
 All ranks of a local run share the machine's cores: :class:`Hardware` ``cores`` says how many run at
 once, and the time model slows each rank by ranks / cores when there are more ranks than cores.
+Nothing overlaps here (``overlap=False``): a rank's communication and its compute take turns on
+the same cores, so every transfer is on the step's path. Attention writes its probabilities
+(``flash_attention=False``), as minidist's NumPy attention does.
 """
 from __future__ import annotations
 
@@ -42,14 +46,19 @@ def _median_time(fn, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def matmul_flops(rows: int, cols: int, dtype: str) -> float:
-    """FLOP/s of ``(rows, cols) @ (cols, 4 cols)`` in ``dtype`` (bfloat16: float32 storage)."""
-    np_dtype = np.float32 if dtype == "bfloat16" else np.dtype(dtype)
+def matmul_flops(rows: int, width: int, hidden: int, tp: int, dtype: str) -> float:
+    """FLOP/s of one block's four forward GEMMs on a tp rank, as minidist runs them: (rows, C) x
+    (C, 3C/t), (rows, C/t) x (C/t, C), (rows, C) x (C, F/t) and (rows, F/t) x (F/t, C), C = ``width``,
+    F = ``hidden``; all their FLOPs over all their time. 16-bit values multiply in float32
+    (minidist/autograd/backend.py), float64 in float64."""
+    np_dtype = np.float64 if dtype == "float64" else np.float32
     rng = np.random.default_rng(0)
-    x, w = rng.random((rows, cols)).astype(np_dtype), rng.random((cols, 4 * cols)).astype(np_dtype)
-    repeats = max(3, int(2e8 // (2 * rows * cols * 4 * cols + 1)))
-    seconds = _median_time(lambda: [x @ w for _ in range(repeats)]) / repeats
-    return 2 * rows * cols * 4 * cols / seconds
+    shapes = [(width, 3 * width // tp), (width // tp, width), (width, hidden // tp), (hidden // tp, width)]
+    pairs = [(rng.random((rows, k)).astype(np_dtype), rng.random((k, n)).astype(np_dtype)) for k, n in shapes]
+    flops = sum(2 * rows * k * n for k, n in shapes)
+    repeats = max(3, int(2e8 // (flops + 1)))
+    seconds = _median_time(lambda: [x @ w for _ in range(repeats) for x, w in pairs]) / repeats
+    return flops / seconds
 
 
 def memory_bandwidth() -> float:
@@ -121,16 +130,17 @@ def all_reduce_link() -> tuple[float, float, str]:
 
 
 @lru_cache(maxsize=8)
-def _calibrate(rows: int, cols: int, dtype: str) -> Hardware:
+def _calibrate(rows: int, width: int, hidden: int, tp: int, dtype: str) -> Hardware:
     bandwidth, latency, how = all_reduce_link()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    flops, memory = matmul_flops(rows, cols, dtype), memory_bandwidth()
+    flops, memory = matmul_flops(rows, width, hidden, tp, dtype), memory_bandwidth()
     outside, per_tensor = step_overheads()
-    note = (f"measured here: matmul {flops / 1e9:.1f} GFLOP/s at ({rows}, {cols}) x ({cols}, {4 * cols}) {dtype}, "
-            f"all-reduce over {how}")
+    note = (f"measured here: matmul {flops / 1e9:.1f} GFLOP/s on a block's GEMMs at {rows} rows, C {width}, "
+            f"tp {tp}, {dtype}; all-reduce over {how}")
     return Hardware("local", flops, 1.0, memory, 0.75 * _memory_total(), 1 << 20, bandwidth, bandwidth, latency,
                     latency, block_overhead(), outside, per_tensor, host_bandwidth=memory,
-                    host_memory_bandwidth=memory, disk_bandwidth=1e9, cores=cores, note=note)
+                    host_memory_bandwidth=memory, disk_bandwidth=1e9, cores=cores, overlap=False,
+                    flash_attention=False, note=note)
 
 
 def _memory_total() -> float:
@@ -141,11 +151,12 @@ def _memory_total() -> float:
 
 
 def calibrate(model=None, run=None) -> Hardware:
-    """The ``local`` profile, measured at ``model``'s and ``run``'s matmul shape (b s tokens x C)
-    when given (cached per shape for the process)."""
+    """The ``local`` profile, measured at ``model``'s and ``run``'s GEMM shapes (b s tokens, C, F,
+    tp) when given (cached per shape for the process)."""
     rows = run.micro_batch_size * run.seq // run.cp if run is not None else 1024
-    cols = model.n_embd // (run.tp if run is not None else 1) if model is not None else 256
-    return _calibrate(max(rows, 1), max(cols, 1), run.dtype if run is not None else "float32")
+    width, hidden = (model.n_embd, model.hidden) if model is not None else (256, 1024)
+    tp = run.tp if run is not None else 1
+    return _calibrate(max(rows, 1), width, hidden, tp, run.dtype if run is not None else "float32")
 
 
 def main(argv=None) -> None:

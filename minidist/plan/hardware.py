@@ -9,11 +9,13 @@ written next to them (assumptions a reader can change, not measurements):
     A100 SXM   312 TFLOP/s dense bf16, 2.0 TB/s HBM2e, 80 GiB; NVLink 3 (300 GB/s each way, about 240
                reached), one 200 Gb/s HDR port per GPU (25 GB/s, about 20 reached)
 
-Large GEMMs reach about 70% of the tensor-core peak on both; a block's kernel launches cost about
-20 us, the embeddings' and head's 50 us; the host (an offloaded optimizer) has PCIe at 25 GB/s (A100) or 50 GB/s (H100), 100 GB/s of
-CPU memory bandwidth and NVMe at 5 GB/s. ``local`` is measured where the planner
-runs (calibrate.py): NumPy's matmul speed at the model's shapes, its memory bandwidth, the fixed cost
-of minidist's autograd per block, and the all-reduce of the collectives benchmark.
+Large GEMMs reach about 70% of the tensor-core peak on both; attention is fused (FlashAttention: its
+probabilities never go to memory); communication overlaps compute where timing.py says it can; a
+block's kernel launches cost about 20 us, the embeddings' and head's 50 us; the host (an offloaded
+optimizer) has PCIe at 25 GB/s (A100) or 50 GB/s (H100), 100 GB/s of CPU memory bandwidth and NVMe
+at 5 GB/s. ``local`` is measured where the planner runs (calibrate.py): NumPy's matmul speed on a
+block's GEMMs at the model's shapes, its memory bandwidth, the fixed costs of minidist's autograd,
+and the all-reduce of the collectives benchmark.
 """
 from __future__ import annotations
 
@@ -32,7 +34,9 @@ class Hardware:
     ``host_bandwidth``: device to host (PCIe), ``host_memory_bandwidth``: the host's memory (where an
     offloaded optimizer updates), ``disk_bandwidth``: host to NVMe, all bytes/s;
     ``devices_per_node`` share the fast link; ``cores``: ranks that run at once (a CPU), None for a
-    GPU (one rank each)."""
+    GPU (one rank each); ``overlap``: whether communication can run under compute (timing.py's
+    overlap rules; a GPU's copy engines and NICs can); ``flash_attention``: whether attention is
+    fused so that its probabilities never go to memory (on GPUs, FlashAttention)."""
     name: str
     flops: float
     matmul_efficiency: float
@@ -50,6 +54,8 @@ class Hardware:
     host_memory_bandwidth: float = 100e9
     disk_bandwidth: float = 5e9
     cores: int | None = None
+    overlap: bool = True
+    flash_attention: bool = True
     note: str = ""
 
     def link(self, span: int) -> tuple[float, float]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+from tqdm import tqdm
+
 from minidist.plan.hardware import GIB, Hardware
 from minidist.plan.layout import RunSpec, layout_problems
 from minidist.plan.models import ModelSpec
@@ -51,12 +53,13 @@ def why_not(held: dict, memory_bytes: float) -> str:
 
 
 def search(model: ModelSpec, gpus: int, hw: Hardware, base: RunSpec, global_batch: int,
-           memory_bytes: float | None = None) -> tuple[list[dict], list[tuple[RunSpec, str]]]:
+           memory_bytes: float | None = None, progress: bool = False) -> tuple[list[dict], list[tuple[RunSpec, str]]]:
     """(the predictions of every layout that fits ``memory_bytes`` (default: the device's), fastest
-    first; every rejected layout with its reason)."""
+    first; every rejected layout with its reason). ``progress``: a bar on a terminal's stderr."""
     limit = memory_bytes if memory_bytes is not None else hw.memory_bytes
     fits, rejected = [], []
-    for run in candidates(model, gpus, base, global_batch, hw):
+    runs = list(candidates(model, gpus, base, global_batch, hw))
+    for run in tqdm(runs, desc="layouts", unit="", disable=None if progress else True, leave=False):
         problems = layout_problems(model, run)
         if problems:
             rejected.append((run, problems[0]))

@@ -26,15 +26,18 @@ Communication: a collective's time is its latency per step of the ring plus its 
 - the optimizer step: its bytes at the memory bandwidth, or with offload the gradient and parameter
   shards over PCIe and the update at the host's memory bandwidth (disk: NVMe reads and writes).
 
-The pipeline's step comes from the schedule's simulator, its chunk costs the slowest stage's, and
-the bubble is its idle share. MFU = model FLOPs per second per device over the peak.
+The pipeline's step comes from the schedule's simulator, which takes one cost per chunk: the mean
+chunk of the busiest rank (the rank whose chunks cost most in all); the bubble is its idle share.
+Memory passes count the activations the computation writes; on a GPU with fused attention
+(``flash_attention``) not the attention probabilities. Where the hardware cannot overlap
+(``overlap=False``, a CPU whose ranks share its cores) every transfer is exposed. MFU = model FLOPs per second per device over the peak.
 """
 from __future__ import annotations
 
 import dataclasses
 from functools import lru_cache
 
-from minidist.parallel.pipeline import placement_of, simulate, splits_backward
+from minidist.parallel.pipeline import placement_of, rank_stages, simulate, splits_backward
 from minidist.plan import comm
 from minidist.plan.hardware import Hardware
 from minidist.plan.layout import SLOTS, RunSpec
@@ -79,7 +82,8 @@ def block_forward_time(model: ModelSpec, run: RunSpec, hw: Hardware, layer: int 
     matrices = C * (2 * q + 2 * kv) + (3 if model.gated else 2) * C * F * (model.top_k if model.is_moe(layer) else 1)
     attention = 4 * tokens * run.seq * C  # scores and their use, every key of the sequence
     speed = hw.flops * hw.matmul_efficiency / _slowdown(hw, run)
-    passes = 3 * activation_bytes_per_layer(model, dataclasses.replace(run, recompute="none"), layer)
+    written = dataclasses.replace(run, recompute="selective" if hw.flash_attention else "none", dropout=False)
+    passes = 3 * activation_bytes_per_layer(model, written, layer)  # fused attention writes no probabilities
     memory = passes / (hw.memory_bandwidth / _slowdown(hw, run))
     core = attention / t / speed
     return (2 * tokens * matrices / t) / speed + core + memory + hw.layer_overhead * _slowdown(hw, run) / 3, core
@@ -115,7 +119,8 @@ def cp_exposed_per_block(model: ModelSpec, run: RunSpec, hw: Hardware, core: flo
         return (4 * forwards(run) + 4) * transfer_time(hw, run, "cp", comm.one_way(x, run.cp), run.cp - 1)
     forward = (run.cp - 1) * transfer_time(hw, run, "cp", 2 * x)
     backward = (run.cp - 1) * transfer_time(hw, run, "cp", 2 * x) + run.cp * transfer_time(hw, run, "cp", 2 * x)
-    return forwards(run) * max(0.0, forward - core) + max(0.0, backward - 2 * core)
+    hidden = (core, 2 * core) if hw.overlap else (0.0, 0.0)
+    return forwards(run) * max(0.0, forward - hidden[0]) + max(0.0, backward - hidden[1])
 
 
 def stage_costs(model: ModelSpec, run: RunSpec, hw: Hardware) -> list[tuple[float, float]]:
@@ -180,6 +185,8 @@ def dp_exposed(model: ModelSpec, run: RunSpec, hw: Hardware, backward: float, co
     parts = comm.dp_parts(model, run)
     reduce = transfer_time(hw, run, "dp", parts["reduce"], (2 if run.zero == 0 else 1) * (n - 1))
     gather = transfer_time(hw, run, "dp", parts["gather"], n - 1)
+    if not hw.overlap:
+        return reduce + gather
     if run.zero == 3:
         return max(0.0, reduce + gather - compute)
     calls = run.micro_batches if run.zero == 2 and run.pp == 1 else 1  # ZeRO-2 reduces every micro-batch
@@ -206,8 +213,12 @@ def step_time(model: ModelSpec, run: RunSpec, hw: Hardware) -> dict:
     costs = stage_costs(model, run, hw)
     if run.pp == 1:
         pipeline, share = run.micro_batches * sum(costs[0]), 0.0
-    else:
-        forward, backward = max(c[0] for c in costs), max(c[1] for c in costs)
+    else:  # a chunk costs its rank's chunks on average, on the busiest rank (the simulator takes one cost)
+        placement = placement_of(run.schedule)
+        busiest = max(range(run.pp), key=lambda r: sum(sum(costs[s]) for s in rank_stages(r, run.pp, run.virtual_stages,
+                                                                                           placement)))
+        chunks = [costs[s] for s in rank_stages(busiest, run.pp, run.virtual_stages, placement)]
+        forward, backward = (sum(c[i] for c in chunks) / len(chunks) for i in (0, 1))
         makespan, share = simulated(run.schedule, run.pp, run.micro_batches, run.virtual_stages,
                                     float(f"{backward / forward:.3g}"))
         pipeline = forward * makespan
