@@ -68,18 +68,54 @@ def memory_bandwidth() -> float:
     return 3 * a.nbytes / _median_time(lambda: np.add(a, b, out=c))
 
 
-def block_overhead() -> float:
-    """Seconds of one minidist block's forward and backward at a size where only the overhead counts."""
+def _forward_backward_seconds(module_pass, repeats: int = 5) -> float:
+    module_pass()  # warm
+    return min(_median_time(module_pass, repeats) for _ in range(2))
+
+
+def rank_block_seconds(rows: int, seq: int, width: int, heads: int, hidden: int, tp: int, dtype: str) -> float:
+    """Seconds of the forward and backward of one tp rank's share of a minidist block on a (rows,
+    seq, C) input in ``dtype`` (16-bit: minidist's float16, or bfloat16's float32 storage): a
+    ``minidist.model.Block`` whose four Linears are cut as tensor parallelism cuts them (c_attn
+    to 3C/t outputs, c_proj from C/t, c_fc to F/t, c_proj from F/t; attention reads its heads from
+    c_attn's width), with no communication: the rank's compute, interpreter included."""
+    from minidist import nn
     from minidist.autograd import Tensor
     from minidist.model import Block, GPTConfig
-    block = Block(GPTConfig(n_embd=8, n_head=2, block_size=2), dtype="float32")
-    x = np.random.default_rng(0).random((1, 2, 8)).astype(np.float32)
+    storage = "float32" if dtype == "bfloat16" else dtype
+    block = Block(GPTConfig(n_embd=width, n_head=heads, block_size=seq), dtype=storage)
+    block.attn.c_attn = nn.Linear(width, 3 * width // tp, dtype=storage)
+    block.attn.c_proj = nn.Linear(width // tp, width, dtype=storage)
+    block.mlp.c_fc = nn.Linear(width, hidden // tp, dtype=storage)
+    block.mlp.c_proj = nn.Linear(hidden // tp, width, dtype=storage)
+    x = np.random.default_rng(0).random((rows, seq, width)).astype(storage)
 
     def step():
         y = block(Tensor(x, requires_grad=True))
         y.backward(np.ones_like(y.data))
-    step()
-    return min(_median_time(step, 11) for _ in range(3))
+    return _forward_backward_seconds(step)
+
+
+def rank_head_seconds(rows: int, seq: int, width: int, vocab: int, dtype: str) -> float:
+    """Seconds of the forward and backward of minidist's embeddings, final LayerNorm, LM head (``vocab``
+    rows: a tp rank's share) and cross-entropy on (rows, seq) tokens."""
+    from minidist.autograd import Tensor
+    from minidist.model import GPT, GPTConfig
+    storage = "float32" if dtype == "bfloat16" else dtype
+    model = GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=1, n_head=1, n_embd=width), dtype=storage)
+    idx = np.random.default_rng(0).integers(0, vocab, (rows, seq))
+
+    def step():
+        x = model.embed(idx)
+        _, loss = model.head(Tensor(x.data, requires_grad=True), idx)
+        loss.backward()
+        x.backward(np.ones_like(x.data))
+    return _forward_backward_seconds(step)
+
+
+def block_overhead() -> float:
+    """Seconds of one minidist block's forward and backward at a size where only the overhead counts."""
+    return rank_block_seconds(1, 2, 8, 2, 32, 1, "float32")
 
 
 def step_overheads() -> tuple[float, float]:
@@ -129,18 +165,28 @@ def all_reduce_link() -> tuple[float, float, str]:
     return bandwidth, times[SMALL], how
 
 
+MEASURED_LIMIT = 256 * 2**20  # the largest activation set the calibration builds to time a block
+
+
 @lru_cache(maxsize=8)
-def _calibrate(rows: int, width: int, hidden: int, tp: int, dtype: str) -> Hardware:
+def _calibrate(rows: int, seq: int, width: int, heads: int, hidden: int, vocab: int, tp: int, dtype: str) -> Hardware:
     bandwidth, latency, how = all_reduce_link()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    flops, memory = matmul_flops(rows, width, hidden, tp, dtype), memory_bandwidth()
+    tokens = rows * seq
+    flops, memory = matmul_flops(tokens, width, hidden, tp, dtype), memory_bandwidth()
     outside, per_tensor = step_overheads()
-    note = (f"measured here: matmul {flops / 1e9:.1f} GFLOP/s on a block's GEMMs at {rows} rows, C {width}, "
-            f"tp {tp}, {dtype}; all-reduce over {how}")
+    block = head = None
+    if tokens * (20 * width + hidden + seq * heads) * 4 < MEASURED_LIMIT and tokens * vocab // tp * 4 < MEASURED_LIMIT:
+        block = rank_block_seconds(rows, seq, width, heads, hidden, tp, dtype)
+        head = rank_head_seconds(rows, seq, width, -(-vocab // tp), dtype)
+    timed = (f"a block {1e3 * block:.2f} ms, the embeddings and head {1e3 * head:.2f} ms forward + backward"
+             if block is not None else "the model too large to time a block: FLOPs and bytes")
+    note = (f"measured here at {rows} x {seq} tokens, C {width}, tp {tp}, {dtype}: {timed}; GEMMs "
+            f"{flops / 1e9:.1f} GFLOP/s; all-reduce over {how}")
     return Hardware("local", flops, 1.0, memory, 0.75 * _memory_total(), 1 << 20, bandwidth, bandwidth, latency,
                     latency, block_overhead(), outside, per_tensor, host_bandwidth=memory,
                     host_memory_bandwidth=memory, disk_bandwidth=1e9, cores=cores, overlap=False,
-                    flash_attention=False, note=note)
+                    flash_attention=False, block_seconds=block, head_seconds=head, note=note)
 
 
 def _memory_total() -> float:
@@ -151,12 +197,14 @@ def _memory_total() -> float:
 
 
 def calibrate(model=None, run=None) -> Hardware:
-    """The ``local`` profile, measured at ``model``'s and ``run``'s GEMM shapes (b s tokens, C, F,
-    tp) when given (cached per shape for the process)."""
-    rows = run.micro_batch_size * run.seq // run.cp if run is not None else 1024
-    width, hidden = (model.n_embd, model.hidden) if model is not None else (256, 1024)
-    tp = run.tp if run is not None else 1
-    return _calibrate(max(rows, 1), width, hidden, tp, run.dtype if run is not None else "float32")
+    """The ``local`` profile, measured at ``model``'s and ``run``'s shapes on one rank (b sequences
+    of seq / cp tokens, C, F, the heads and vocabulary, tp) when given (cached per shape for the
+    process); else at minidist's default GPT's."""
+    rows, seq, tp, dtype = ((run.micro_batch_size, run.seq // run.cp, run.tp, run.dtype) if run is not None
+                            else (16, 64, 1, "float32"))
+    width, heads, hidden, vocab = ((model.n_embd, model.n_head, model.hidden, model.vocab_size) if model is not None
+                                   else (64, 4, 256, 256))
+    return _calibrate(rows, seq, width, heads, hidden, vocab, tp, dtype)
 
 
 def main(argv=None) -> None:

@@ -36,7 +36,10 @@ class Hardware:
     ``devices_per_node`` share the fast link; ``cores``: ranks that run at once (a CPU), None for a
     GPU (one rank each); ``overlap``: whether communication can run under compute (timing.py's
     overlap rules; a GPU's copy engines and NICs can); ``flash_attention``: whether attention is
-    fused so that its probabilities never go to memory (on GPUs, FlashAttention)."""
+    fused so that its probabilities never go to memory (on GPUs, FlashAttention); ``block_seconds``
+    and ``head_seconds``: measured forward + backward of one rank's share of a block, and of the
+    embeddings, head and loss, for one micro-batch (the local profile, at the run's shapes), which
+    then replace the FLOP and byte counts of a block and of the head."""
     name: str
     flops: float
     matmul_efficiency: float
@@ -56,6 +59,8 @@ class Hardware:
     cores: int | None = None
     overlap: bool = True
     flash_attention: bool = True
+    block_seconds: float | None = None
+    head_seconds: float | None = None
     note: str = ""
 
     def link(self, span: int) -> tuple[float, float]:

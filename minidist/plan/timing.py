@@ -75,7 +75,10 @@ def _slowdown(hw: Hardware, run: RunSpec) -> float:
 
 def block_forward_time(model: ModelSpec, run: RunSpec, hw: Hardware, layer: int = 0) -> tuple[float, float]:
     """(seconds of one block's forward for one micro-batch on one rank, of which the attention
-    scores), FLOPs and memory passes and a third of the fixed overhead."""
+    scores): FLOPs and memory passes and a third of the fixed overhead, or a third of the profile's
+    measured ``block_seconds`` (no attention part: minidist has no selective recompute)."""
+    if hw.block_seconds is not None:  # measured at this shape (the local profile): a third is the forward
+        return hw.block_seconds / 3 * _slowdown(hw, run), 0.0
     tokens, t = run.micro_batch_size * run.seq // run.cp, run.tp
     C, F = model.n_embd, model.hidden
     q, kv = model.n_head * model.head_dim, model.kv_heads * model.head_dim
@@ -90,10 +93,13 @@ def block_forward_time(model: ModelSpec, run: RunSpec, hw: Hardware, layer: int 
 
 
 def head_forward_time(model: ModelSpec, run: RunSpec, hw: Hardware) -> float:
-    """The LM head's matmul (h x V / t) and the cross-entropy's passes over the logits, one micro-batch."""
+    """The LM head's matmul (h x V / t), the cross-entropy's passes over the logits and a third of the
+    embeddings' and head's fixed overhead, one micro-batch's forward."""
+    if hw.head_seconds is not None:  # measured at this shape, embeddings included
+        return hw.head_seconds / 3 * _slowdown(hw, run)
     tokens = run.micro_batch_size * run.seq // run.cp
     speed = hw.flops * hw.matmul_efficiency / _slowdown(hw, run)
-    return 2 * tokens * model.n_embd * model.vocab_size / run.tp / speed + \
+    return hw.microbatch_overhead * _slowdown(hw, run) / 3 + 2 * tokens * model.n_embd * model.vocab_size / run.tp / speed + \
         3 * head_activation_bytes(model, run) / (hw.memory_bandwidth / _slowdown(hw, run))
 
 
@@ -143,7 +149,7 @@ def stage_costs(model: ModelSpec, run: RunSpec, hw: Hardware) -> list[tuple[floa
             forward += f + (tp + cp + ep) / 3
             backward += 2 * f + extra + 2 * (tp + cp + ep) / 3
         if s == run.n_stages - 1:
-            head = head_forward_time(model, run, hw) + hw.microbatch_overhead * _slowdown(hw, run) / 3
+            head = head_forward_time(model, run, hw)
             forward, backward = forward + head, backward + 2 * head
         costs.append((forward + send, backward + send))
         layer += n
