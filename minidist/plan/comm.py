@@ -38,8 +38,8 @@ from __future__ import annotations
 from minidist.parallel.pipeline import placement_of, rank_stages, stage_rank
 from minidist.parallel.tp_layout import padded_vocab_size
 from minidist.plan.layout import RunSpec
-from minidist.plan.memory import rank_units, shard, zero_group
-from minidist.plan.models import ModelSpec, layers_per_stage
+from minidist.plan.memory import rank_layers, rank_units, shard, zero_group
+from minidist.plan.models import ModelSpec
 
 AXES = ("dp", "tp", "pp", "cp", "ep", "world")
 SCALAR = 8  # the loss, a norm: one float64
@@ -87,36 +87,34 @@ def tp_bytes(model: ModelSpec, run: RunSpec, pp_rank: int = 0) -> float:
     t = run.tp
     if t == 1:
         return 0.0
-    x, m = activation(model, run), run.micro_batches
-    counts = layers_per_stage(model, run.n_stages)
+    x, m, f = activation(model, run), run.micro_batches, run.forwards
     stages = rank_stages(pp_rank, run.pp, run.virtual_stages, placement_of(run.schedule))
-    layers = sum(counts[s] for s in stages)
-    ends = (0 in stages) + (run.n_stages - 1 in stages)  # the embedding's and the head's
-    forwards = 2 if run.recompute == "full" else 1  # recompute runs each block's forward again in backward
-    per_microbatch = ((2 * forwards + 2) * layers + ends) * all_reduce(x, t)  # = in all-gathers + reduce-scatters
+    layers, last = rank_layers(model, run, pp_rank), run.n_stages - 1 in stages
+    ends = (0 in stages) + last  # the embedding's and the head's
+    per_microbatch = ((2 * f + 2) * len(layers) + ends) * all_reduce(x, t)  # = in all-gathers + reduce-scatters
     tokens = run.micro_batch_size * run.seq // run.cp
-    moe = moe_layers(model, run, pp_rank)  # their experts' partial outputs: k rows a token; the router's logits
-    per_microbatch += moe * forwards * (all_reduce((model.top_k - 1) * x, t)  # (SP: an all-reduce of X, not
-                                        + one_way(tokens * model.n_experts * run.itemsize, t)  # a reduce-scatter)
-                                        + run.sequence_parallel * one_way(x, t))
-    ce = 3 * all_reduce(tokens * max(run.itemsize, 4), t) * (run.n_stages - 1 in stages)
+    moe = sum(map(model.is_moe, layers))  # their experts' partial outputs: k rows a token; the router's logits
+    per_microbatch += moe * f * (all_reduce((model.top_k - 1) * x, t)  # (SP: an all-reduce of X, not
+                                 + one_way(tokens * model.n_experts * run.itemsize, t)  # a reduce-scatter)
+                                 + run.sequence_parallel * one_way(x, t))
+    ce = 3 * all_reduce(tokens * max(run.itemsize, 4), t) * last
     sp_grads = 0.0
     if run.sequence_parallel:  # LayerNorms, row-parallel biases, positions: summed over tp, under ZeRO
-        numel = sequence_parallel_numel(model, run, stages, counts)  # the part in this rank's shards
+        numel = sequence_parallel_numel(model, layers, 0 in stages, last)  # the part in this rank's shards
         sp_grads = all_reduce(numel / (run.dp * run.cp if run.zero else 1) * run.itemsize, t)
     return m * (per_microbatch + ce) + sp_grads + all_reduce(SCALAR, t)
 
 
-def sequence_parallel_numel(model: ModelSpec, run: RunSpec, stages, counts) -> int:
-    """Elements of the parameters whose gradients sequence parallelism sums over tp: every norm, the
-    row-parallel biases (an MoE layer's experts see every token: theirs is not), the learned positions."""
+def sequence_parallel_numel(model: ModelSpec, layers: list[int], first: bool, last: bool) -> int:
+    """Elements of the parameters whose gradients sequence parallelism sums over tp, of blocks
+    ``layers`` (and the first / last stage's): every norm, the row-parallel biases (an MoE layer's
+    experts see every token: theirs is not), the learned positions."""
     C = model.n_embd
     norm = C * (2 if model.norm == "layernorm" and model.bias else 1)
-    blocks = [layer for s in stages for layer in range(sum(counts[:s]), sum(counts[:s + 1]))]
-    numel = sum(2 * norm + (C * (2 - model.is_moe(layer)) if model.bias else 0) for layer in blocks)
-    if 0 in stages and model.positions == "learned":
+    numel = sum(2 * norm + (C * (2 - model.is_moe(layer)) if model.bias else 0) for layer in layers)
+    if first and model.positions == "learned":
         numel += model.block_size * C
-    return numel + (norm if run.n_stages - 1 in stages else 0)
+    return numel + (norm if last else 0)
 
 
 def pp_bytes(model: ModelSpec, run: RunSpec, pp_rank: int = 0) -> float:
@@ -138,37 +136,28 @@ def pp_bytes(model: ModelSpec, run: RunSpec, pp_rank: int = 0) -> float:
 
 
 def cp_bytes(model: ModelSpec, run: RunSpec, pp_rank: int = 0) -> float:
-    c = run.cp
+    c, f = run.cp, run.forwards
     if c == 1:
         return 0.0
-    counts = layers_per_stage(model, run.n_stages)
-    stages = rank_stages(pp_rank, run.pp, run.virtual_stages, placement_of(run.schedule))
-    layers, last = sum(counts[s] for s in stages), run.n_stages - 1 in stages
+    layers = len(rank_layers(model, run, pp_rank))
+    last = run.n_stages - 1 in rank_stages(pp_rank, run.pp, run.virtual_stages, placement_of(run.schedule))
     x = activation(model, run) / run.tp
-    forwards = 2 if run.recompute == "full" else 1  # recompute runs each block's forward again in backward
     if run.cp_algorithm == "ulysses":
-        per_layer = (4 * forwards + 4) * one_way(x, c)
+        per_layer = (4 * f + 4) * one_way(x, c)
     else:
         kv, dkv = 2 * x, 2 * x * max(run.itemsize, 4) / run.itemsize  # gradients in float32 under 16-bit
-        per_layer = (forwards + 1) * (c - 1) * kv + c * dkv
+        per_layer = (f + 1) * (c - 1) * kv + c * dkv
     return run.micro_batches * (layers * per_layer + last * all_reduce(4, c))  # the loss's token count
-
-
-def moe_layers(model: ModelSpec, run: RunSpec, pp_rank: int) -> int:
-    """How many of pipeline rank ``pp_rank``'s blocks have experts."""
-    counts = layers_per_stage(model, run.n_stages)
-    stages = rank_stages(pp_rank, run.pp, run.virtual_stages, placement_of(run.schedule))
-    return sum(model.is_moe(layer) for s in stages for layer in range(sum(counts[:s]), sum(counts[:s + 1])))
 
 
 def ep_bytes(model: ModelSpec, run: RunSpec, pp_rank: int = 0) -> float:
     if run.ep == 1:
         return 0.0
-    moe = moe_layers(model, run, pp_rank)
-    routed = activation(model, run) * model.top_k  # as many rows as an even routing sends (whole: tp ranks hold every token)
+    moe, f = sum(map(model.is_moe, rank_layers(model, run, pp_rank))), run.forwards
+    routed = activation(model, run) * model.top_k  # an even routing's rows (whole: tp ranks hold every token)
     counts = one_way(model.n_experts * 8, run.ep)  # (ep, E/ep) int64: how many rows go to each expert
-    forwards = 2 if run.recompute == "full" else 1  # recompute runs each block's forward again in backward
-    return run.micro_batches * moe * ((2 * forwards + 2) * one_way(routed, run.ep) + forwards * counts) + (1 + (run.zero > 0)) * all_reduce(SCALAR, run.ep)  # the norm
+    norm = (1 + (run.zero > 0)) * all_reduce(SCALAR, run.ep)
+    return run.micro_batches * moe * ((2 * f + 2) * one_way(routed, run.ep) + f * counts) + norm
 
 
 def comm_bytes_per_step(model: ModelSpec, run: RunSpec, pp_rank: int = 0) -> dict:

@@ -66,6 +66,12 @@ class RunSpec:
     def n_stages(self) -> int:
         return self.pp * self.virtual_stages
 
+    @property
+    def forwards(self) -> int:
+        """How many times a block's forward runs per micro-batch: twice under full recompute (again
+        inside its backward, with its traffic)."""
+        return 2 if self.recompute == "full" else 1
+
 
 def layout_problems(model, run: RunSpec) -> list[str]:
     """Why ``run`` cannot train ``model``, one line each (empty: it can)."""

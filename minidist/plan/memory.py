@@ -62,6 +62,13 @@ def rank_units(model: ModelSpec, run: RunSpec, pp_rank: int = 0) -> list[tuple[s
     return _rank_units(model, run.pp, run.virtual_stages, placement_of(run.schedule), run.tp, run.ep, pp_rank)
 
 
+def rank_layers(model: ModelSpec, run: RunSpec, pp_rank: int = 0) -> list[int]:
+    """The blocks pipeline rank ``pp_rank`` holds (every chunk's), by index."""
+    counts = layers_per_stage(model, run.n_stages)
+    return [layer for s in rank_stages(pp_rank, run.pp, run.virtual_stages, placement_of(run.schedule))
+            for layer in range(sum(counts[:s]), sum(counts[:s + 1]))]
+
+
 @lru_cache(maxsize=4096)
 def _rank_units(model: ModelSpec, pp: int, virtual_stages: int, placement: str, tp: int, ep: int, pp_rank: int):
     counts = layers_per_stage(model, pp * virtual_stages)

@@ -30,7 +30,8 @@ The pipeline's step comes from the schedule's simulator, which takes one cost pe
 chunk of the busiest rank (the rank whose chunks cost most in all); the bubble is its idle share.
 Memory passes count the activations the computation writes; on a GPU with fused attention
 (``flash_attention``) not the attention probabilities. Where the hardware cannot overlap
-(``overlap=False``, a CPU whose ranks share its cores) every transfer is exposed. MFU = model FLOPs per second per device over the peak.
+(``overlap=False``, a CPU whose ranks share its cores) every transfer is exposed. MFU = model FLOPs
+per second per device over the peak.
 """
 from __future__ import annotations
 
@@ -99,20 +100,16 @@ def head_forward_time(model: ModelSpec, run: RunSpec, hw: Hardware) -> float:
         return hw.head_seconds / 3 * _slowdown(hw, run)
     tokens = run.micro_batch_size * run.seq // run.cp
     speed = hw.flops * hw.matmul_efficiency / _slowdown(hw, run)
-    return hw.microbatch_overhead * _slowdown(hw, run) / 3 + 2 * tokens * model.n_embd * model.vocab_size / run.tp / speed + \
-        3 * head_activation_bytes(model, run) / (hw.memory_bandwidth / _slowdown(hw, run))
-
-
-def forwards(run: RunSpec) -> int:
-    """How many times a block's forward runs per micro-batch: twice under full recompute."""
-    return 2 if run.recompute == "full" else 1
+    matmul = 2 * tokens * model.n_embd * model.vocab_size / run.tp / speed
+    passes = 3 * head_activation_bytes(model, run) / (hw.memory_bandwidth / _slowdown(hw, run))
+    return hw.microbatch_overhead * _slowdown(hw, run) / 3 + matmul + passes
 
 
 def tp_time_per_block(model: ModelSpec, run: RunSpec, hw: Hardware) -> float:
     """Forward(s) + backward of one block's all-reduces of X, 2 each (or their all-gathers and
     reduce-scatters)."""
     x = comm.activation(model, run)
-    calls = 2 * forwards(run) + 2
+    calls = 2 * run.forwards + 2
     return calls * transfer_time(hw, run, "tp", comm.all_reduce(x, run.tp), 2 * (run.tp - 1)) if run.tp > 1 else 0.0
 
 
@@ -122,37 +119,42 @@ def cp_exposed_per_block(model: ModelSpec, run: RunSpec, hw: Hardware, core: flo
         return 0.0
     x = comm.activation(model, run) / run.tp
     if run.cp_algorithm == "ulysses":
-        return (4 * forwards(run) + 4) * transfer_time(hw, run, "cp", comm.one_way(x, run.cp), run.cp - 1)
+        return (4 * run.forwards + 4) * transfer_time(hw, run, "cp", comm.one_way(x, run.cp), run.cp - 1)
     forward = (run.cp - 1) * transfer_time(hw, run, "cp", 2 * x)
     backward = (run.cp - 1) * transfer_time(hw, run, "cp", 2 * x) + run.cp * transfer_time(hw, run, "cp", 2 * x)
     hidden = (core, 2 * core) if hw.overlap else (0.0, 0.0)
-    return forwards(run) * max(0.0, forward - hidden[0]) + max(0.0, backward - hidden[1])
+    return run.forwards * max(0.0, forward - hidden[0]) + max(0.0, backward - hidden[1])
+
+
+def block_costs(model: ModelSpec, run: RunSpec, hw: Hardware, layer: int) -> tuple[float, float]:
+    """(forward, backward) seconds of block ``layer`` for one micro-batch: its compute (backward
+    twice the forward, plus what recompute runs again) and a third / two thirds of its exposed tp,
+    cp and ep traffic."""
+    f, core = block_forward_time(model, run, hw, layer)
+    extra = {"none": 0.0, "selective": core, "full": f}[run.recompute]
+    traffic = tp_time_per_block(model, run, hw) + cp_exposed_per_block(model, run, hw, core)
+    if run.ep > 1 and model.is_moe(layer):
+        routed = comm.one_way(comm.activation(model, run) * model.top_k, run.ep)
+        traffic += (2 * run.forwards + 2) * transfer_time(hw, run, "ep", routed, run.ep - 1)
+    return f + traffic / 3, 2 * f + extra + 2 * traffic / 3
 
 
 def stage_costs(model: ModelSpec, run: RunSpec, hw: Hardware) -> list[tuple[float, float]]:
     """Per global pipeline stage, (forward, backward) seconds of one micro-batch: its blocks, the
     head on the last stage, the exposed tp, cp and ep traffic and the pipeline's sends."""
-    counts = layers_per_stage(model, run.n_stages)
     x_pp = comm.activation(model, run) / (run.tp if run.sequence_parallel else 1)
     send = transfer_time(hw, run, "pp", x_pp) if run.pp > 1 else 0.0
-    costs, layer = [], 0
-    for s, n in enumerate(counts):
-        forward = backward = 0.0
-        for i in range(layer, layer + n):
-            f, core = block_forward_time(model, run, hw, i)
-            extra = {"none": 0.0, "selective": core, "full": f}[run.recompute]
-            tp, cp = tp_time_per_block(model, run, hw), cp_exposed_per_block(model, run, hw, core)
-            ep = 0.0
-            if run.ep > 1 and model.is_moe(i):
-                routed = comm.one_way(comm.activation(model, run) * model.top_k, run.ep)
-                ep = (2 * forwards(run) + 2) * transfer_time(hw, run, "ep", routed, run.ep - 1)
-            forward += f + (tp + cp + ep) / 3
-            backward += 2 * f + extra + 2 * (tp + cp + ep) / 3
+    kinds = {moe: block_costs(model, run, hw, model.moe_every - 1 if moe else 0)  # blocks differ only by experts
+             for moe in {model.is_moe(layer) for layer in range(model.n_layer)}}
+    costs, first = [], 0
+    for s, n in enumerate(layers_per_stage(model, run.n_stages)):
+        blocks = [kinds[model.is_moe(layer)] for layer in range(first, first + n)]
+        forward, backward = sum(b[0] for b in blocks), sum(b[1] for b in blocks)
         if s == run.n_stages - 1:
             head = head_forward_time(model, run, hw)
             forward, backward = forward + head, backward + 2 * head
         costs.append((forward + send, backward + send))
-        layer += n
+        first += n
     return costs
 
 
@@ -163,21 +165,23 @@ def optimizer_time(model: ModelSpec, run: RunSpec, hw: Hardware) -> float:
     _, numel = optimizer_numel(model, run)
     b = run.itemsize
     state = numel * (SLOTS[run.optimizer] * (FLOAT32 if run.mixed else b) + FLOAT32 * run.mixed)
+    touched = 2 * (state + 2 * numel * b)  # state, gradient and parameter, read and written
     if run.offload == "none":
         tensors = len(rank_units(model, run)) if run.zero else parameter_tensors(model, run)  # ZeRO: flat units
         fixed = tensors * hw.tensor_update_overhead
-        return (2 * (state + 2 * numel * b) / hw.memory_bandwidth + fixed) * _slowdown(hw, run)
+        return (touched / hw.memory_bandwidth + fixed) * _slowdown(hw, run)
     moved = 2 * numel * b / hw.host_bandwidth  # the gradient shard down, the parameter shard up
     disk = 2 * state / hw.disk_bandwidth if run.offload_to == "disk" else 0.0
-    return moved + 2 * (state + 2 * numel * b) / hw.host_memory_bandwidth + disk
+    return moved + touched / hw.host_memory_bandwidth + disk
 
 
 def parameter_tensors(model: ModelSpec, run: RunSpec) -> int:
     """How many parameter tensors pipeline rank 0 updates one by one (without ZeRO's flat units):
     per block two norms and four Linears, with biases twice as many; the embeddings, final norm, head."""
     per_block = (2 + 4) * (2 if model.bias else 1)
-    blocks = sum(1 for name, _, _ in rank_units(model, run) if ".h." in name and not name.endswith("experts"))
-    return per_block * blocks + sum(1 for name, _, _ in rank_units(model, run) if ".h." not in name) * 2
+    names = [name for name, _, _ in rank_units(model, run) if not name.endswith("experts")]
+    blocks = sum(".h." in name for name in names)
+    return per_block * blocks + 2 * (len(names) - blocks)
 
 
 def dp_exposed(model: ModelSpec, run: RunSpec, hw: Hardware, backward: float, compute: float) -> float:
@@ -203,8 +207,8 @@ def dp_exposed(model: ModelSpec, run: RunSpec, hw: Hardware, backward: float, co
 def simulated(name: str, pp: int, micro_batches: int, virtual_stages: int, ratio: float) -> tuple[float, float]:
     """(makespan in forward costs, bubble share) of the schedule simulated with F = 1 and B =
     ``ratio`` (split into B and W halves in a zero-bubble schedule). A timeline scales with its costs,
-    so the step is the slowest stage's forward times this makespan; the ratio is rounded to 3
-    significant digits so that a search simulates each shape once."""
+    so the step is the chunk's forward times this makespan; the ratio is rounded to 3 significant
+    digits so that a search simulates each shape once."""
     schedule, _ = pipeline_schedule(name, pp, micro_batches, virtual_stages)
     weight = ratio / 2 if splits_backward(name) else 0.0
     timeline = simulate(schedule, pp, 1.0, ratio, weight, placement_of(name))
