@@ -198,33 +198,14 @@ def pipeline_schedule(name: str, pp: int, micro_batches: int, virtual_stages: in
     return schedule, simulate(schedule, pp, 1.0, 2.0, 1.0, placement_of(name))
 
 
-@lru_cache(maxsize=256)
-def held_counts(name: str, pp: int, micro_batches: int, virtual_stages: int) -> list[set]:
-    """Per pipeline rank, every distinct count of micro-batches held per stage right after one of its
-    forwards (a peak comes right after a forward): with a stage's bytes as weights, the largest
-    weighted count is ``Timeline.peak_held``, computed once per schedule instead of per layout."""
-    _, timeline = pipeline_schedule(name, pp, micro_batches, virtual_stages)
-    stages = pp * virtual_stages
-    release = "W" if any(s.action.op == "W" for spans in timeline.spans for s in spans) else "B"
-    per_rank = []
-    for spans in timeline.spans:
-        held, seen = [0] * stages, set()
-        for s in spans:
-            held[s.action.stage] += {"F": 1, release: -1}.get(s.action.op, 0)
-            if s.action.op == "F":
-                seen.add(tuple(held))
-        per_rank.append(seen)
-    return per_rank
-
-
 def activation_bytes(model: ModelSpec, run: RunSpec) -> list[float]:
     """Per pipeline rank, the peak activation bytes it holds: one micro-batch's without a pipeline
     (gradient accumulation frees each before the next), else the schedule's in-flight ones."""
     weights = stage_weights(model, run)
     if run.pp == 1:
         return [weights[0]]
-    counts = held_counts(run.schedule, run.pp, run.micro_batches, run.virtual_stages)
-    return [max(sum(n * weights[s] for s, n in enumerate(held)) for held in seen) for seen in counts]
+    _, timeline = pipeline_schedule(run.schedule, run.pp, run.micro_batches, run.virtual_stages)
+    return timeline.peak_held(weights.__getitem__)  # its held counts computed once per schedule
 
 
 def working_bytes(model: ModelSpec, run: RunSpec, pp_rank: int = 0) -> float:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import cached_property
 
 from minidist.parallel.pipeline.actions import RECVS, SENDS, Action, stage_rank
 
@@ -59,19 +60,27 @@ class Timeline:
         return [int(peak) for peak in self.peak_held(lambda stage: 1)]
 
     def peak_held(self, weight) -> list[float]:
-        """Per rank, the most of ``weight(stage)`` held at once, a (stage, micro-batch) being held
-        from its F to its B (to its W in a zero-bubble schedule): with ``weight`` a stage's activation
-        bytes of one micro-batch, the rank's peak activation memory (minidist/plan/memory.py)."""
+        """Per rank, the most of ``weight(stage)`` (>= 0) held at once: with ``weight`` a stage's
+        activation bytes of one micro-batch, the rank's peak activation memory (minidist/plan/memory.py)."""
+        return [max((sum(n * weight(s) for s, n in enumerate(held)) for held in seen), default=0)
+                for seen in self.held_counts]
+
+    @cached_property
+    def held_counts(self) -> list[set[tuple[int, ...]]]:
+        """Per rank, every distinct count of micro-batches held per stage right after one of its
+        forwards, a (stage, micro-batch) being held from its F to its B (to its W in a zero-bubble
+        schedule). A peak comes right after a forward, so any peak of held weight is one of these."""
         release = "W" if any(s.action.op == "W" for spans in self.spans for s in spans) else "B"
-        peaks = []
+        stages = 1 + max((s.action.stage for spans in self.spans for s in spans), default=-1)
+        per_rank = []
         for spans in self.spans:
-            held = peak = 0
+            held, seen = [0] * stages, set()
             for s in spans:
-                sign = {"F": 1, release: -1}.get(s.action.op, 0)
-                held += sign * weight(s.action.stage)
-                peak = max(peak, held)
-            peaks.append(peak)
-        return peaks
+                held[s.action.stage] += {"F": 1, release: -1}.get(s.action.op, 0)
+                if s.action.op == "F":
+                    seen.add(tuple(held))
+            per_rank.append(seen)
+        return per_rank
 
 
 def _where(rank: int, index: int, action: Action) -> str:
