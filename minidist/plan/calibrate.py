@@ -2,15 +2,19 @@
 
     python -m minidist.plan.calibrate            # prints the profile as JSON
 
-Four measurements, each the median of a few repeats:
+Each measurement is the median of a few repeats:
 
-- matmul speed: NumPy's ``x @ w`` on the four GEMMs of one block's forward at the model's shapes on
-  a tp rank, in the dtype minidist multiplies in (float32 for both 16-bit dtypes), with this
-  process's BLAS threads (set ``OMP_NUM_THREADS`` as the run will: the benchmarks use 1);
+- a rank's compute: the forward and backward of one tp rank's share of a minidist block (its four
+  Linears cut as tp cuts them), and of the embeddings, head and loss, at the run's shapes and dtype
+  (``Hardware.block_seconds``, ``head_seconds``: what the time model uses for a model small enough
+  to build here);
+- matmul speed, for models too large to time: NumPy's ``x @ w`` on the four GEMMs of one block's
+  forward at the model's shapes on a tp rank, in the dtype minidist multiplies in (float32 for both
+  16-bit dtypes), with this process's BLAS threads (set ``OMP_NUM_THREADS`` as the run will: the
+  benchmarks use 1);
 - memory bandwidth: ``numpy.add`` of two 32 MiB arrays into a third (3 x 32 MiB moved);
-- the fixed costs: the forward and backward of one minidist block on a (1, 2, 8) input, where FLOPs
-  and bytes are nothing and the interpreter is everything; of a 1-block GPT's embeddings, head and
-  loss beyond that block; of an AdamW step per parameter tensor;
+- the fixed costs: the same two on a (1, 2, 8) input, where FLOPs and bytes are nothing and the
+  interpreter is everything (for models too large to time); of an AdamW step per parameter tensor;
 - the all-reduce: the collectives benchmark's ring on 2 MPI processes (``mpiexec``, when there is
   one), else on 2 threads; its 4 KiB time is the latency, its 4 MiB bus bandwidth the link's.
 
@@ -113,27 +117,18 @@ def rank_head_seconds(rows: int, seq: int, width: int, vocab: int, dtype: str) -
     return _forward_backward_seconds(step)
 
 
-def block_overhead() -> float:
-    """Seconds of one minidist block's forward and backward at a size where only the overhead counts."""
-    return rank_block_seconds(1, 2, 8, 2, 32, 1, "float32")
-
-
-def step_overheads() -> tuple[float, float]:
-    """(seconds per micro-batch outside the blocks: embeddings, head and loss, forward and backward;
-    seconds of an AdamW step per parameter tensor), at a size where only the overhead counts."""
+def fixed_overheads() -> tuple[float, float, float]:
+    """(a block's, the embeddings' + head's + loss's, an AdamW step's per parameter tensor) seconds
+    at a size where FLOPs and bytes are nothing and the interpreter is everything."""
     from minidist.model import GPT, GPTConfig
     from minidist.optim import AdamW
-    model = GPT(GPTConfig(vocab_size=16, block_size=2, n_layer=1, n_head=2, n_embd=8), dtype="float32")
+    model = GPT(GPTConfig(vocab_size=16, block_size=2, n_layer=1, n_head=2, n_embd=8))
     idx = np.zeros((1, 2), dtype=np.int64)
+    model(idx, idx)[1].backward()  # every parameter has a gradient to update
     optimizer = AdamW(model.named_parameters(), lr=1e-3)
-
-    def forward_backward():
-        model(idx, idx)[1].backward()
-    forward_backward()
-    passes = min(_median_time(forward_backward, 11) for _ in range(3))
     optimizer.step()
-    update = min(_median_time(optimizer.step, 11) for _ in range(3))
-    return max(passes - block_overhead(), 0.0), update / len(list(model.parameters()))
+    update = min(_median_time(optimizer.step, 11) for _ in range(3)) / len(optimizer.params)
+    return rank_block_seconds(1, 2, 8, 2, 32, 1, "float32"), rank_head_seconds(1, 2, 8, 16, "float32"), update
 
 
 def _all_reduce_times(group) -> dict:
@@ -154,8 +149,8 @@ def all_reduce_link() -> tuple[float, float, str]:
         from minidist.run import find_mpiexec, mpiexec_flags
         mpiexec = find_mpiexec()  # SystemExit when there is none
         root = hasattr(os, "geteuid") and os.geteuid() == 0
-        cmd = [mpiexec, *mpiexec_flags(mpiexec, allow_root=root), "-n", "2", sys.executable, "-m",
-               "minidist.plan.calibrate", "--all-reduce"]
+        cmd = [mpiexec, *mpiexec_flags(mpiexec, allow_root=root), "-n", "2", sys.executable, "-c",
+               "from minidist.plan.calibrate import main; main(['--all-reduce'])"]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True)
         times, how = {int(k): v for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}, "2 MPI processes"
     except (Exception, SystemExit):  # noqa: BLE001 -- no mpiexec, or it failed: the threads are the fallback
@@ -174,7 +169,7 @@ def _calibrate(rows: int, seq: int, width: int, heads: int, hidden: int, vocab: 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     tokens = rows * seq
     flops, memory = matmul_flops(tokens, width, hidden, tp, dtype), memory_bandwidth()
-    outside, per_tensor = step_overheads()
+    block_overhead, outside, per_tensor = fixed_overheads()
     block = head = None
     if tokens * (20 * width + hidden + seq * heads) * 4 < MEASURED_LIMIT and tokens * vocab // tp * 4 < MEASURED_LIMIT:
         block = rank_block_seconds(rows, seq, width, heads, hidden, tp, dtype)
@@ -183,10 +178,12 @@ def _calibrate(rows: int, seq: int, width: int, heads: int, hidden: int, vocab: 
              if block is not None else "the model too large to time a block: FLOPs and bytes")
     note = (f"measured here at {rows} x {seq} tokens, C {width}, tp {tp}, {dtype}: {timed}; GEMMs "
             f"{flops / 1e9:.1f} GFLOP/s; all-reduce over {how}")
-    return Hardware("local", flops, 1.0, memory, 0.75 * _memory_total(), 1 << 20, bandwidth, bandwidth, latency,
-                    latency, block_overhead(), outside, per_tensor, host_bandwidth=memory,
-                    host_memory_bandwidth=memory, disk_bandwidth=1e9, cores=cores, overlap=False,
-                    flash_attention=False, block_seconds=block, head_seconds=head, note=note)
+    return Hardware("local", flops=flops, matmul_efficiency=1.0, memory_bandwidth=memory,
+                    memory_bytes=0.75 * _memory_total(), devices_per_node=1 << 20, intra_bandwidth=bandwidth,
+                    inter_bandwidth=bandwidth, intra_latency=latency, inter_latency=latency,
+                    layer_overhead=block_overhead, microbatch_overhead=outside, tensor_update_overhead=per_tensor,
+                    host_bandwidth=memory, host_memory_bandwidth=memory, disk_bandwidth=1e9, cores=cores,
+                    overlap=False, flash_attention=False, block_seconds=block, head_seconds=head, note=note)
 
 
 def _memory_total() -> float:
@@ -217,7 +214,7 @@ def main(argv=None) -> None:
             print(json.dumps(times))
         return
     profile = calibrate()
-    print(json.dumps({k: v for k, v in vars(profile).items()}, indent=1))
+    print(json.dumps(vars(profile), indent=1))
 
 
 if __name__ == "__main__":
