@@ -64,7 +64,6 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
 from minidist.parallel.accounting import zero_formula  # noqa: E402
-from minidist.parallel.pipeline import placement_of, rank_stages  # noqa: E402
 from minidist.plan import RunSpec, from_gpt_config, predict, preset  # noqa: E402
 from minidist.plan import comm, timing  # noqa: E402
 from minidist.plan.comm import comm_bytes_per_step  # noqa: E402
@@ -252,13 +251,8 @@ def time_components(model, run, hw) -> dict:
     ep and pp traffic and the head, scaled to the rank's busy time (chunks x micro-batches); then the
     bubble, the exposed data-parallel sync and the optimizer. Sums to the planner's step time."""
     costs = timing.stage_costs(model, run, hw)
-    if run.pp == 1:
-        busiest, stages = 0, [0]
-    else:
-        placement = placement_of(run.schedule)
-        held = {r: rank_stages(r, run.pp, run.virtual_stages, placement) for r in range(run.pp)}
-        busiest = max(held, key=lambda r: sum(sum(costs[s]) for s in held[r]))
-        stages = held[busiest]
+    stages = timing.busiest_stages(run, costs) if run.pp > 1 else [0]
+    busiest = stages[0] % run.pp if run.pp > 1 else 0  # (its first stage's rank)
     counts = layers_per_stage(model, run.n_stages)
     slow = max(1.0, run.world / hw.cores) if hw.cores else 1.0  # timing._slowdown
     written = dataclasses.replace(run, recompute="selective" if hw.flash_attention else "none", dropout=False)
@@ -285,7 +279,7 @@ def time_components(model, run, hw) -> dict:
             parts["CP exposed"] += timing.cp_exposed_per_block(model, run, hw, core)
             if run.ep > 1 and model.is_moe(layer):
                 routed = comm.one_way(comm.activation(model, run) * model.top_k, run.ep)
-                parts["EP exposed"] += (2 * timing.forwards(run) + 2) * timing.transfer_time(hw, run, "ep", routed,
+                parts["EP exposed"] += (2 * run.forwards + 2) * timing.transfer_time(hw, run, "ep", routed,
                                                                                             run.ep - 1)
         if stage == run.n_stages - 1:
             parts["LM head + loss"] = 3 * timing.head_forward_time(model, run, hw)  # its fixed overhead included

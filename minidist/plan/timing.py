@@ -203,6 +203,13 @@ def dp_exposed(model: ModelSpec, run: RunSpec, hw: Hardware, backward: float, co
     return calls * max(0.0, reduce / calls - backward) + gather
 
 
+def busiest_stages(run: RunSpec, costs: list[tuple[float, float]]) -> list[int]:
+    """The stages of the pipeline rank whose chunks cost most in all (``costs``: :func:`stage_costs`)."""
+    placement = placement_of(run.schedule)
+    held = [rank_stages(r, run.pp, run.virtual_stages, placement) for r in range(run.pp)]
+    return max(held, key=lambda stages: sum(sum(costs[s]) for s in stages))
+
+
 @lru_cache(maxsize=4096)
 def simulated(name: str, pp: int, micro_batches: int, virtual_stages: int, ratio: float) -> tuple[float, float]:
     """(makespan in forward costs, bubble share) of the schedule simulated with F = 1 and B =
@@ -224,10 +231,7 @@ def step_time(model: ModelSpec, run: RunSpec, hw: Hardware) -> dict:
     if run.pp == 1:
         pipeline, share = run.micro_batches * sum(costs[0]), 0.0
     else:  # a chunk costs its rank's chunks on average, on the busiest rank (the simulator takes one cost)
-        placement = placement_of(run.schedule)
-        busiest = max(range(run.pp), key=lambda r: sum(sum(costs[s]) for s in rank_stages(r, run.pp, run.virtual_stages,
-                                                                                           placement)))
-        chunks = [costs[s] for s in rank_stages(busiest, run.pp, run.virtual_stages, placement)]
+        chunks = [costs[s] for s in busiest_stages(run, costs)]
         forward, backward = (sum(c[i] for c in chunks) / len(chunks) for i in (0, 1))
         makespan, share = simulated(run.schedule, run.pp, run.micro_batches, run.virtual_stages,
                                     float(f"{backward / forward:.3g}"))
