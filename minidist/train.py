@@ -48,6 +48,7 @@ import time
 
 from tqdm import tqdm
 
+from minidist.allocator import keep_freed_memory
 from minidist.checkpoint.identity import run_identity
 from minidist.checkpoint.training import ResumeRefused, TrainingCheckpoints, crash_here
 from minidist.comm import init
@@ -141,6 +142,8 @@ def train(cfg, progress=True, world=None, keep_history=True):
 def main(argv=None):
     """Entry point of ``python -m minidist.train``."""
     cfg = parse_args(argv)
+    if not cfg.system_allocator:
+        keep_freed_memory()  # the process's malloc setting, made here at the entry point, never by the library
     # the MPI world: under mpiexec, its ranks; run alone, a world of one. A timeout's flight record
     # lands in the run directory. init needs the timeout, so it is checked first (exit 2, every rank).
     for problem in comm_timeout_problems(cfg):

@@ -56,6 +56,7 @@ class TrainConfig:
     mode: str = "collective"
     backend: str = "ring"
     comm_timeout: float = 300.0
+    system_allocator: bool = False
     servers: int = 1
     staleness: int = -1
     straggler: float = 0.0
@@ -365,6 +366,8 @@ def parse_args(argv=None):
                   "one GPU per rank: local rank modulo the GPUs of its machine)",
         "backend": "collectives: ring (hand-written, over MPI point-to-point), mpi (MPI's own), nccl (GPU buffers, "
                    "--device cuda)",
+        "system_allocator": "keep glibc's default malloc settings (by default the trainer keeps freed memory "
+                            "mapped for the next step: minidist/allocator.py)",
         "comm_timeout": "seconds a collective or point-to-point call waits for a peer before the job fails "
                         "(exit status 3) naming the rank that never arrived",
         "loss_scale": "mixed precision: 'dynamic' (float16) or a fixed scale", "loss_scale_window":

@@ -4,25 +4,28 @@ Forward keeps only q, k, v and the attention probabilities P. Backward, with dY 
     dV = P^T dY,   dP = dY V^T,   dS = P * (dP - rowsum(dP * P)),   dQ = dS K / sqrt(hs),   dK = dS^T Q / sqrt(hs)
 (the middle one is the softmax Jacobian applied row by row; masked entries have P = 0, so dS = 0 there).
 """
+import functools
 import math
 
-from minidist.autograd.backend import get_array_module, matmul
+import numpy as np
+
+from minidist.autograd.backend import get_array_module, is_cupy, matmul, sum_last
 from minidist.autograd.function import Function
 
 
 class ScaledDotProductAttention(Function):
+    # The scale multiplies q (B, nh, T, hs), and in backward dQ and dK, rather than the scores and dS
+    # (B, nh, T, S): S/hs times fewer multiplications.
     @staticmethod
     def forward(ctx, q, k, v, is_causal):  # q (B, nh, T, hs), k and v (B, nh, S, hs)
         xp = get_array_module(q)
         scale = 1.0 / math.sqrt(q.shape[-1])
-        att = matmul(q, k.swapaxes(-1, -2))  # (B, nh, T, S)
-        att *= scale
+        att = matmul(q * scale, k.swapaxes(-1, -2))  # (B, nh, T, S), the scaled scores
         if is_causal:  # query t may look at keys 0..t only
-            T, S = att.shape[-2:]
-            att += xp.triu(xp.full((T, S), -xp.inf, dtype=att.dtype), k=1)
+            att += causal_mask(*att.shape[-2:], like=att)
         att -= att.max(axis=-1, keepdims=True)
         xp.exp(att, out=att)
-        att /= att.sum(axis=-1, keepdims=True)  # P, rows sum to 1
+        att *= 1.0 / sum_last(att)  # P, rows sum to 1
         ctx.q, ctx.k, ctx.v, ctx.att, ctx.scale = q, k, v, att, scale
         return matmul(att, v)  # (B, nh, T, hs)
 
@@ -31,12 +34,29 @@ class ScaledDotProductAttention(Function):
         q, k, v, att, scale = ctx.q, ctx.k, ctx.v, ctx.att, ctx.scale
         grad_v = matmul(att.swapaxes(-1, -2), grad)  # (B, nh, S, hs)
         grad_s = matmul(grad, v.swapaxes(-1, -2))  # dP (B, nh, T, S)
-        grad_s -= (grad_s * att).sum(axis=-1, keepdims=True)
+        grad_s -= sum_last(grad_s * att)
         grad_s *= att  # dS, the gradient of the scaled scores
-        grad_s *= scale
         grad_q = matmul(grad_s, k)  # (B, nh, T, hs)
+        grad_q *= scale
         grad_k = matmul(grad_s.swapaxes(-1, -2), q)  # (B, nh, S, hs)
+        grad_k *= scale
         return grad_q, grad_k, grad_v, None
+
+
+def causal_mask(T: int, S: int, like):
+    """(T, S) in ``like``'s dtype and memory: 0 where query t may see key s (s <= t), -inf above the
+    diagonal. On the host it is made once per shape and shared, read-only, by every call."""
+    if is_cupy(like):  # on a GPU the kernel is cheap, and a cached array would belong to one device
+        xp = get_array_module(like)
+        return xp.triu(xp.full((T, S), -xp.inf, dtype=like.dtype), k=1)
+    return _host_causal_mask(T, S, like.dtype)
+
+
+@functools.lru_cache(maxsize=16)
+def _host_causal_mask(T: int, S: int, dtype):
+    mask = np.triu(np.full((T, S), -np.inf, dtype=dtype), k=1)
+    mask.setflags(write=False)
+    return mask
 
 
 def scaled_dot_product_attention(q, k, v, is_causal: bool = False):

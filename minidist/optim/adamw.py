@@ -1,4 +1,5 @@
 """AdamW (Loshchilov & Hutter): one element-wise update on plain arrays, and the optimizer that loops it."""
+from minidist.device import get_array_module
 from minidist.optim.optimizer import Optimizer
 
 
@@ -20,13 +21,18 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1=0.9, beta2
     exp_avg *= beta1
     exp_avg += (1 - beta1) * grad
     exp_avg_sq *= beta2
-    exp_avg_sq += (1 - beta2) * grad * grad
+    work = grad * grad  # one scratch array, reused for each full-size intermediate below
+    work *= 1 - beta2
+    exp_avg_sq += work
     bias_correction1 = 1 - beta1 ** step
     bias_correction2 = 1 - beta2 ** step
-    denom = exp_avg_sq ** 0.5
-    denom /= bias_correction2 ** 0.5
-    denom += eps
-    param -= (lr / bias_correction1) * exp_avg / denom
+    xp = get_array_module(param)
+    xp.sqrt(exp_avg_sq, out=work)
+    work /= bias_correction2 ** 0.5
+    work += eps  # the denominator
+    xp.divide(exp_avg, work, out=work)
+    work *= lr / bias_correction1
+    param -= work
 
 
 class AdamW(Optimizer):
