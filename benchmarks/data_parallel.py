@@ -23,6 +23,7 @@ Results: benchmarks/results/data_parallel.json and benchmarks/figures/data_paral
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -68,6 +69,8 @@ def worker(buckets_kib, steps: int, warmup: int, out: str):
     from minidist.train_build import build_model, build_optimizer, load_data
     from minidist.train_config import TrainConfig
 
+    from minidist.allocator import keep_freed_memory
+    keep_freed_memory()  # as python -m minidist.train does
     world = minidist.init(backend="ring")
     cfg = TrainConfig(batch_size=ROWS_PER_RANK * world.size, dp=world.size)
     mesh = DeviceMesh(world, dp=cfg.dp, tp=1)
@@ -101,26 +104,99 @@ def worker(buckets_kib, steps: int, warmup: int, out: str):
                                              n_buckets=n_buckets, measured=measured)))
 
 
-def launch(n: int, args) -> dict:
-    """Run a ``--worker`` job on ``n`` ranks and return its JSON, with the load average before and
-    after. A job still running after ``args.timeout`` s is killed, mpiexec and ranks together."""
-    mpiexec = Path(sys.executable).parent / "mpiexec"
+def ddp_worker(steps: int, warmup: int, out: str):
+    """One PyTorch DDP job (gloo, one CPU thread per rank), the same model, rows, AdamW and clipping
+    as :func:`worker`, from the same initial weights and on the same batches. Rank 0 writes the
+    per-step wall seconds of every rank (each step starts after a barrier)."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from minidist.allocator import keep_freed_memory
+    from minidist.parallel.sampler import DistributedSampler
+    from minidist.train_build import build_model, load_data
+    from minidist.train_config import TrainConfig
+    sys.path.insert(0, str(HERE))
+    from torch_gpt import TorchGPT
+
+    keep_freed_memory()  # the same process setting as the minidist ranks
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    cfg = TrainConfig(batch_size=ROWS_PER_RANK * size, dp=size)
+    train_tokens, _ = load_data(cfg)
+    sampler = DistributedSampler(train_tokens, cfg.batch_size, cfg.block_size, cfg.seed, rank, size)
+    model = DDP(TorchGPT.from_minidist(build_model(cfg), torch.float32))
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+                                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                                  lr=cfg.lr, betas=(0.9, 0.95))
+    measured = []
+    for step in range(warmup + steps):
+        batch = torch.from_numpy(sampler.batch(step).astype("int64"))  # (rows, T + 1)
+        dist.barrier()
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        _, loss = model(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        loss_avg = loss.detach().clone()
+        dist.all_reduce(loss_avg)  # the reported loss, averaged as minidist's train_step averages it
+        seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        everyone = [torch.zeros_like(seconds) for _ in range(size)]
+        dist.all_gather(everyone, seconds)
+        if step >= warmup:
+            measured.append([float(t) for t in everyone])
+    if rank == 0:
+        Path(out).write_text(json.dumps(dict(ranks=size, tokens_per_step=cfg.batch_size * cfg.block_size,
+                                             measured=measured)))
+    dist.barrier()  # no rank leaves while another still talks to it
+    dist.destroy_process_group()
+    os._exit(0)  # gloo's threads can abort the interpreter's exit ("terminate called"): leave at once
+
+
+def launch(n: int, args, framework: str = "minidist") -> dict:
+    """Run a ``--worker`` job (minidist, under mpiexec) or a ``--ddp-worker`` job (PyTorch, n
+    processes meeting over TCP on this machine) on ``n`` ranks and return its JSON, with the load
+    average before and after. A job still running after ``args.timeout`` s is killed, whole."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "job.json"
-        cmd = [str(mpiexec), "-n", str(n), sys.executable, __file__, "--worker", "--steps", str(args.steps),
-               "--warmup", str(args.warmup), "--out", str(out), "--buckets-kib", *map(str, args.buckets_kib)]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
         load_before = os.getloadavg()[0]
-        proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+        if framework == "minidist":
+            cmd = [str(Path(sys.executable).parent / "mpiexec"), "-n", str(n), sys.executable, __file__, "--worker",
+                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out),
+                   "--buckets-kib", *map(str, args.buckets_kib)]
+            procs = [subprocess.Popen(cmd, env=env, start_new_session=True)]
+        else:
+            cmd = [sys.executable, __file__, "--ddp-worker", "--steps", str(args.steps * len(args.buckets_kib)),
+                   "--warmup", str(args.warmup), "--out", str(out)]
+            port = str(free_port())
+            procs = [subprocess.Popen(cmd, start_new_session=True, env=dict(
+                env, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r), WORLD_SIZE=str(n))) for r in range(n)]
+        deadline = time.monotonic() + args.timeout
         try:
-            proc.wait(timeout=args.timeout)
+            for proc in procs:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            for proc in procs:
+                os.killpg(proc.pid, signal.SIGKILL)
             raise
-        if proc.returncode:
-            raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}")
+        if any(proc.returncode for proc in procs):
+            raise RuntimeError(f"{' '.join(cmd)} exited with {[proc.returncode for proc in procs]}")
         job = json.loads(out.read_text())
     job["load_average"] = [load_before, os.getloadavg()[0]]
+    job["framework"] = framework
     return job
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now (PyTorch's rendezvous for the DDP job)."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def summarise(jobs: list[dict], buckets_kib) -> list[dict]:
@@ -134,7 +210,7 @@ def summarise(jobs: list[dict], buckets_kib) -> list[dict]:
     for kib in buckets_kib:
         row = dict(bucket_kib=kib)
         for n in (1, 2):
-            mine = [job for job in jobs if job["ranks"] == n]
+            mine = [job for job in jobs if job["ranks"] == n and job.get("framework", "minidist") == "minidist"]
             steps = np.array([step for job in mine for step in job["measured"][str(kib)]])  # (steps, n, fields)
             row["buckets"] = mine[0]["n_buckets"][str(kib)]
             step_s = float(np.median(steps[:, :, field["step"]].max(axis=1)))
@@ -152,6 +228,35 @@ def summarise(jobs: list[dict], buckets_kib) -> list[dict]:
         row["efficiency"] = row["tokens_per_s_2"] / (2 * row["tokens_per_s_1"])
         rows.append(row)
     return rows
+
+
+def summarise_ddp(jobs: list[dict]) -> dict | None:
+    """PyTorch DDP's median step (the slowest rank's) and tokens/s at 1 and 2 ranks, pooled over its
+    jobs, and its efficiency; None when no DDP job ran."""
+    row = {}
+    for n in (1, 2):
+        steps = [max(ranks) for job in jobs if job.get("framework") == "ddp" and job["ranks"] == n
+                 for ranks in job["measured"]]
+        if not steps:
+            return None
+        tokens = next(job["tokens_per_step"] for job in jobs if job.get("framework") == "ddp" and job["ranks"] == n)
+        row[f"step_ms_{n}"] = 1e3 * float(np.median(steps))
+        row[f"tokens_per_s_{n}"] = tokens / float(np.median(steps))
+    row["efficiency"] = row["tokens_per_s_2"] / (2 * row["tokens_per_s_1"])
+    return row
+
+
+def versus_ddp(result) -> str:
+    """minidist (its default 1 MiB bucket) against PyTorch DDP, both at 1 and 2 ranks."""
+    ours = next(r for r in result["rows"] if r["bucket_kib"] == 1024)
+    ddp = result["ddp"]
+    lines = ["| framework | ms/step 1 rank / 2 ranks | tok/s 1 rank / 2 ranks | efficiency |", "|---|---:|---:|---:|"]
+    for name, r in (("minidist (1 MiB bucket)", ours), ("PyTorch DDP (gloo, 25 MiB bucket)", ddp)):
+        lines.append(f"| {name} | {r['step_ms_1']:.1f} / {r['step_ms_2']:.1f} | "
+                     f"{r['tokens_per_s_1']:,.0f} / {r['tokens_per_s_2']:,.0f} | {100 * r['efficiency']:.0f}% |")
+    lines.append(f"\nminidist / DDP tokens/s on 2 ranks: {ours['tokens_per_s_2'] / ddp['tokens_per_s_2']:.2f}x "
+                 f"(1 rank: {ours['tokens_per_s_1'] / ddp['tokens_per_s_1']:.2f}x)")
+    return "\n".join(lines)
 
 
 def table(result) -> str:
@@ -204,24 +309,34 @@ def main():
     p.add_argument("--buckets-kib", type=int, nargs="+", default=list(BUCKETS_KIB))
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a job is killed")
     p.add_argument("--plot", action="store_true", help="table and figure from the saved JSON only")
+    p.add_argument("--no-ddp", action="store_true", help="skip the PyTorch DDP jobs")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--ddp-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         worker(args.buckets_kib, args.steps, args.warmup, args.out)
         return
+    if args.ddp_worker:
+        ddp_worker(args.steps, args.warmup, args.out)
+        return
     if args.plot:
         result = json.loads(RESULTS.read_text())
         result["rows"] = summarise(result["jobs"], result["buckets_kib"])
+        result["ddp"] = summarise_ddp(result["jobs"])
     else:
         uptime_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
         jobs = []
+        has_torch = importlib.util.find_spec("torch") is not None  # benchmark-only: DDP is the yardstick
+        frameworks = ("minidist", "ddp") if has_torch and not args.no_ddp else ("minidist",)
+        order = [(f, n) for f in frameworks for n in (1, 2)]
         for i in range(args.rounds):
-            for n in ((1, 2) if i % 2 == 0 else (2, 1)):  # swap the order every round
-                jobs.append(launch(n, args))
-                print(f"round {i + 1}/{args.rounds}: {n} rank(s) done, load average "
+            for framework, n in (order if i % 2 == 0 else order[::-1]):  # reverse the order every round
+                jobs.append(launch(n, args, framework))
+                print(f"round {i + 1}/{args.rounds}: {framework} {n} rank(s) done, load average "
                       f"{jobs[-1]['load_average'][1]:.2f}", flush=True)
-        result = dict(rows=summarise(jobs, args.buckets_kib), jobs=jobs, buckets_kib=args.buckets_kib,
+        result = dict(rows=summarise(jobs, args.buckets_kib), ddp=summarise_ddp(jobs), jobs=jobs,
+                      buckets_kib=args.buckets_kib,
                       rows_per_rank=ROWS_PER_RANK,
                       uptime=[uptime_before, subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()],
                       load_average=[a for job in jobs for a in job["load_average"]],
@@ -229,6 +344,8 @@ def main():
                       python=platform.python_version())
         RESULTS.write_text(json.dumps(result, indent=1))
     print(table(result))
+    if result.get("ddp"):
+        print(versus_ddp(result))
     plot(result)
 
 

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from minidist.allocator import keep_freed_memory
 from minidist.data import default_corpus, get_batch, load_tokens, train_val_split
 from minidist.device import to_device
 from minidist.parallel.step import train_step
@@ -145,9 +146,12 @@ def main():
     p.add_argument("--quick", action="store_true", help="default size only, 5 repeats")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu: one thread each; cuda: minidist on CuPy and PyTorch on CUDA, same GPU")
+    p.add_argument("--system-allocator", action="store_true",
+                   help="keep glibc's default malloc settings (default: keep freed memory, as the trainer does)")
     p.add_argument("--out", help="JSON results (default benchmarks/results/train_step[_cuda].json)")
     p.add_argument("--figure", help="PNG (default benchmarks/figures/train_step[_cuda].png)")
     args = p.parse_args()
+    kept = False if args.system_allocator else keep_freed_memory()   # both frameworks share the process
     suffix = "_cuda" if args.device == "cuda" else ""
     args.out = args.out or str(HERE / "results" / f"train_step{suffix}.json")
     args.figure = args.figure or str(HERE / "figures" / f"train_step{suffix}.png")
@@ -187,6 +191,7 @@ def main():
         results.append(row)
     report = {"machine": machine(args.device), "numpy": np.__version__, "device": args.device,
               "torch": torch.__version__ if torch is not None else None, "threads": 1,
+              "keep_freed_memory": kept,
               "repeats": repeats, "results": results,
               "profile_default": profile_minidist(config(SIZES["default"], device=args.device), tokens)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,8 @@ from hypothesis import given, settings, strategies as st
 
 from minidist.autograd import (Tensor, cross_entropy, embedding, gelu, layer_norm, linear,
                                scaled_dot_product_attention)
+from minidist.autograd.attention import causal_mask
+from minidist.autograd.backend import sum_last, sum_rows
 from tests.gradcheck import check_gradients
 
 rng = np.random.default_rng(0)
@@ -88,6 +90,39 @@ def test_embedding_gathers_rows_and_adds_gradients_of_repeats():
     embedding(idx, weight).backward(np.ones((2, 3, 3)))
     np.testing.assert_array_equal(weight.grad[:, 0], [2, 0, 1, 0, 3])  # how often each row was used
     check_gradients(lambda w: embedding(idx, w), w)
+
+
+def test_embedding_gradient_equals_add_at_over_rows_bitwise():
+    """The flat scatter-add of backward adds the same values in the same order as add.at on rows."""
+    grad = rng.standard_normal((4, 16, 8)).astype(np.float32)
+    idx = rng.integers(0, 10, size=(4, 16))
+    weight = Tensor(np.zeros((10, 8), np.float32), requires_grad=True)
+    embedding(idx, weight).backward(grad)
+    expected = np.zeros((10, 8), np.float32)
+    np.add.at(expected, idx.reshape(-1), grad.reshape(-1, 8))
+    np.testing.assert_array_equal(weight.grad, expected)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_sum_last_and_sum_rows_equal_numpy_sums(dtype):
+    x = rng.standard_normal((3, 4, 7)).astype(dtype)
+    tol = dict(rtol=2e-3, atol=2e-2) if dtype == "float16" else dict(rtol=1e-6 if dtype == "float32" else 1e-12)
+    for a in (x, x.swapaxes(0, 2)):  # contiguous and not
+        assert sum_last(a).shape == a.shape[:-1] + (1,) and sum_last(a).dtype == a.dtype
+        np.testing.assert_allclose(sum_last(a), a.sum(-1, keepdims=True), **tol)
+    m = x.reshape(12, 7)
+    assert sum_rows(m).dtype == m.dtype
+    np.testing.assert_allclose(sum_rows(m), m.sum(0), **tol)
+    np.testing.assert_allclose(sum_rows(m.T), m.T.sum(0), **tol)
+
+
+def test_causal_mask_is_made_once_per_shape_and_read_only():
+    like = np.zeros((1, 1, 3, 4), np.float32)
+    mask = causal_mask(3, 4, like=like)
+    assert mask is causal_mask(3, 4, like=like) and mask.dtype == np.float32
+    np.testing.assert_array_equal(mask == 0, np.tril(np.ones((3, 4), bool)))
+    with pytest.raises(ValueError):
+        mask[0, 0] = 1.0
 
 
 def cross_entropy_reference(logits, targets, ignore_index=-1):
