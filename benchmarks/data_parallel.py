@@ -280,7 +280,9 @@ def plot(result) -> None:
 
     rows = result["rows"]
     labels = [f"{r['bucket_kib']} KiB\n({r['buckets']} bucket{'s' * (r['buckets'] > 1)})" for r in rows]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    ddp = result.get("ddp")
+    fig, axes = plt.subplots(1, 3 if ddp else 2, figsize=(15 if ddp else 10, 4))
+    left, right = axes[:2]
     left.bar(labels, [100 * r["efficiency"] for r in rows])
     left.axhline(85, color="k", linestyle="--", linewidth=1, label="target 85%")
     left.set_ylabel("weak-scaling efficiency, 2 ranks (%)")
@@ -294,6 +296,20 @@ def plot(result) -> None:
     right.set_ylabel("bucket all-reduce ms per step, per rank")
     right.set_ylim(0, 1.35 * max(r["allreduce_ms_2"] for r in rows))
     right.legend(loc="upper right")
+    if ddp:
+        ours = next(r for r in rows if r["bucket_kib"] == 1024)
+        xs = np.arange(2)
+        for dx, (name, r, color) in zip((-0.2, 0.2), (("minidist (1 MiB bucket)", ours, "tab:blue"),
+                                                      ("PyTorch DDP (gloo)", ddp, "tab:gray"))):
+            tps = [r["tokens_per_s_1"], r["tokens_per_s_2"]]
+            axes[2].bar(xs + dx, tps, width=0.4, color=color, label=name)
+            for x, t in zip(xs + dx, tps):
+                axes[2].annotate(f"{t / 1e3:.0f}k", (x, t), ha="center", va="bottom", fontsize=8)
+        axes[2].set_xticks(xs)
+        axes[2].set_xticklabels(["1 rank", "2 ranks"])
+        axes[2].set_ylabel("tokens/s (median step)")
+        axes[2].set_ylim(0, 1.25 * max(ours["tokens_per_s_2"], ddp["tokens_per_s_2"]))
+        axes[2].legend(loc="upper left", fontsize=8)
     load = result["load_average"]
     fig.suptitle(f"Data parallelism, 1 -> 2 ranks, {ROWS_PER_RANK} x 64 tokens per rank "
                  f"(load average {min(load):.1f}-{max(load):.1f} on {os.cpu_count()} cores)")

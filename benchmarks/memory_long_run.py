@@ -13,6 +13,12 @@ the other in this one run:
                    empty (``CommStream.linger = 0``, as before): a new OS thread every step
     old            all of the old behaviour: ``init(trace_keep=None)`` keeps every event in memory, the
                    history every step, and a new communication thread every step
+    system malloc  the default with glibc's own malloc settings (--system-allocator): every variant
+                   above keeps freed memory for the next step (minidist/allocator.py), as
+                   python -m minidist.train does
+
+``--model default`` trains the trainer's default GPT (2 layers, 64 wide, T 64, batch 16) instead of
+the tiny one: arrays large enough for the allocator setting to matter.
 
 This script (the driver) polls each run every 50 ms: the step it has reached (the lines of rank 0's
 metrics.jsonl) and each rank's VmRSS (/proc/<pid>/status), keeping the first sample past each
@@ -33,23 +39,27 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-VARIANTS = ("ring", "ring+stream", "thread/step", "old")
+VARIANTS = ("ring", "ring+stream", "thread/step", "old", "system malloc")
 TINY = dict(n_layer=1, n_head=2, n_embd=16, block_size=8, batch_size=2, eval_iters=1, sample_tokens=0)
 
 
-def worker(variant: str, steps: int, out: str, data_dir: str) -> None:
+def worker(variant: str, steps: int, out: str, data_dir: str, model: str) -> None:
     """One run of the trainer on this MPI job's world, as ``variant`` says (see the module docstring)."""
     import minidist
+    from minidist.allocator import keep_freed_memory
     from minidist.comm.trace import KEEP_RECENT
     from minidist.comm.work import CommStream
     from minidist.train import train
     from minidist.train_config import TrainConfig
 
+    if variant != "system malloc":
+        keep_freed_memory()  # as python -m minidist.train does by default
     if variant in ("thread/step", "old"):
         CommStream.linger = 0.0  # the thread ends when its queue is empty: one per step
     world = minidist.init(trace_keep=None if variant == "old" else KEEP_RECENT)
+    size = TINY if model == "tiny" else dict(eval_iters=1, sample_tokens=0)
     cfg = TrainConfig(steps=steps, dp=world.size, eval_every=steps, data_dir=data_dir, out=out,
-                      trace=out if variant == "ring+stream" else None, **TINY)
+                      trace=out if variant == "ring+stream" else None, **size)
     train(cfg, progress=False, world=world, keep_history=variant == "old")
 
 
@@ -87,12 +97,12 @@ def steps_done(metrics: Path) -> int:
         return 0
 
 
-def measure(ranks: int, variant: str, steps: int, every: int, data_dir: str, mpiexec: str) -> dict:
+def measure(ranks: int, variant: str, steps: int, every: int, data_dir: str, mpiexec: str, model: str) -> dict:
     """Run one variant on ``ranks`` processes; returns its samples [(step, [RSS KiB per rank])], the
     wall seconds, and the growth per 1000 steps."""
     out = tempfile.mkdtemp(prefix=f"memory_{ranks}_{variant.replace('+', '_').replace('/', '_')}_")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", variant, "--steps", str(steps),
-           "--out", out, "--data-dir", data_dir]
+           "--out", out, "--data-dir", data_dir, "--model", model]
     if ranks > 1:
         cmd = [mpiexec, "-n", str(ranks)] + cmd
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -116,7 +126,7 @@ def measure(ranks: int, variant: str, steps: int, every: int, data_dir: str, mpi
     shutil.rmtree(out, ignore_errors=True)
     late = [(s, np.mean(r)) for s, r in samples if s >= steps // 2]
     slope = float(np.polyfit([s for s, _ in late], [r for _, r in late], 1)[0]) if len(late) >= 2 else float("nan")
-    return dict(ranks=ranks, variant=variant, steps=steps, seconds=seconds, samples=samples,
+    return dict(ranks=ranks, variant=variant, model=model, steps=steps, seconds=seconds, samples=samples,
                 rss_first_mib=float(np.mean(samples[0][1])) / 1024, rss_last_mib=float(np.mean(samples[-1][1])) / 1024,
                 growth_kib_per_1000_steps=1000 * slope, trace_file_bytes=trace_bytes)
 
@@ -126,12 +136,15 @@ def main():
     ap.add_argument("--steps", type=int, default=3000, help="training steps per run (default %(default)s)")
     ap.add_argument("--every", type=int, default=100, help="sample RSS every this many steps (default %(default)s)")
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="world sizes (default 1 2)")
+    ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    ap.add_argument("--model", choices=("tiny", "default"), default="tiny")
+    ap.add_argument("--json", default=str(HERE / "results" / "memory_long_run.json"))
     ap.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)  # one run, started by the driver
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--data-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        return worker(args.worker, args.steps, args.out, args.data_dir)
+        return worker(args.worker, args.steps, args.out, args.data_dir, args.model)
     mpiexec = shutil.which("mpiexec")
     if mpiexec is None and max(args.ranks) > 1:
         sys.exit("mpiexec not found (the 2-rank runs need it); --ranks 1 runs one process only")
@@ -142,26 +155,26 @@ def main():
     rows = []
     try:
         for ranks in args.ranks:
-            for variant in VARIANTS:
-                rows.append(measure(ranks, variant, args.steps, args.every, data_dir, mpiexec))
+            for variant in args.variants:
+                rows.append(measure(ranks, variant, args.steps, args.every, data_dir, mpiexec, args.model))
                 r = rows[-1]
                 print(f"{ranks} rank(s) {variant:<12} {r['seconds']:6.1f} s  RSS {r['rss_first_mib']:.1f} -> "
                       f"{r['rss_last_mib']:.1f} MiB  growth {r['growth_kib_per_1000_steps']:8.1f} KiB / 1000 steps",
                       flush=True)
     finally:
         shutil.rmtree(data_dir, ignore_errors=True)
-    (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "memory_long_run.json").write_text(json.dumps(rows, indent=1))
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(rows, indent=1))
     print("\n| ranks | variant | steps | ms / step | RSS after step 1 (MiB) | RSS at the end (MiB) | "
           "growth / 1000 steps (KiB) | growth vs old | trace on disk (MiB) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        old = next(o for o in rows if o["ranks"] == r["ranks"] and o["variant"] == "old")
-        ratio = r["growth_kib_per_1000_steps"] / old["growth_kib_per_1000_steps"]
+        old = next((o for o in rows if o["ranks"] == r["ranks"] and o["variant"] == "old"), None)
+        ratio = f"{r['growth_kib_per_1000_steps'] / old['growth_kib_per_1000_steps']:.3f}x" if old else "-"
         disk = f"{r['trace_file_bytes'] / 2**20:.1f}" if r["trace_file_bytes"] else "-"
         print(f"| {r['ranks']} | {r['variant']} | {r['steps']} | {1e3 * r['seconds'] / r['steps']:.1f} | "
               f"{r['rss_first_mib']:.1f} | {r['rss_last_mib']:.1f} | {r['growth_kib_per_1000_steps']:.1f} | "
-              f"{ratio:.3f}x | {disk} |")
+              f"{ratio} | {disk} |")
 
 
 if __name__ == "__main__":

@@ -18,8 +18,10 @@ optimizer spans (minidist/inspect/timeline.py) and every rank's share of the ste
 
 - **compute**: inside forward / backward / optimizer spans, but not inside a collective (a
   tensor-parallel all-reduce blocks inside forward: that time is communication);
-- **communication**: inside a collective (tp all-reduces, ZeRO's reduce-scatter and all-gather,
-  the loss and norm all-reduces), whichever span it falls in;
+- **communication**, by mesh axis: inside a collective on a tp group (the blocks' all-reduces, and
+  the vocabulary-parallel loss's), on a dp group (ZeRO-1's reduce-scatter and all-gather, the loss
+  average), or another (the pipeline's loss broadcast, the tied embedding's all-reduce, the norm
+  over the world), whichever span it falls in;
 - **pipeline wait**: from posting a receive from the neighbour stage to the next compute: the
   bubble, as this rank saw it;
 - **idle**: the rest: Python between spans, and, with 8 ranks on 2 cores, waiting for a core.
@@ -42,6 +44,7 @@ import numpy as np
 
 from minidist.inspect.load import load_run
 from minidist.inspect.timeline import busy_seconds, step_window
+from minidist.parallel.accounting import axis_of
 
 HERE = Path(__file__).resolve().parent
 RESULTS, FIGURE = HERE / "results" / "scaling.json", HERE / "figures" / "scaling.png"
@@ -50,7 +53,7 @@ LAYOUTS = {"3D (dp2 tp2 pp2, ZeRO-1, 1F1B, 8 micro-batches)": (8, MAIN_JOB),
            "1 process": (1, []),
            "dp 2": (2, ["--dp", "2"])}
 WARMUP = 5
-PARTS = ("compute", "communication", "pipeline wait", "idle")
+PARTS = ("compute", "tp communication", "dp communication", "other communication", "pipeline wait", "idle")
 
 
 def run_job(ranks: int, flags: list[str], steps: int, run_dir: Path, trace: bool) -> list[float]:
@@ -78,11 +81,12 @@ def breakdown(run_dir: Path, steps: int) -> list[dict]:
             collective = [e for e in events if e.kind == "collective"]
             busy_any = busy_seconds(compute + collective, window)
             comm = busy_seconds(collective, window)
+            tp, dp = (busy_seconds([e for e in collective if axis_of(e.group) == axis], window) for axis in ("tp", "dp"))
             waits = [SimpleNamespace(start=e.start, end=next((c.start for c in compute if c.start >= e.start), e.start))
                      for e in events if e.kind == "p2p" and e.op == "irecv"]
             wait = busy_seconds(waits + compute + collective, window) - busy_any
             length = window[1] - window[0]
-            parts[r] += (busy_any - comm, comm, wait, length - busy_any - wait)
+            parts[r] += (busy_any - comm, tp, dp, comm - tp - dp, wait, length - busy_any - wait)
     parts /= steps - WARMUP
     return [dict(rank=r, **{p: float(s) for p, s in zip(PARTS, row)}) for r, row in enumerate(parts)]
 
@@ -135,10 +139,11 @@ def plot(result) -> None:
     left.set_xlabel("tokens/s (median step)")
     rows = result["breakdown"]
     bottom = np.zeros(len(rows))
-    for part, color in zip(PARTS, ("#4e79a7", "#f28e2b", "#e15759", "#d9d9d9")):
+    for part, color in zip(PARTS, ("#4e79a7", "#f28e2b", "#59a14f", "#edc948", "#e15759", "#d9d9d9")):
         ms = np.array([1e3 * r[part] for r in rows])
         right.bar([r["rank"] for r in rows], ms, bottom=bottom, color=color, label=part)
         bottom += ms
+    right.set_xticks([r["rank"] for r in rows])
     right.set_xlabel("rank of the 3D job")
     right.set_ylabel("ms per step (mean)")
     right.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
