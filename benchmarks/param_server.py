@@ -9,7 +9,8 @@
    asynchronous with staleness bound 1 and 8, each without and with a straggler (worker 0 sleeps
    STRAGGLER s per step). Loss against step and against wall time; staleness distributions.
 
-Writes benchmarks/results/param_server.json and benchmarks/figures/param_server_{traffic,convergence}.png.
+Writes benchmarks/results/param_server.json and benchmarks/figures/param_server_{traffic,convergence}.png;
+``python benchmarks/param_server.py --replot`` redraws the figures from the JSON without running.
 """
 import argparse
 import contextlib
@@ -85,56 +86,82 @@ def convergence(world, staleness, straggler, tokens, val_tokens):
 
 
 def plot(results, path_traffic, path_convergence):
+    """Draw the two figures from ``results`` (what main() saves as JSON): legends outside the axes."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.transforms import blended_transform_factory
 
     model_bytes = results["model_bytes"]
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    labels, outs, ins = [], [], []
+    fig, ax = plt.subplots(figsize=(10, 4.2))
+    x, names, outs, ins, groups = 0.0, [], [], [], []
+    positions = []
     for row in results["traffic"]:
+        first = x
         for r, (out, inn) in enumerate(row["ranks"]):
             role = ("server" if r < row["servers"] else "worker") if row["servers"] else "ring rank"
-            labels.append(f"{row['layout']}\n{role} {r}")
+            names.append(f"{role}\n{r}")
             outs.append(out / model_bytes)
             ins.append(inn / model_bytes)
-    x = np.arange(len(labels))
-    ax.bar(x - 0.2, outs, 0.4, label="out")
-    ax.bar(x + 0.2, ins, 0.4, label="in")
-    ax.set_xticks(x, labels, fontsize=6)
+            positions.append(x)
+            x += 1
+        groups.append(((first + x - 1) / 2, row["layout"]))
+        x += 0.8  # a gap between layouts
+    positions = np.array(positions)
+    ax.bar(positions - 0.2, outs, 0.4, label="out (sent)", color="tab:blue")
+    ax.bar(positions + 0.2, ins, 0.4, label="in (received)", color="tab:orange")
+    ax.set_xticks(positions, names, fontsize=8)
+    below = blended_transform_factory(ax.transData, ax.transAxes)
+    for centre, layout in groups:
+        ax.text(centre, -0.2, layout, transform=below, ha="center", va="top", fontsize=9, fontweight="bold")
     ax.set_ylabel("models per step")
-    ax.set_title("bytes through each rank's link per step")
-    ax.legend()
-    fig.tight_layout()
+    ax.set_title(f"Bytes through each rank's link per step (1 model = {model_bytes:,} B)", fontsize=10)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False, fontsize=9)
+    fig.subplots_adjust(left=0.07, right=0.85, top=0.9, bottom=0.26)
     fig.savefig(path_traffic, dpi=110)
     plt.close(fig)
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 5))
+    W = 3
+    colours = {"sync": "tab:blue", "async s=1": "tab:green", "async s=8": "tab:red"}
+    handles = []
+    stale = [run for run in results["runs"] if run["mode"] != "sync" and run["straggler"]]
     for run in results["runs"]:
         h = run["history"]
-        W = 3
         x_step = np.array([r.get("update", W * (r["step"] + 1)) for r in h]) / W  # sync: one record per step
-        loss = np.convolve([r["loss"] for r in h], np.ones(3 * W) / (3 * W), mode="valid")
-        style = "-" if run["straggler"] == 0 else "--"
-        label = f"{run['mode']}" + (f", straggler {1e3 * run['straggler']:.0f} ms" if run["straggler"] else "")
-        axes[0].plot(x_step[-len(loss):], loss, style, label=label)
-        axes[1].plot(np.array([r["time"] for r in h])[-len(loss):], loss, style, label=label)
-        if run["mode"] != "sync" and run["straggler"]:
-            counts = np.bincount([r["staleness"] for r in h])
-            axes[2].bar(np.arange(len(counts)) + (0.4 if "8" in run["mode"] else 0), counts / counts.sum(), 0.4,
-                        label=label)
-    axes[0].set(xlabel="step (updates / W)", ylabel="train loss (moving average)", title="loss against step")
-    axes[1].set(xlabel="wall time (s)", title="loss against wall time")
-    axes[2].set(xlabel="staleness (updates)", ylabel="fraction of updates", title="staleness distribution")
-    for ax in axes:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+        window = 3 * W if "update" in h[0] else 3  # 3 steps: W updates a step asynchronously, 1 synchronously
+        loss = np.convolve([r["loss"] for r in h], np.ones(window) / window, mode="valid")
+        style = dict(color=colours[run["mode"]], linestyle="-" if run["straggler"] == 0 else "--", linewidth=1.2)
+        label = f"{run['mode']}" + (f", worker 0 sleeps {1e3 * run['straggler']:.0f} ms a step" if run["straggler"]
+                                    else ", no straggler")
+        handles.append(axes[0].plot(x_step[-len(loss):], loss, label=label, **style)[0])
+        axes[1].plot(np.array([r["time"] for r in h])[-len(loss):], loss, **style)
+    width = 0.8 / len(stale)
+    for k, run in enumerate(stale):
+        counts = np.bincount([r["staleness"] for r in run["history"]])
+        shown = np.flatnonzero(counts)
+        axes[2].bar(shown + (k - (len(stale) - 1) / 2) * width, counts[shown] / counts.sum(), width,
+                    color=colours[run["mode"]], hatch="//", edgecolor="white")
+    axes[0].set(xlabel="step (updates / W)", ylabel="train loss (moving average of 3 steps)", title="loss against step")
+    axes[1].set(xlabel="wall time (s)", ylabel="train loss (moving average of 3 steps)", title="loss against wall time")
+    axes[2].set(xlabel="staleness (updates applied between pull and push)", ylabel="fraction of updates (log scale)",
+                yscale="log", title="staleness with the straggler (asynchronous)")
+    axes[2].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    fig.legend(handles, [h.get_label() for h in handles], loc="lower center", ncol=3, fontsize=9, frameon=False)
+    fig.suptitle(f"1 server + {W} workers, {results['config']['steps']} steps of gradient work "
+                 f"({W * results['config']['steps']} worker gradients), AdamW", fontsize=11)
+    fig.subplots_adjust(left=0.05, right=0.99, top=0.88, bottom=0.25, wspace=0.25)
     fig.savefig(path_convergence, dpi=110)
     plt.close(fig)
 
 
 def main():
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--replot", action="store_true", help="only redraw the figures from results/param_server.json")
+    if ap.parse_args().replot:
+        results = json.loads((HERE / "results" / "param_server.json").read_text())
+        plot(results, HERE / "figures" / "param_server_traffic.png", HERE / "figures" / "param_server_convergence.png")
+        return
     world = minidist.init()
     with contextlib.redirect_stdout(io.StringIO()):
         tokens, val_tokens = load_data(CFG)

@@ -3,6 +3,7 @@
     mpiexec -n 2 python benchmarks/pipeline.py            # pp = 2 over MPI
     mpiexec -n 4 python benchmarks/pipeline.py --steps 3  # pp = 4 (oversubscribed on 2 cores)
     mpiexec -n 4 python benchmarks/pipeline.py --png benchmarks/figures/pipeline_zbv_p4_m8.png
+    mpiexec -n 2 python benchmarks/pipeline.py --only 1f1b --micro-batches 8 --png benchmarks/figures/pipeline_1f1b_p2_m8.png
 
 A GPT (8 blocks, 64 wide, float32) with a fixed global batch of 32 sequences of 64 tokens; each
 schedule (interleaved and zbv with v = 2 chunks per rank; interleaved only where p divides m) runs
@@ -14,7 +15,8 @@ the traced forward / backward (B) / weight (W) events over the measured steps an
 event is one micro-batch on one stage or chunk). Then zb-h1 and zbv run again, placed for the
 F : B : W that zb-h1 measured (the paper places its schedules for profiled costs; the engine's
 default is unit costs). ``--png`` draws the executed vs ideal timeline of zbv's last step at the
-first m.
+first m (``--only NAME``: measure that one schedule alone at the first m, print its row and draw it;
+no JSON is written, since the tables need every row).
 
 Rank 0 also prints a theory table, no MPI needed: the simulator's makespan of 1f1b, zb-h1 and zbv
 for p in (2, 4), m in (8, 16) and costs (T_F, T_B, T_W) (zb-h1 and zbv placed for those costs; in
@@ -105,8 +107,18 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--png", help="draw zbv's executed vs ideal timeline (first m) to this path")
+    ap.add_argument("--only", choices=[name for name, _ in SCHEDULES],
+                    help="measure and draw (--png) this schedule alone at the first m; writes no JSON")
     args = ap.parse_args()
     world = minidist.init()
+    if args.only:
+        m, v = args.micro_batches[0], dict(SCHEDULES)[args.only]
+        row, executed, ideal = measure(world, args.only, m, v, args.steps)
+        if world.rank == 0:
+            print({k: round(float(x), 4) if isinstance(x, (float, np.floating)) else x for k, x in row.items()})
+            if args.png:
+                draw_timelines(args.png, executed, ideal, f"{args.only}, p = {world.size}, m = {m}: executed vs ideal")
+        return
     rows = []
     for m in args.micro_batches:
         for schedule, v in SCHEDULES:

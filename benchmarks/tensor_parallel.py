@@ -90,18 +90,24 @@ def plot():
     for name, r in rows.items():
         print(f"| {name} | {r['ms']:.1f} | {r['comm_ms']:.1f} | {r['collective_bytes'] / 2**20:.2f} MiB | "
               f"{r['ms'] / base:.2f}x |")
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = plt.subplots(figsize=(8.5, 4.2))
     names = list(rows)
     comm = [rows[n]["comm_ms"] for n in names]
     compute = [rows[n]["ms"] - rows[n]["comm_ms"] for n in names]
-    ax.barh(names, compute, label="compute (and waiting)")
-    ax.barh(names, comm, left=compute, label="inside tp collectives")
+    ax.barh(names, compute, label="compute (and waiting)", color="#4c72b0")
+    ax.barh(names, comm, left=compute, label="inside tp collectives", color="#dd8452")
+    for y, name in enumerate(names):  # the step's total at the end of its bar
+        r = rows[name]
+        ax.text(r["ms"] + 2, y, f"{r['ms']:.0f} ms, {r['ms'] / base:.2f}x", va="center", fontsize=8)
+    ax.set_xlim(0, 1.22 * max(r["ms"] for r in rows.values()))
     ax.set_xlabel("ms per step (forward + backward), slowest rank")
-    ax.set_title(f"Tensor parallelism: {CONFIG.n_layer}L {CONFIG.n_embd}d T{T} B{B}, float32, 1 thread/rank")
+    ax.set_title(f"Tensor parallelism: GPT {CONFIG.n_layer} layers, {CONFIG.n_embd} wide, T = {T}, B = {B}, float32, "
+                 "1 thread per rank", fontsize=10)
+    ax.tick_params(axis="y", labelsize=9)
     ax.invert_yaxis()
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False, fontsize=9)
     fig.tight_layout()
-    fig.savefig(HERE / "figures" / "tensor_parallel.png", dpi=120)
+    fig.savefig(HERE / "figures" / "tensor_parallel.png", dpi=120, bbox_inches="tight")
 
 
 def main():

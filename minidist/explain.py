@@ -16,12 +16,15 @@ interleaved output:
 from __future__ import annotations
 
 import bisect
+import difflib
 import re
 import sys
 from contextlib import contextmanager
 
 import numpy as np
 
+from minidist.parallel.accounting import axis_of
+from minidist.parallel.module_spans import is_module_span
 from minidist.parallel.ring_attention import token_ranges
 from minidist.parallel.tp_layout import ep_block, is_expert, tp_layout
 from minidist.parallel.tp_model import full_shape
@@ -110,6 +113,8 @@ def _partners(e, members, me: int) -> str:
         where = "to" if "send" in e.op else "from"
         return f"{where} rank {ranks[e.peer]} ({e.group} rank {e.peer})" if ranks else f"{where} {e.group} rank {e.peer}"
     others = [r for r in ranks if r != me] if ranks else []
+    if ranks == [me]:
+        return f"on {e.group} (this rank alone: nothing sent)"
     return f"on {e.group}" + (f" with rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}" if others else "")
 
 
@@ -123,37 +128,159 @@ def _what(e, span, pipeline_op) -> str:
     return "gradient" if span is not None and span.op == "backward" else "activation"
 
 
+CROSS_ENTROPY = ("max logit", "sum of exp(logit - max)", "target logit")  # vocab_parallel.py's 3 all-reduces
+
+
+def purpose(e, pass_: str | None, module: str | None, k: int, n: int, act_bytes: int | None,
+            stage_op=None) -> tuple[str, str]:
+    """Why a call was made, as (what, where): derived from its op, its group's mesh axis
+    (``accounting.axis_of``), its size and where in the step it ran. ``pass_``: the compute span it
+    started in (forward, backward, weight, optimizer; None: between them); ``module``: the module span
+    (module_spans.py) it started in; ``k`` of ``n``: its place among the same module span's tp calls
+    (which tells attn from mlp and the cross-entropy's three all-reduces apart); ``stage_op``: for a
+    pipeline message, the stage span it belongs to. These are the step's rules, one place: a call
+    that fits none gets its axis and op."""
+    axis, op, small = axis_of(e.group), e.op, e.nbytes <= 16
+    where = module or ""
+    if e.group.endswith("/embedding"):
+        return "tied embedding grad sum: the first stage's wte + the last stage's lm_head", ""
+    if axis == "world":
+        return ("found-inf flag: an inf/NaN on any rank skips the step everywhere" if small
+                else f"{op} over the world"), ""
+    if op.startswith("ring sendrecv"):
+        return f"ring attention: the next {op.split()[-1]} block around the cp ring", where
+    if e.kind == "p2p" and axis == "pp" and stage_op is not None:
+        send, forward = "send" in op, stage_op.op == "forward"  # activations flow up the stages, gradients down
+        way = ("to the next" if send else "from the previous") if forward else ("to the previous" if send else "from the next")
+        return f"pipeline: micro-batch {stage_op.seq}'s {'activation' if forward else 'gradient'} {way} stage", ""
+    if axis == "tp":
+        if pass_ == "forward":
+            if module == "embedding":
+                return ("vocab-parallel embedding: sum of the tp ranks' vocabulary-shard lookups" if op == "all_reduce"
+                        else f"vocab-parallel embedding: {op} over the sequence (SP)"), ""
+            if module == "head":
+                if op == "all_reduce" and e.nbytes != act_bytes and k < 3:
+                    return f"vocab-parallel cross-entropy {k + 1}/3: {CROSS_ENTROPY[k]}", ""
+                return f"SP {op} before the vocab-parallel lm_head: the whole sequence", ""
+            if module is not None and module.startswith("h."):
+                sub = "attn" if k < n / 2 else "mlp"
+                return {"all_reduce": "TP g all-reduce: sum of the row-parallel c_proj's partial outputs",
+                        "all_gather": "SP all-gather: the whole sequence for the column-parallel input",
+                        "reduce_scatter": "SP reduce-scatter: c_proj's partial outputs summed, my tokens kept",
+                        }.get(op, f"tp {op}"), f"{module} {sub}"
+        if pass_ in ("backward", "weight"):
+            if module == "head":
+                return {"all_reduce": "TP f all-reduce: gradient of the vocab-parallel lm_head's input",
+                        }.get(op, f"SP {op}: gradient of the head's input"), ""
+            if module == "embedding":
+                return f"SP {op}: gradient of the embeddings", ""
+            if module is not None and module.startswith("h."):
+                sub = "mlp" if k < n / 2 else "attn"  # backward runs the block in reverse
+                return {"all_reduce": "TP f all-reduce: gradient of the column-parallel input",
+                        "reduce_scatter": "SP reduce-scatter: gradient of the gathered sequence",
+                        "all_gather": "SP all-gather: gradient of the scattered output",
+                        }.get(op, f"tp {op}"), f"{module} {sub}"
+        if small:
+            return "grad-norm² sum over tp (clipping: each shard counted once)", ""
+        return "SP: sum of the replicated LayerNorm / bias gradients over tp", ""
+    if axis == "dp":
+        if op == "all_reduce":
+            if e.nbytes <= 8:
+                return "loss average over dp", ""
+            if small:
+                return "grad-norm² partial sums over dp (ZeRO's gradient shards)", ""
+            return "DP gradient bucket: averaged over dp", "bucket {}"
+        if op == "reduce_scatter":
+            return "ZeRO reduce-scatter of gradients: my shard of their average", "bucket {}"
+        if op == "all_gather":
+            if pass_ in ("forward", "backward"):
+                return "ZeRO-3 all-gather of parameters for use", where
+            return "ZeRO all-gather of the updated parameter shards", ""
+        if op == "broadcast":
+            return "the initial parameters from dp rank 0", ""
+    if axis == "pp":
+        if op == "broadcast":
+            return "the mean loss, from the last stage to every stage", ""
+        if op == "all_reduce" and small:
+            return "grad-norm² sum over pp (clipping: every stage's share)", ""
+    if axis == "cp":
+        if op == "all_reduce" and small:
+            return "loss average over cp", ""
+        if op == "all_to_all":
+            return "Ulysses all-to-all: sequence shards <-> head shards", where
+        if op == "all_gather":
+            return "context parallelism: every cp rank's part of the sequence", where
+    if axis == "ep":
+        if op == "all_to_all":
+            return "MoE all-to-all: token rows to / from the experts' ranks", where
+        if op == "all_reduce" and small:
+            return "grad-norm² of the experts over ep", ""
+    return f"{axis} {op}", where
+
+
+def _enclosing(spans, e):
+    """The last of ``spans`` (sorted by start) that was open when ``e`` started, or None."""
+    found = None
+    for s in spans:
+        if s.start > e.start:
+            break
+        if e.start <= s.end:
+            found = s
+    return found
+
+
 def step_story(events, members: dict[str, list[int]], me: int, activation_shape=None, itemsize: int = 4) -> list[str]:
     """The events of one step as lines, in start order: a compute span as a heading, each call made
     inside it (or under ``after <span>:``, once it ended) as ``op bytes [shape] group partners
-    (algorithm)``; consecutive identical calls fold into ``k x``. A call of exactly ``activation_shape``
-    x ``itemsize`` bytes is labelled with that shape and with what it carries (:func:`_what`)."""
+    (algorithm) — purpose [where]`` (:func:`purpose`); consecutive calls that differ only in where
+    fold into ``k x``, their places listed. A call of exactly ``activation_shape`` x ``itemsize``
+    bytes is labelled with that shape and with what it carries (:func:`_what`). Module spans
+    (module_spans.py) are not headings: they say where a call ran."""
     act_bytes = int(np.prod(activation_shape)) * itemsize if activation_shape is not None else None
-    lines, last, repeat, span = [], None, 0, None  # span: the last compute event, while not yet left
+    lines, span = [], None  # span: the last compute event, while not yet left
+    last, wheres = None, []  # the call line being folded and the places of its calls
 
     def flush():
         if last is not None:
-            lines.append(("  " if repeat == 1 else f"  {repeat} x ") + last)
+            text, what = last
+            places = [w for w in wheres if w]
+            repeat = "  " if len(wheres) == 1 else f"  {len(wheres)} x "
+            lines.append(f"{repeat}{text} — {what}" + (f" [{', '.join(places)}]" if places else ""))
 
     hop = None  # the last ring hop span (ring attention): its own isend / irecv are told by it
     ordered = sorted(events, key=lambda e: e.start)
-    stage_spans = [e for e in ordered if e.kind == "compute" and e.group.startswith("stage")]
+    modules = [e for e in ordered if is_module_span(e)]
+    passes = [e for e in ordered if e.kind == "compute" and not is_module_span(e)]
+    stage_spans = [e for e in passes if e.group.startswith("stage")]
     stage_starts = [e.start for e in stage_spans]
 
-    def pipeline_op(e):  # the stage computation a message belongs to: the one before a send, after a receive
+    def stage_of(e):  # the stage computation a message belongs to: the one before a send, after a receive
         i = bisect.bisect_right(stage_starts, e.start)  # stage_spans[:i] started by then
         before, after = stage_spans[i - 1:i], stage_spans[i:i + 1]
         near = (before if "send" in e.op else after) or before or after
-        return near[0].op if near else None
+        return near[0] if near else None
 
+    tp_calls: dict[int, list] = {}  # id(module span) -> its tp collectives, in order
+    context = {}
+    for e in ordered:
+        if e.kind == "compute":
+            continue
+        pass_span = _enclosing(passes, e)
+        module = _enclosing([m for m in modules if pass_span is None or m.algorithm == pass_span.op], e)
+        context[id(e)] = (pass_span, module)
+        if module is not None and e.kind == "collective" and axis_of(e.group) == "tp":
+            tp_calls.setdefault(id(module), []).append(e)
+    counters: dict[str, int] = {}
     for e in ordered:
         if e.op.startswith("ring sendrecv"):
             hop = e
         elif hop is not None and e.op in ("isend", "irecv") and e.group == hop.group and e.start <= hop.end:
             continue
+        if is_module_span(e):
+            continue
         if e.kind == "compute":
             flush()
-            last, repeat = None, 0
+            last, wheres = None, []
             stage = f" micro-batch {e.seq} of {e.group}" if e.group.startswith("stage") else ""
             heading = f"{e.op}{stage}  {1e3 * e.duration:.1f} ms"
             lines.append(heading)
@@ -161,20 +288,29 @@ def step_story(events, members: dict[str, list[int]], me: int, activation_shape=
             continue
         if span is not None and e.start >= span.end:  # outside the span: say so once
             flush()
-            last, repeat = None, 0
+            last, wheres = None, []
             if lines[-1] == heading:  # nothing inside it: "forward ... ms, then:"
                 lines[-1] += ", then:"
             else:
                 lines.append(f"after {span.op}:")
             span = None
-        shape = f" {tuple(activation_shape)} {_what(e, span, pipeline_op(e))}" if e.nbytes == act_bytes else ""
+        pass_span, module = context[id(e)]
+        calls = tp_calls.get(id(module), [])
+        k = next((i for i, c in enumerate(calls) if c is e), 0)
+        stage = stage_of(e)
+        what, where = purpose(e, pass_span.op if pass_span is not None else None,
+                              module.op if module is not None else None, k, len(calls), act_bytes, stage)
+        if "{}" in where:  # numbered per step: DP buckets, ZeRO's reduce-scatters
+            counters[what] = counters.get(what, 0) + 1
+            where = where.format(counters[what])
+        shape = f" {tuple(activation_shape)} {_what(e, span, stage.op if stage else None)}" if e.nbytes == act_bytes else ""
         algorithm = f" ({e.algorithm})" if e.algorithm else ""
-        text = f"{e.op} {_bytes(e.nbytes)}{shape} {_partners(e, members, me)}{algorithm}"
+        text = (f"{e.op} {_bytes(e.nbytes)}{shape} {_partners(e, members, me)}{algorithm}", what)
         if text == last:
-            repeat += 1
+            wheres.append(where)
         else:
             flush()
-            last, repeat = text, 1
+            last, wheres = text, [where]
     flush()
     return lines
 
@@ -213,12 +349,65 @@ def gather_lines(group, lines: list[str], dst: int = 0) -> list[list[str]] | Non
     return [data.decode().split("\n") if data else [] for data in gathered]
 
 
+_RANK_SPECIFIC = [  # what differs between ranks that play the same part: group names, partners, times
+    (re.compile(r"\b(\w+)\[[^\]]*\]"), r"\1[.]"),
+    (re.compile(r"with ranks? [\d, ]+"), "with ."),
+    (re.compile(r"\b(to|from) rank \d+"), r"\1 rank ."),
+    (re.compile(r"\d+\.\d ms"), ". ms"),
+]
+
+
+def _same_part(line: str) -> str:
+    """``line`` with its rank-specific words blanked: two ranks that play the same part in the step
+    (tp rank 1 of dp replica 0 and of replica 1) tell the same blanked story."""
+    for pattern, blank in _RANK_SPECIFIC:
+        line = pattern.sub(blank, line)
+    return line
+
+
+def differences(story: list[str], like: list[str], rank: int = 0) -> list[str]:
+    """``story`` (a rank's lines after its heading and groups) told against ``like`` (rank ``rank``'s):
+    one line when they match but for the ranks' own groups, partners and times, else only the lines
+    that differ (difflib's opcodes on the blanked lines): ``~`` this rank's version of a line of
+    ``rank``'s in the same place, ``+`` a line only this rank has, ``-`` one only ``rank`` has."""
+    a, b = [_same_part(line) for line in like], [_same_part(line) for line in story]
+    out = []
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+        if tag == "replace" and i2 - i1 == j2 - j1:
+            out += [f"~ {line}" for line in story[j1:j2]]
+        elif tag != "equal":
+            out += [f"- {line}" for line in like[i1:i2]] + [f"+ {line}" for line in story[j1:j2]]
+    if not out:
+        return [f"the same step as rank {rank}, with its own groups and partners (above)"]
+    return [f"as rank {rank}, with its own groups and partners (above), except (~: this rank's version of "
+            f"rank {rank}'s line, +: only here, -: only on rank {rank}):"] + out
+
+
+def format_stories(stories: list[list[str]]) -> str:
+    """Every rank's story as printed: rank 0's whole; each other rank's heading, groups and its
+    :func:`differences` from the most alike story printed whole before it, or its whole story when
+    less than half of it is alike (another pipeline stage: a story of its own)."""
+    blocks, whole = [], {}  # whole: rank -> its blanked body, for the stories printed whole
+    for rank, story in enumerate(stories):
+        body = [_same_part(line) for line in story[2:]]
+        alike = {r: difflib.SequenceMatcher(None, b, body, autojunk=False).ratio() for r, b in whole.items()}
+        best = max(alike, key=alike.get, default=None)
+        if best is None or alike[best] < 0.5:
+            whole[rank] = body
+            blocks.append("\n".join(story))
+        else:
+            blocks.append("\n".join(story[:2] + differences(story[2:], stories[best][2:], best)))
+    return "\n\n".join(blocks)
+
+
 def print_explanation(mesh, model, events, *, file=None, **details) -> None:
     """Collective over ``mesh.world``: gather every rank's :func:`explain_first_step` and print them
-    on global rank 0, one block per rank (``details``: its keyword arguments)."""
+    on global rank 0: rank 0's whole, then per other rank what differs from an alike one
+    (:func:`format_stories`;
+    ``details``: :func:`explain_first_step`'s keyword arguments)."""
     stories = gather_lines(mesh.world, explain_first_step(mesh, model, events, **details))
     if stories is not None:
-        print("\n\n".join("\n".join(story) for story in stories), file=file or sys.stdout, flush=True)
+        print(format_stories(stories), file=file or sys.stdout, flush=True)
 
 
 @contextmanager

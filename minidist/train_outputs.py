@@ -13,7 +13,7 @@ from minidist.checkpoint.hf import write_hf
 from minidist.data import ByteTokenizer, get_batch, inputs_and_targets
 from minidist.device import to_device
 from minidist.explain import print_explanation
-from minidist.inspect.write import model_state_bytes, stream_trace, write_memory_report
+from minidist.inspect.write import model_state_bytes, step_peak_bytes, stream_trace, write_memory_report
 from minidist.parallel.consolidate import full_state_dict
 from minidist.parallel.generate import generate
 from minidist.parallel.sampler import micro_batches
@@ -79,8 +79,9 @@ def write_outputs(cfg, model, optimizer, mesh, amp=None):
     gathered first; written by global rank 0) as .npz, or as safetensors when the path ends in
     ``.safetensors``. ``--export-hf DIR``: the same state_dict as a Hugging Face GPT-2 folder
     (DIR/config.json, DIR/model.safetensors: :func:`~minidist.checkpoint.hf.write_hf`), from the same
-    one consolidation. ``--trace DIR``: this rank's memory rows for ``python -m minidist.inspect DIR``
-    (each rank writes its own file; :func:`trace_file` has written its events during the loop). Under
+    one consolidation. ``--trace DIR``: this rank's memory rows for ``python -m minidist.inspect DIR``,
+    the bytes held after the last step and the most held during it (``peak``: step_peak_bytes) (each
+    rank writes its own file; :func:`trace_file` has written its events during the loop). Under
     mixed precision the exports hold the float32 masters."""
     if cfg.export is not None or cfg.export_hf is not None:
         with (optimizer.full_parameters(masters=True) if runs_zero_optimizer(cfg) else masters_in_model(amp) if amp
@@ -92,7 +93,8 @@ def write_outputs(cfg, model, optimizer, mesh, amp=None):
             write_hf(cfg.export_hf, state, model.config)
     if cfg.trace is not None:
         held = optimizer.model_state_bytes() if runs_zero_optimizer(cfg) else model_state_bytes(model, optimizer)
-        write_memory_report(cfg.trace, mesh.rank, [dict(label="after last step", **held)])
+        write_memory_report(cfg.trace, mesh.rank, [dict(label="after last step", **held,
+                                                        peak=step_peak_bytes(mesh.world.trace, held))])
 
 
 @contextlib.contextmanager

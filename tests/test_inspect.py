@@ -5,6 +5,7 @@ events; a group's members are the ranks that call on
 it; busbw = algbw x nccl-tests' factor of the group's size; a step's timeline is cut at the
 optimizer spans and idle time is what no event covers.
 """
+import contextlib
 import json
 
 import numpy as np
@@ -136,3 +137,79 @@ def test_inspect_a_real_run(tmp_path, capsys):
     chrome = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     assert {e["pid"] for e in chrome if e["ph"] == "X"} == {0, 1, 2, 3}
     assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_module_spans_nest_inside_forward_and_backward_and_change_no_number():
+    """With the trace on and watched (streamed or captured), every forward and backward holds one
+    span per module (embedding, h.0, h.1, head), each inside its pass, backward in reverse; the
+    weights are bitwise those of a step with the trace off. A trace nobody watches (the trainer's
+    ring of recent events) gets none."""
+    from minidist.model import GPT, GPTConfig
+    from minidist.optim import SGD
+    from minidist.parallel.module_spans import is_module_span
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8)
+    batch = np.random.default_rng(0).integers(0, 256, (4, 9))  # (B, T+1)
+    weights, traces = [], []
+    for on, watched in ((False, False), (True, False), (True, True)):
+        model = GPT(config, seed=0, dtype="float64")
+        optimizer, trace = SGD(model.named_parameters(), lr=0.1, momentum=0.9), Trace(enabled=on)
+        with trace.capture() if watched else contextlib.nullcontext():
+            for _ in range(2):
+                train_step(model, optimizer, batch, 0.1, 1.0, trace=trace, n_micro=2)
+        weights.append(model.state_dict())
+        traces.append(trace)
+        assert "forward" not in model.transformer.h[0].__dict__  # the wrappers are gone after the pass
+    assert all(np.array_equal(weights[0][k], w[k]) for w in weights[1:] for k in weights[0])
+    assert not any(is_module_span(e) for e in traces[1].events)
+    events = traces[2].events
+    passes = [e for e in events if e.op in ("forward", "backward")]
+    assert len(passes) == 2 * 2 * 2  # 2 steps x 2 micro-batches x (forward, backward)
+    for p in passes:
+        inside = sorted((e for e in events if is_module_span(e) and p.start <= e.start and e.end <= p.end),
+                        key=lambda e: e.start)
+        order = ["embedding", "h.0", "h.1", "head"]
+        assert [e.op for e in inside] == (order if p.op == "forward" else order[::-1]), p
+        assert all(e.algorithm == p.op and e.nbytes > 0 for e in inside)
+    assert sum(is_module_span(e) for e in events) == 4 * len(passes)
+
+
+def test_the_timeline_colours_calls_by_axis_and_cuts_blocked_time_out_of_compute():
+    from minidist.inspect import compute_seconds, step_title
+    from minidist.inspect.timeline import AXIS_COLORS, blocked
+    me, other = 1, 2  # thread idents: the compute thread, a communication thread
+    forward = Event("forward", "world", "", 0, 0.0, 4.0, 0, 0, thread=me, kind="compute")
+    tp = Event("all_reduce", "tp[dp0,pp0]", "ring", 8, 1.0, 2.0, 1, 0, thread=me)  # blocks the forward
+    dp = Event("all_reduce", "dp[pp0,tp0]", "ring", 8, 2.5, 3.5, 1, 0, thread=other)  # overlaps it
+    assert blocked([forward, tp, dp]) == [(1.0, 2.0)]
+    assert compute_seconds([forward, tp, dp], (0.0, 4.0)) == pytest.approx(3.0)
+    assert len({AXIS_COLORS[a] for a in ("dp", "tp", "pp", "cp", "ep")}) == 5
+    assert step_title(-1) == "last step" and step_title(2) == "step 2" and step_title(-2) == "1 step before the last"
+
+
+def test_inspect_titles_the_last_step_and_tables_peak_memory(tmp_path, capsys):
+    from minidist.inspect import step_peak_bytes
+    from minidist.inspect.timeline import step_window as window_of
+
+    def rank_main(world):
+        mesh = DeviceMesh(world, dp=CFG.dp, tp=CFG.tp)
+        model = build_model(CFG, mesh.tp_group)
+        dp = DataParallel(model, mesh.dp_group)
+        optimizer = build_optimizer(model, CFG)
+        with world.trace.capture():  # watched, as --trace's stream watches it: module spans are recorded
+            for _ in range(STEPS):
+                train_step(model, optimizer, np.random.default_rng(0).integers(0, 256, (4, 17)), 1e-3, 1.0, dp=dp,
+                           mesh=mesh, trace=world.trace)
+        held = model_state_bytes(model, optimizer)
+        write_trace(tmp_path, world.trace)
+        write_memory_report(tmp_path, world.rank, [dict(label="after last step", **held,
+                                                        peak=step_peak_bytes(world.trace, held))])
+        lo, hi = window_of([world.trace], -1)
+        sampled = max(e.nbytes for e in world.trace.events if e.group == "module" and lo <= e.start <= hi)
+        return held, sampled
+    for (held, sampled), rows in zip(minidist.run_local(rank_main, 4), load_run(tmp_path).memory.values()):
+        end = held["parameters"] + held["gradients"] + held["optimizer"]
+        # activations live at the end of the forward: the peak is above the end of the step
+        assert rows[0]["peak"] == sampled + held["optimizer"] > end
+    inspect_main([str(tmp_path), "--png", str(tmp_path / "t.png")])
+    printed = capsys.readouterr().out
+    assert "timeline of last step" in printed and "peak" in printed

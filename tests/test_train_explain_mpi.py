@@ -28,12 +28,17 @@ def test_explain_prints_one_block_per_rank_in_rank_order(tmp_path):
     run = run_mpi(4, "-m", "minidist.train", *TINY, "--steps", 1, "--dp", 2, "--tp", 2, "--explain",
                   "--data-dir", tmp_path, timeout=120)
     assert blocks(run.stdout) == [0, 1, 2, 3], run.output
+    rank0 = run.stdout[run.stdout.index("=== rank 0:"):run.stdout.index("=== rank 1:")]
     rank3 = run.stdout[run.stdout.index("=== rank 3:"):]
     assert "=== rank 3: DP(1)-PP(0)-TP(1)-Rank(3) ===" in rank3
     assert "tp[dp1,pp0] = ranks [2, 3]" in rank3 and "dp[pp0,tp1] = ranks [1, 3]" in rank3
-    assert re.search(r"holds transformer\.h\.\{0,1\}\.mlp\.c_fc\.weight +\(32, 16\) +column shard of \(64, 16\)", rank3)
-    # forward: Megatron's g after attention and MLP in each of 2 blocks, and the vocab-parallel embedding
-    assert "forward" in rank3 and "  5 x all_reduce 4.0 KiB (4, 16, 16) activation on tp[dp1,pp0] with rank 2" in rank3
+    assert "the same step as rank 0, with its own groups and partners (above)" in rank3  # only what differs
+    assert re.search(r"holds transformer\.h\.\{0,1\}\.mlp\.c_fc\.weight +\(32, 16\) +column shard of \(64, 16\)", rank0)
+    # forward: the vocab-parallel embedding, then Megatron's g after attention and MLP in each of 2 blocks
+    assert ("  4 x all_reduce 4.0 KiB (4, 16, 16) activation on tp[dp0,pp0] with rank 1 (doubling) — TP g all-reduce"
+            in rank0)
+    for k, what in enumerate(("max logit", "sum of exp(logit - max)", "target logit"), start=1):
+        assert f"— vocab-parallel cross-entropy {k}/3: {what}" in rank0
 
 
 def test_a_pipeline_explains_its_activation_sends_and_inspect_reads_its_trace(tmp_path):

@@ -24,32 +24,78 @@ TUTORIALS = REPO / "tutorials"
 LESSONS = [
     ("00_autograd_and_gpt.py", None, [], [r"All checks passed\."]),
     ("01_ring_allreduce.py", 4, ["--local", "4"], [
+        (r"(?m)^ +\d +(\d+) B +\1 B +\d+ B = \1 \+ \d+$", 4),  # bytes sent: measured = formula, = the trace's
+        r"  mean 120\.0 B = 2\(n-1\)/n x N = 2 x 3/4 x 80 = 120\.0 B",
+        r"\"auto\" \(the default\) picked 'doubling' for these 80 B",
+        r"all ranks agree with numpy and with group\.all_reduce\(algorithm=\"ring\"\)",
         r"rank 2 called all_reduce with dtype float64, count 4 while rank \d called all_reduce with dtype float32, count 8",
         r"Census: rank 3 never arrived at all_reduce #1 .*; ranks 0,1,2 waited in it",
-        r"all ranks agree with numpy and with group\.all_reduce"]),
+        r"Try:\n  1\. --local 3 .*bytes sent per rank \[104, 112, 104\]",
+        r"All checks passed: the hand-written ring = numpy = the library's ring"]),
     ("02_data_parallel.py", 2, ["--local", "2"], [
         r"=== 1\. 7 buckets of >= 128 KiB",
-        (r"rank \d: .*% of the all-reduce time ran while backward", 2),
-        (r"    bucket 6  \|", 2),  # a timeline row per bucket per rank
+        (r"rank \d: median +\d+% of the all-reduce time ran while backward was still computing "
+         r"\(min \d+%, max \d+%\); exposed median", 2),
+        (r"    bucket 6  \|", 2),  # a timeline row per bucket per rank (the median pass)
+        r"At most min\(t_comm, t_backward - t_first\) = [\d.]+ ms",
+        r"\n +1024 +1 +[\d.]+ ms  \|",  # the sweep's one-bucket row
         r"backward of micro-batch 0: 0 all-reduces started",
         r"backward of micro-batch 1: 7 all-reduces started",
         (r"= one process's on the full batch", 3),  # 2 gradients, then the weights
-        r"all 2 replicas hold bitwise identical weights"]),
+        r"all 2 replicas hold bitwise identical weights",
+        r"Try:\n  1\. BUCKET_BYTES = 32 \* 1024\. Expect '=== 1\. 9 buckets of >= 32 KiB'",
+        r"All checks passed: averaged and accumulated gradients and the weights = one process's"]),
     ("03_tensor_parallel.py", 2, ["--local", "4"], [
-        r"h\.0 +all_gather",
+        r"ONE all-reduce \(g\) per MLP forward",  # why columns, then rows
+        (r"  h\.[01] +backward +all_reduce 1024, all_reduce 1024\n", 2),  # backward counted per block
+        r"  head +backward +all_reduce 1024\n",
+        (r"  h\.[01] +(forward|backward) +all_gather 1024, reduce_scatter 1024, all_gather 1024, reduce_scatter 1024\n", 4),
+        r"  per rank, measured: tp \d (\d[\d,]*) B, tp \d \+ sp (\d[\d,]*) B \(-",  # sp saves activation bytes
+        r"as planned = measured, to the byte",
         (r"= one process's", 2),  # tensor parallel, then + sequence parallel
-        r"tensor \+ sequence parallel: loss [\d.]+ = one process's"]),
-    ("04_pipeline.py", 4, ["--local", "2"], [r"every stage's weights and every loss equal one process's to 1e-10"]),
-    ("05_zero.py", 4, [], [r"stages 1 and 2 send what stage 0 \(plain data parallelism\) sends"]),
+        r"tensor \+ sequence parallel: loss [\d.]+ = one process's",
+        r"\nTry: ",
+        r"Tensor parallelism on \d ranks: 2 all-reduces per block each way, .*; all checks passed\."]),
+    ("04_pipeline.py", 4, ["--local", "2"], [
+        r"  t 0-\d+:\n",  # the interleaved timeline cut along time, every line <= 100 characters
+        r"in flight per rank: \[[\d, ]+\] \(chunk, micro-batch\) pairs",
+        r"every stage's weights and every loss equal one process's to 1e-10, for all three schedules",
+        (r"  (gpipe|1f1b|interleaved) +measured +[\d.]+% +ideal +[\d.]+%", 3),
+        r"cores' worth of CPU in the step",
+        r"\nTry: ",
+        r"GPipe, 1F1B and interleaved = one process\. All checks passed\."]),
+    ("05_zero.py", 4, [], [
+        r"    3      58\.8     58\.8    117\.5    235\.0    235\.0   \de-1\d",  # float64, stage 3, = formula
+        (r"measured = paper to the byte", 4),
+        r"    3 +15,040 +15,040 +90,240 +120,320 +4 Psi",  # mixed precision: (2 + 2 + 12) Psi / 4
+        r"198\.5 KiB = transformer\.h\.0, transformer\.h\.1 \(prefetch\)",  # ZeRO-3's gathered peak
+        r"    3 +0P +1P +2P +528\.8 +1\.5x",  # from the trace: all-gather twice, reduce-scatter once
+        r"stages 1 and 2 send what stage 0 \(plain data parallelism\) sends; stage 3 sends 1\.5x",
+        r"All checks passed: every stage's weights = one process's"]),
     ("06_checkpoint_and_restart.py", None, [], [
         r"manifest sha256 [0-9a-f]{16}\.\.\.; run identity: seed 0",
         r"it differs in\n +seed: saved 0, now 1\n",
         r"5\. checkpoint step-000006 skipped: .*manifest\.json: checksum mismatch",
-        r"6\. exported \d+ parameters"]),
-    ("07_parameter_server.py", 4, ["--local", "4"], [r"ring all-reduce over 3 ranks"]),
-    # without a GPU the lesson says what it needs and stops; tests/test_gpu.py runs it on 2 ranks
-    ("08_gpu.py", None, [], [r"Every GPU result equals the host ring's" if gpu_count()
-                             else r"Lesson 8 needs CuPy and an NVIDIA GPU"]),
+        r"6\. exported \d+ parameters",
+        r"tp rank 1 needs rows 32:64 <- rank-00000 rows 32:48, rank-00001 rows 48:64",  # resharding at tp 3
+        r"attempt 1 exited with code",  # the launcher saw the killed rank ...
+        r"restart 1/1 on 2 ranks with --resume from checkpoint ckpt/step-000006",  # ... and restarted the job
+        r"final loss [\d.]+ = the uninterrupted run's, bitwise",
+        r"\nTry: ",
+        r"restart to the same loss\. All checks passed\."]),
+    ("07_parameter_server.py", 4, ["--local", "4"], [
+        r"weights vs one process: max relative error \d\.\de-1\d",
+        (r"\n  worker [12] +1\d +[\d.]+ms +[\d.]+ms +[\d.]+ms   ", 6),  # fast workers: waited vs (n - s - 1)(T_slow - T_fast)
+        r"max \d <= bound \(W-1\)\(2s\+1\) = 6; worker 0's first gradient: \d",
+        r"max \d+ <= bound \(W-1\)\(2s\+1\) = 34; worker 0's first gradient: \d+",
+        r"=== 2b\. equal data: time to 36 gradients of 2 rows \(72 sequences\) ===",
+        r"  synchronous +[\d.]+s +12 +12\.0 ",
+        r"ring all-reduce over 3 ranks",
+        r"\nTry:\n  1\. STRAGGLER = 0\.06",
+        r"Synchronous = one process; asynchronous staleness <= \(W-1\)\(2s\+1\); .* All checks passed\."]),
+    # without a GPU the lesson says what it needs, once for the whole job (rank 0), and stops with status 0
+    ("08_gpu.py", 2, [], [(r"Every GPU result equals the host ring's" if gpu_count()
+                           else r"Lesson 8 needs CuPy and an NVIDIA GPU", 1)]),
     ("09_mixed_precision_zero.py", 4, [], [
         r"    3 +15,040 +15,040 +30,080 +60,160 +120,320 +120,320   = 4 Psi",
         (r"step 2 rank \d: .* SKIPPED, scale 65536 -> 32768, skipped steps 1", 4),
@@ -105,6 +151,17 @@ LESSONS = [
         r"python -m minidist\.plan --model llama3-70b --seq 8192 --search --gpus 1024 --global-batch-size 1024",
         r"The plan of 8 ranks = the run, to the byte .*\n\d of 6 layouts of llama3-70b fit on 1,024 GPUs\.\n"
         r"All checks passed\."]),
+    ("15_recompute.py", 2, ["--local", "2"], [
+        r"= planned +6152\.0 KiB;  measured 6152\.0 KiB",  # a block's activations, planner = autograd graph
+        r"= planned +256\.0 KiB;  measured 256\.0 KiB",  # recomputed: only the block input (B, T, C)
+        r"a block keeps 24\.0x less: B x T x C x 8 = 262,144 B",
+        r"rebuilt, one at a time \(last block first\): (6152\.0(, )?){4} KiB",
+        r"backward grew by [\d.]+ ms: the blocks' forward run again \(timed alone: [\d.]+ ms",
+        r"52 gradients equal bitwise \(np\.array_equal\): True",
+        (r"losses( 5\.\d{10}){3}; weights vs one process: max relative error \d\.\de-1\d", 2),
+        r"tp all-reduces in one step: 22 without, 30 with recompute: 2 more per block",
+        r"\nTry:\n  1\. CONFIG with block_size=128",
+        r"Recomputation keeps 24\.0x less per block for \d+% more time; .*\nAll checks passed\."]),
 ]
 SECONDS = 60
 

@@ -1,8 +1,8 @@
-"""Lesson 4: pipeline parallelism — stages, micro-batches, the 1F1B schedule, the bubble, the picture.
+"""Lesson 4: pipeline parallelism — stages, micro-batches, GPipe, 1F1B, interleaved, the bubble, the picture.
 
     mpiexec -n 4 python tutorials/04_pipeline.py            # 4 pipeline stages, over MPI
-    python tutorials/04_pipeline.py --local 4               # 4 ranks as threads in one process
-    python tutorials/04_pipeline.py --local 2 --png pp.png  # also draw executed vs ideal timelines
+    python tutorials/04_pipeline.py --local 2               # 2 ranks as threads in one process
+    python tutorials/04_pipeline.py --local 2 --png pp.png  # also draw each schedule, executed vs ideal
 
 A model too big for one device is cut into consecutive STAGES, one per rank: the first embeds, the
 last computes the loss. Rank r can only start on a batch once rank r-1 has sent it its activations,
@@ -14,41 +14,69 @@ step for p stages.
 GPipe runs all m forwards, then all backwards: every rank holds the activations of m micro-batches.
 1F1B starts backwards as soon as the last stage can, then alternates one forward, one backward: the
 same bubble, but rank r holds at most p - r micro-batches. Interleaved 1F1B gives each rank v smaller
-chunks, and the bubble shrinks by v. (Lesson 12 splits backward into B and W and fills the bubble
-with W: ZB-H1 and ZB-V.)
+chunks (here v = 2: rank r holds stages r and r + p, each half as many layers), and the bubble
+shrinks by v. (Lesson 12 splits backward into B and W and fills the bubble with W: ZB-H1 and ZB-V.)
 
 In minidist a schedule is DATA: a list of actions per rank, validated (and simulated over all ranks)
-before anything is sent. This lesson prints schedules, shows the validator catching a deadlock, then
-trains a small GPT with 1F1B and checks it against one process on the whole batch.
+before anything is sent. This lesson prints the three schedules, shows the validator catching a
+deadlock, then trains a small GPT on the grammar corpus with each of them, checks every loss and
+weight against one process on the whole batch, and sets each measured bubble beside the ideal, with
+what this machine adds to it: ranks that wait for a CPU core, not only for their neighbour.
 """
 import argparse
 import contextlib
+import os
+import textwrap
+import time
 
 import numpy as np
 
 import minidist
+from minidist.data import ByteTokenizer, get_batch, grammar_text, inputs_and_targets
 from minidist.explain import explaining
-from minidist.data import get_batch, inputs_and_targets
 from minidist.model import GPT, GPTConfig
 from minidist.optim import AdamW
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.pipeline import (Action, PipelineEngine, PipelineStage, ScheduleError, build_schedule,
-                                        compute_spans, draw_timelines, executed_timeline, format_timeline,
-                                        gather_spans, split_micro_batches, validate)
+                                        compute_spans, executed_timeline, format_timeline, gather_spans,
+                                        split_micro_batches, validate)
 
 CONFIG = GPTConfig(n_layer=8, n_head=2, n_embd=32, block_size=16)
 BATCH, MICRO, STEPS = 16, 8, 5
-TOKENS = np.random.default_rng(0).integers(0, 256, size=20_000)
+TOKENS = ByteTokenizer().encode(grammar_text(20_000, seed=1))  # English-like sentences: a loss that falls
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))  # (name, v chunks per rank)
+WIDTH = 100  # printed lines stay within this many characters
+
+
+def wrapped(text, width=WIDTH):
+    """A :func:`format_timeline` drawing cut along the time axis into rows of at most ``width`` characters:
+    each row is a window of time units ("t 0-17") with every rank's line for that window."""
+    lines = text.split("\n")
+    ranks = [line for line in lines if line.startswith("rank ")]
+    prefix = len(ranks[0].split("| ")[0]) + 2  # "rank 0 | "
+    cells = [line[prefix:] for line in ranks]
+    cell = max(len(tok) for row in cells for tok in row.split()) + 1  # one time unit: label and a space
+    units = max((len(row) + 1) // cell for row in cells)
+    per_row = (width - prefix) // cell
+    out = [line for line in lines if not line.startswith(("rank ", "bubble"))]
+    for t0 in range(0, units, per_row):
+        t1 = min(t0 + per_row, units)
+        out.append(f"  t {t0}-{t1 - 1}:")
+        out += [f"{line[:prefix]}{row[t0 * cell:t1 * cell].rstrip()}" for line, row in zip(ranks, cells)]
+    return "\n".join(out + [line for line in lines if line.startswith("bubble")])
 
 
 def schedules_as_data(p):
     """Print GPipe, 1F1B and interleaved 1F1B for p ranks (the simulator's ideal timelines)."""
     print(f"=== 1. schedules for p = {p} stages, m = {MICRO} micro-batches (F = 1 unit, B = 2) ===")
-    for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
+    print("(in flight: the most a rank has forwarded and not yet backwarded, so holds the activations of)")
+    for name, v in SCHEDULES:
         timeline = validate(build_schedule(name, p, MICRO, v), p, MICRO, v)
-        print(format_timeline(timeline, f"\n{name}" + (f", v = {v} chunks per rank (F3.1: chunk 1)" if v > 1 else "")))
-        print(f"in flight per rank: {timeline.peak_in_flight()}   formula bubble (p-1)/(v m + p-1) = "
-              f"{(p - 1) / (v * MICRO + p - 1):.3f}")
+        title = f"\n{name}" + (f", v = {v} chunks per rank (F3.1: micro-batch 3 through chunk 1)" if v > 1 else "")
+        print(wrapped(format_timeline(timeline, title)))
+        unit = f"(chunk, micro-batch) pairs; a chunk is 1/{v} of a rank's layers" if v > 1 else "micro-batches"
+        print(f"in flight per rank: {timeline.peak_in_flight()} {unit}\n"
+              f"formula bubble (p-1)/(v m + p-1) = {(p - 1) / (v * MICRO + p - 1):.3f}")
     print("\nrank 1's first actions in 1F1B:", " ".join(map(str, build_schedule("1f1b", p, MICRO)[1][:9])))
 
     print("\n=== 2. the validator catches a deadlock before anything is sent (1F1B, 4 stages) ===")
@@ -60,69 +88,169 @@ def schedules_as_data(p):
     try:
         validate(broken, 4, MICRO)
     except ScheduleError as e:
-        print(f"ScheduleError: {e}")
+        print(textwrap.fill(f"ScheduleError: {e}", WIDTH, subsequent_indent="  ", break_on_hyphens=False))
 
 
-def lesson(world, png=None, explain=False):
+def train(world, mesh, name, v, explain):
+    """STEPS AdamW steps with schedule ``name``; returns (losses, stage, engine, the last step's spans
+    gathered on rank 0, this rank's numbers for the last step: wall s, CPU s, F+B s, send/recv s, messages)."""
     p = world.size
-    if world.rank == 0:
-        schedules_as_data(p)
-    mesh = DeviceMesh(world, pp=p)
-    stage = PipelineStage(GPT(CONFIG, seed=0, dtype="float64"), mesh.pp_rank, p)
-    engine = PipelineEngine(stage, mesh, "1f1b", MICRO)
+    stage = PipelineStage(GPT(CONFIG, seed=0, dtype="float64"), mesh.pp_rank, p, v)
+    engine = PipelineEngine(stage, mesh, name, MICRO, v)
     optimizer = AdamW(stage.named_parameters(), lr=1e-2)
-    if world.rank == 0:
-        print(f"\n=== 3. training with 1F1B: blocks per stage {stage.layers_per_stage} (split by cost: the "
-              f"last stage also runs the LM head) ===")
     losses = []
     for step in range(STEPS):
         world.trace.clear()
         optimizer.zero_grad()
         told = explaining(mesh, stage, activation_shape=(BATCH // MICRO, 16, CONFIG.n_embd)) \
             if explain and step == 0 else contextlib.nullcontext()
+        world.barrier()
+        wall, cpu = time.perf_counter(), time.thread_time()  # thread_time: this rank's own CPU, threads or processes
         with told:  # --explain: each rank's account of the first step, what it holds and sends to whom
             losses.append(engine.forward_backward(split_micro_batches(get_batch(TOKENS, step, BATCH, 16), MICRO)))
+        wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
         engine.all_reduce_tied_grads()  # wte on stage 0 and lm_head on stage p-1 are one tied matrix
         optimizer.step()
-    spans = gather_spans(world, compute_spans(world.trace))  # the last step's F and B boxes, on rank 0
+    events = world.trace.events
+    busy = sum(e.duration for e in events if e.kind == "compute" and e.op in ("forward", "backward"))
+    p2p = [e for e in events if e.kind == "p2p"]  # sends and receives of activations and gradients
+    mine = np.array([wall, cpu, busy, sum(e.duration for e in p2p), len(p2p)])
+    return losses, stage, engine, gather_spans(world, compute_spans(world.trace)), mine
 
+
+def one_process():
+    """The same STEPS steps on one process, whole batch: losses and final weights."""
     reference = GPT(CONFIG, seed=0, dtype="float64")
-    ref_opt = AdamW(reference.named_parameters(), lr=1e-2)
-    ref_losses = []
+    optimizer = AdamW(reference.named_parameters(), lr=1e-2)
+    losses = []
     for step in range(STEPS):
-        ref_opt.zero_grad()
+        optimizer.zero_grad()
         _, loss = reference(*inputs_and_targets(get_batch(TOKENS, step, BATCH, 16)))
         loss.backward()
-        ref_opt.step()
-        ref_losses.append(loss.item())
-    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
-    for name, value in stage.state_dict().items():
-        expected = reference.state_dict()[name]
-        worst = max(worst, float(np.abs(value - expected).max() / np.abs(expected).max()))
-    bad = world.all_reduce(np.array([float(worst > 1e-10)]))[0]
-    if bad:
-        raise AssertionError(f"pipeline differs from one process (rank {world.rank}: {worst:.2e})")
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, reference.state_dict()
+
+
+def lesson(world, png=None, explain=False, local=False):
+    p = world.size
     if world.rank == 0:
-        print("losses:", " ".join(f"{x:.4f}" for x in losses))
-        print("every stage's weights and every loss equal one process's to 1e-10 relative")
-        executed = executed_timeline(spans)
-        print(f"\n=== 4. the bubble: measured {100 * executed.bubble():.1f}% of the last step idle, "
-              f"ideal {100 * engine.ideal.bubble():.1f}% ===")
-        if png:
-            draw_timelines(png, executed, engine.ideal, f"1F1B, p={p}, m={MICRO}")
-            print(f"executed vs ideal timeline drawn in {png}")
+        schedules_as_data(p)
+    mesh = DeviceMesh(world, pp=p)
+    ref_losses, ref_state = one_process()
+    if world.rank == 0:
+        print(f"\n=== 3. training on the grammar corpus, {STEPS} steps with each schedule, against one process ===")
+    runs, blocks = {}, {}
+    for name, v in SCHEDULES:
+        losses, stage, engine, spans, mine = train(world, mesh, name, v, explain and name == "1f1b")
+        worst = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+        for key, value in stage.state_dict().items():
+            worst = max(worst, float(np.abs(value - ref_state[key]).max() / np.abs(ref_state[key]).max()))
+        if world.all_reduce(np.array([float(worst > 1e-10)]))[0]:
+            raise AssertionError(f"{name} differs from one process (rank {world.rank}: {worst:.2e})")
+        runs[name] = (engine, spans, world.all_gather(mine.reshape(1, -1)))  # (p, 5) every rank's numbers
+        if world.rank == 0:
+            print(f"  {name:<11} losses " + " ".join(f"{x:.4f}" for x in losses) + f"  worst relative error {worst:.0e}")
+            blocks[name] = stage.layers_per_stage
+    if world.rank != 0:
+        return
+    print(f"  blocks per stage: gpipe and 1f1b {blocks['1f1b']}, interleaved {blocks['interleaved']} (rank r: "
+          "stages r, r + p)")
+    print("every stage's weights and every loss equal one process's to 1e-10, for all three schedules")
+    print("(the loss falls: the corpus is sentences; on uniform random bytes it would sit at ln 256 = 5.55)")
+
+    print("\n=== 4. the bubble: measured (the last step, 1 - busy / step) against the simulator's ideal ===")
+    executed = {name: executed_timeline(spans) for name, (_, spans, _) in runs.items()}
+    for name, (engine, _, _) in runs.items():
+        print(f"  {name:<11} measured {100 * executed[name].bubble():5.1f}%   ideal {100 * engine.ideal.bubble():5.1f}%")
+    numbers = runs["1f1b"][2]
+    cores = len(os.sched_getaffinity(0))
+    print(f"  1F1B's last step per rank ({p} ranks {'as threads of one process' if local else 'as processes'}, "
+          f"{cores} cores):")
+    print("    rank  step ms  in F and B ms  outside them ms  messages  CPU ms  CPU share of the step")
+    for r, (wall, cpu, busy, _, count) in enumerate(numbers):
+        print(f"    {r:>4} {1e3 * wall:8.1f} {1e3 * busy:14.1f} {1e3 * (wall - busy):16.1f} {int(count):9d} "
+              f"{1e3 * cpu:7.1f} {100 * cpu / wall:9.0f}%")
+    share = numbers[:, 1].sum() / numbers[:, 0].max()
+    why = ("threads of one Python process take turns holding the interpreter (the GIL): at most one rank "
+           "runs Python at a time, so a rank's F or B box also holds its wait for the others: the waits hide inside "
+           "the boxes, the bubble can look ideal while the step takes longer than under mpiexec" if local else
+           f"{p} processes share {cores} cores (at most {min(1, cores / p):.0%} of a core each when all want one): "
+           "a rank with work may wait for a core, not only for its neighbour's message, and a rank waiting in "
+           "MPI's receive may spin on a core another one needs")
+    print(textwrap.fill(
+        f"All ranks together used {share:.2f} cores' worth of CPU in the step (other jobs on this machine take "
+        f"the rest). Why the measured bubble is not the ideal: {why}. And the micro-batches are tiny "
+        f"({BATCH // MICRO} x 16 tokens, {CONFIG.n_embd} wide): each message and each action has a fixed cost "
+        "about as large as the compute it carries. The ideal assumes neither: F and B of fixed length, "
+        "messages for free. With real work per micro-batch and a core (or a GPU) per rank, measured meets "
+        "ideal: blocks that only sleep do (tests/test_pipeline_engine.py).", WIDTH,
+        initial_indent="  ", subsequent_indent="  "))
+    if png:
+        draw(png, p, executed, {name: engine.ideal for name, (engine, _, _) in runs.items()})
+        print(f"each schedule, executed vs ideal, drawn in {png}")
+    other = 4 if p == 2 else 2
+    ideal_other = (other - 1) / (MICRO + other - 1)
+    print(textwrap.dedent(f"""
+        Try: {f"--local {other}" if local else f"mpiexec -n {other}"}: the ideal 1F1B bubble becomes (p-1)/(m+p-1) = {100 * ideal_other:.1f}% and the in-flight
+             counts [{", ".join(str(min(other - r, MICRO)) for r in range(other))}] (1F1B holds min(p - r, m) micro-batches).
+             MICRO = 16: 1F1B's ideal bubble at p = {p} falls to {100 * (p - 1) / (16 + p - 1):.1f}%, GPipe's in flight grows to
+             [{", ".join(["16"] * p)}].
+        Pipeline lesson on {p} ranks: GPipe, 1F1B and interleaved = one process. All checks passed."""))
+
+
+def draw(path, p, executed, ideal):
+    """One pair of panels per schedule: the executed timeline (this run's last step) above the ideal
+    one (the simulator's, scaled to the same length); F boxes plain, B hatched, coloured by micro-batch."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    colours = plt.get_cmap("tab10")
+    fig, axes = plt.subplots(2 * len(executed), 1, figsize=(13, 1.2 + 2 * len(executed) * (0.45 * p + 0.5)))
+    for k, name in enumerate(executed):
+        scale = executed[name].makespan / ideal[name].makespan
+        for ax, timeline, factor, what in ((axes[2 * k], executed[name], 1e3, "executed"),
+                                           (axes[2 * k + 1], ideal[name], 1e3 * scale, "ideal")):
+            ax.set_facecolor("#d9d9d9")  # idle
+            for r, spans in enumerate(timeline.spans):
+                for s in spans:
+                    ax.barh(r, (s.end - s.start) * factor, left=s.start * factor, height=0.8,
+                            color=colours(s.action.microbatch % 10), edgecolor="black", linewidth=0.4,
+                            hatch="//" if s.action.op == "B" else None)
+                    chunk = f".{s.action.stage // p}" if s.action.stage >= p or name == "interleaved" else ""
+                    if (s.end - s.start) / timeline.makespan > 0.02:
+                        ax.text((s.start + s.end) / 2 * factor, r, f"{s.action.op}{s.action.microbatch}{chunk}",
+                                ha="center", va="center", fontsize=6.5)
+            ax.set_yticks(range(p), [f"rank {r}" for r in range(p)], fontsize=8)
+            ax.invert_yaxis()
+            ax.set_xlim(0, 1e3 * executed[name].makespan)
+            ax.tick_params(axis="x", labelsize=8)
+            ax.set_title(f"{name}, {what}: bubble {100 * timeline.bubble():.1f}%", fontsize=9, loc="left")
+    axes[-1].set_xlabel("milliseconds of the last step (ideal: F = 1, B = 2 units, scaled to the executed step)")
+    handles = [Patch(fc=colours(i), ec="black", label=f"micro-batch {i}") for i in range(MICRO)]
+    handles += [Patch(fc="white", ec="black", label="F: forward"), Patch(fc="white", ec="black", hatch="//",
+                                                                           label="B: backward"),
+                Patch(fc="#d9d9d9", label="idle")]
+    fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 0.97), fontsize=8, frameon=False)
+    fig.suptitle(f"Pipeline schedules on {p} ranks, m = {MICRO} micro-batches: this run's last step and the ideal",
+                 fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
 
 
 def main():
     ap = argparse.ArgumentParser(description="Lesson 4: pipeline parallelism.")
     ap.add_argument("--local", type=int, metavar="N", help="run N ranks as threads in this process")
-    ap.add_argument("--png", help="draw the executed and ideal timelines into this PNG")
-    ap.add_argument("--explain", action="store_true", help="print each rank's account of the first step")
+    ap.add_argument("--png", help="draw each schedule's executed and ideal timelines into this PNG")
+    ap.add_argument("--explain", action="store_true", help="print each rank's account of 1F1B's first step")
     args = ap.parse_args()
     if args.local is not None and args.local < 2:
         ap.error("the lesson needs at least 2 ranks")
     if args.local:
-        minidist.run_local(lambda world: lesson(world, args.png, args.explain), args.local)
+        minidist.run_local(lambda world: lesson(world, args.png, args.explain, local=True), args.local)
     else:
         lesson(minidist.init(), args.png, args.explain)
 

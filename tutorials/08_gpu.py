@@ -1,6 +1,7 @@
 """Lesson 8: the same collectives on GPU memory, staged through the host or handed to NCCL.
 
-    mpiexec -n 2 python tutorials/08_gpu.py        # needs CuPy and an NVIDIA GPU (pip install -e ".[gpu]")
+    mpiexec -n 2 python tutorials/08_gpu.py                 # needs CuPy and an NVIDIA GPU (pip install -e ".[gpu]")
+    mpiexec -n 2 python tutorials/08_gpu.py --png gpu.png   # also draw the times of part 2
 
 A CuPy array goes into ``group.all_reduce`` exactly like a NumPy one. What happens underneath
 depends on who can touch GPU memory:
@@ -13,8 +14,11 @@ depends on who can touch GPU memory:
 - backend "nccl": NCCL's own kernels move and reduce the bytes GPU to GPU; one GPU per rank.
 
 The lesson prints which case this machine is in, times an all-reduce on host buffers, on staged GPU
-buffers and (with one GPU per rank) through NCCL, and checks every result against NumPy.
-Without CuPy or a GPU it says what it needs and stops.
+buffers and (with one GPU per rank) through NCCL, and checks every result against NumPy. What to
+expect: small messages cost the staged ring MORE than the host ring (two copies and a stream
+synchronisation per ring step, on top of MPI's latency); large ones are bound by
+bandwidth, where NCCL (GPU to GPU, no host copy) wins by far.
+Without CuPy or a GPU it says so once (rank 0) and stops, with exit status 0: it has nothing to draw.
 """
 import argparse
 import time
@@ -40,7 +44,7 @@ def timed_all_reduce(group, x, repeats=5):
     return sorted(times)[len(times) // 2]
 
 
-def lesson(ring, nccl, cupy):
+def lesson(ring, nccl, cupy, png=None):
     rank, n = ring.rank, ring.size
     say = print if rank == 0 else (lambda *a, **k: None)
     aware = ring.transport.cuda_aware
@@ -59,6 +63,7 @@ def lesson(ring, nccl, cupy):
     say("\n=== 2. all-reduce time, median of 5 (float32)")
     say(f"  {'size':>8} {'host ring':>11} {'GPU ring':>11}" + (f" {'GPU nccl':>11}" if nccl is not None else
                                                               "   (NCCL: needs one GPU per rank)"))
+    rows = []
     for count in SIZES:
         base = np.random.default_rng(rank).integers(-8, 8, count).astype(np.float32)  # exact sums
         host, device = base.copy(), cupy.asarray(base)
@@ -70,14 +75,57 @@ def lesson(ring, nccl, cupy):
             assert (to_numpy(result) == host).all(), "a GPU all-reduce differs from the host's"
         cells = " ".join(f"{t * 1e3:9.2f}ms" for t in row)
         say(f"  {count * 4 // 1024:>6}KiB {cells}")
+        rows.append((count * 4, row))
+    if png and rank == 0:
+        draw(png, rows, nccl is not None, aware)
+    say("\nTry:\n  1. SIZES = [2**8, 2**12]. Expect the GPU ring slower than the host ring for such small buffers "
+        "(copies\n     and synchronisation per ring step dominate).\n  2. -n 4 on a machine with 4 GPUs. Expect "
+        "the NCCL column, for 4 ranks.")
     say("\nEvery GPU result equals the host ring's, element for element.")
 
 
+def draw(path, rows, with_nccl, aware):
+    """The all-reduce times of part 2: one group of bars per size (host ring, GPU ring, NCCL)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = ["host ring (NumPy)", "GPU ring (" + ("CUDA-aware MPI" if aware else "staged via pinned host") + ")"]
+    names += ["NCCL"] if with_nccl else []
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    width = 0.8 / len(names)
+    for k, name in enumerate(names):
+        ax.bar([i + (k - (len(names) - 1) / 2) * width for i in range(len(rows))], [1e3 * r[1][k] for r in rows],
+               width, label=name)
+    ax.set_xticks(range(len(rows)), [f"{nbytes // 1024:,} KiB" for nbytes, _ in rows])
+    ax.set_yscale("log")
+    ax.set_xlabel("all-reduce size (float32)")
+    ax.set_ylabel("median time (ms, log scale)")
+    ax.set_title("One all-reduce: host buffers, GPU buffers over the ring, NCCL", fontsize=10)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"  times drawn in {path}")
+
+
+def launched_rank() -> int:
+    """This process's rank in its mpiexec job (0 alone), without building minidist's world."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return 0
+    return MPI.COMM_WORLD.Get_rank()
+
+
 def main():
-    argparse.ArgumentParser(description="Lesson 8: collectives on GPU memory.").parse_args()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--png", help="draw the all-reduce times of part 2 into this PNG (needs a GPU run)")
+    args = ap.parse_args()
     if gpu_count() == 0:
-        print("Lesson 8 needs CuPy and an NVIDIA GPU (pip install -e \".[gpu]\" on a machine with a CUDA "
-              "driver); this machine has none, so it stops here. Lessons 1-7 run anywhere.")
+        if launched_rank() == 0:  # one message for the whole job, not one per rank
+            print("Lesson 8 needs CuPy and an NVIDIA GPU (pip install -e \".[gpu]\" on a machine with a CUDA "
+                  "driver); this machine has none, so it stops here"
+                  + (f" and draws nothing into {args.png}" if args.png else "") + ". Lessons 1-7 run anywhere.")
         return
     import cupy
     ring = minidist.init(backend="ring")
@@ -86,7 +134,7 @@ def main():
         nccl = minidist.init(backend="nccl")  # picks this rank's GPU
     else:
         cupy.cuda.Device(ring.rank % gpu_count()).use()
-    lesson(ring, nccl, cupy)
+    lesson(ring, nccl, cupy, args.png)
 
 
 if __name__ == "__main__":

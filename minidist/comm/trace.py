@@ -38,6 +38,7 @@ class Event:
     rank: int
     peer: int | None = None
     kind: str = "collective"  # one of KINDS
+    thread: int | None = None  # the recording thread's ident: a call on the thread of a compute span blocked it
 
     @property
     def duration(self) -> float:
@@ -81,6 +82,12 @@ class Trace:
         self._events = events if self.keep is None else deque(events, maxlen=self.keep)
 
     @property
+    def watched(self) -> bool:
+        """Whether a :meth:`capture` or :meth:`stream` is open: someone reads every event (so work
+        done only to enrich the trace, such as per-module spans, is worth doing)."""
+        return bool(self._sinks)
+
+    @property
     def recorded(self) -> int:
         """How many events were recorded: the kept ones and those the ring has dropped."""
         return len(self._events) + self.dropped
@@ -109,7 +116,8 @@ class Trace:
         try:
             yield
         finally:
-            self.add(Event(op, group, algorithm, nbytes, start, time.perf_counter(), seq, self.rank, peer, kind))
+            self.add(Event(op, group, algorithm, nbytes, start, time.perf_counter(), seq, self.rank, peer, kind,
+                           threading.get_ident()))
 
     @contextmanager
     def _sink(self, sink):

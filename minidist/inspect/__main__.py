@@ -4,9 +4,9 @@
     python -m minidist.inspect runs/a
 
 writes runs/a/trace.json (all ranks, for https://ui.perfetto.dev) and runs/a/timeline.png (one
-step per rank: compute, communication by op, idle), and prints the communication table (op, group,
-calls, bytes, time, algbw, busbw), the memory table and, for a mixture of experts, the load per
-rank and per expert.
+step per rank: compute per module, communication per mesh axis, idle), and prints the communication
+table (op, group, calls, bytes, time, algbw, busbw), the memory table (each rank's bytes after the
+last step and its peak during it) and, for a mixture of experts, the load per rank and per expert.
 """
 import argparse
 from pathlib import Path
@@ -14,7 +14,7 @@ from pathlib import Path
 from minidist.inspect.chrome import merge_chrome_trace
 from minidist.inspect.load import load_run
 from minidist.inspect.tables import comm_table, format_comm_table, format_expert_load, format_memory
-from minidist.inspect.timeline import draw_run_timeline, step_window
+from minidist.inspect.timeline import draw_run_timeline, step_title, step_window
 
 
 def main(argv=None) -> None:
@@ -32,7 +32,7 @@ def main(argv=None) -> None:
     print(f"merged trace: {merge_chrome_trace(run)}  (open in https://ui.perfetto.dev)")
     window = step_window(run.traces, args.step)
     png = Path(args.png) if args.png else run.path / "timeline.png"
-    what = f"step {args.step}" if window else "the whole trace"
+    what = step_title(args.step) if window else "the whole trace"
     draw_run_timeline(png, run.traces, window, title=f"{run.path.name}: {what}, {len(run.traces)} ranks")
     print(f"timeline of {what}: {png}")
     print("\ncommunication, whole run:")

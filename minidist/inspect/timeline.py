@@ -1,15 +1,33 @@
-"""Draw one training step of every rank: compute, communication by op, and the idle time between.
+"""Draw one training step of every rank: compute per module, communication per mesh axis, and the
+idle time between.
 
-Two rows per rank: compute (forward blue, backward orange, optimizer green; pipeline spans are
-labelled with their micro-batch, F3 / B3) and communication (one colour per op). The grey behind
-them is time the rank did neither: idle, waiting. A step is cut out of the trace by the
-"optimizer" compute spans: step k runs from the end of the optimizer of step k-1 to the end of
-the optimizer of step k. (For the executed-vs-ideal picture of a pipeline schedule, see
+Two rows per rank. Compute: the passes (forward blue, backward orange, weight red, optimizer green;
+pipeline spans are labelled with their micro-batch, F3 / B3), cut into their module spans
+(module_spans.py: embedding, h.0 ... head, outlined and named where there is room), with the time the
+rank sat blocked inside a collective it called from that thread cut OUT of compute: there it was
+communicating. Communication: one colour per mesh axis of the call's group (dp, tp, pp, cp, ep,
+world; ``accounting.axis_of``), so tensor parallelism's all-reduces and data parallelism's read
+apart. The grey behind them is time the rank did neither: idle, waiting. A step is cut out of the
+trace by the "optimizer" compute spans: step k runs from the end of the optimizer of step k-1 to the
+end of the optimizer of step k. (For the executed-vs-ideal picture of a pipeline schedule, see
 ``minidist/parallel/pipeline/timeline.py``.)
 """
 from __future__ import annotations
 
+from minidist.parallel.accounting import axis_of
+from minidist.parallel.module_spans import is_module_span
+
 COMPUTE_COLORS = {"forward": "#4e79a7", "backward": "#f28e2b", "weight": "#e15759", "optimizer": "#59a14f"}
+AXIS_COLORS = {"tp": "#b07aa1", "dp": "#76b7b2", "pp": "#edc948", "cp": "#ff9da7", "ep": "#9c755f",
+               "world": "#555555"}
+
+
+def step_title(step: int) -> str:
+    """How a timeline names training step ``step`` (negative: from the last): "last step",
+    "step 3", "2 steps before the last"."""
+    if step == -1:
+        return "last step"
+    return f"step {step}" if step >= 0 else f"{-step - 1} step{'s' if step < -2 else ''} before the last"
 
 
 def step_window(traces, step: int) -> tuple[float, float] | None:
@@ -32,16 +50,57 @@ def step_window(traces, step: int) -> tuple[float, float] | None:
     return start, max(o[k].end for o in ends)
 
 
+def _union(intervals) -> list[tuple[float, float]]:
+    """``intervals`` (start, end) merged where they overlap, in order."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        elif end > start:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _clip(intervals, window):
+    lo, hi = window
+    return [(max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi]
+
+
 def busy_seconds(events, window: tuple[float, float]) -> float:
     """Seconds of ``window`` covered by at least one of ``events`` (overlaps counted once)."""
-    lo, hi = window
-    spans = sorted((max(e.start, lo), min(e.end, hi)) for e in events if e.end > lo and e.start < hi)
-    busy, reach = 0.0, lo
-    for start, end in spans:
-        if end > reach:
-            busy += end - max(start, reach)
-            reach = end
-    return busy
+    return sum(b - a for a, b in _union(_clip([(e.start, e.end) for e in events], window)))
+
+
+def blocked(events) -> list[tuple[float, float]]:
+    """The intervals a rank sat inside a collective or message it called on the thread that computes:
+    inside a compute span and recorded by that span's thread (calls on a communication thread,
+    data parallelism's overlapped buckets, do not block it)."""
+    spans = [e for e in events if e.kind == "compute" and not is_module_span(e)]
+    calls = [e for e in events if e.kind != "compute"]
+    return _union((c.start, c.end) for c in calls
+                  if any(s.thread == c.thread and s.start <= c.start and c.end <= s.end for s in spans))
+
+
+def _minus(intervals, cuts) -> list[tuple[float, float]]:
+    """``intervals`` with every one of ``cuts`` (merged, in order) removed."""
+    out = []
+    for a, b in intervals:
+        for c, d in cuts:
+            if d <= a or c >= b:
+                continue
+            if c > a:
+                out.append((a, c))
+            a = max(a, d)
+        if b > a:
+            out.append((a, b))
+    return out
+
+
+def compute_seconds(events, window: tuple[float, float]) -> float:
+    """Seconds of ``window`` this rank computed: covered by a compute span and not blocked in a call
+    (:func:`blocked`)."""
+    spans = _union(_clip([(e.start, e.end) for e in events if e.kind == "compute"], window))
+    return sum(b - a for a, b in _minus(spans, blocked(events)))
 
 
 def _label(e) -> str:
@@ -54,7 +113,8 @@ def _label(e) -> str:
 
 def draw_run_timeline(path, traces, window: tuple[float, float] | None = None, title: str = "") -> None:
     """Save a PNG of ``traces`` (one per rank, clocks shared) inside ``window`` (default: all of
-    it), in milliseconds from the window's start; each rank's label gives its idle fraction."""
+    it), in milliseconds from the window's start; each rank's label gives its compute, blocked
+    (communicating) and idle fractions."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -63,33 +123,49 @@ def draw_run_timeline(path, traces, window: tuple[float, float] | None = None, t
         events = [e for t in traces for e in t.events]
         window = (min(e.start for e in events), max(e.end for e in events))
     lo, hi = window
-    ops = sorted({e.op for t in traces for e in t.events if e.kind != "compute" and e.end > lo and e.start < hi})
-    palette = plt.get_cmap("tab10")
-    op_colors = {op: palette(3 + i % 7) for i, op in enumerate(ops)}  # tab10's 0-2 are the compute colours
-    fig, ax = plt.subplots(figsize=(13, 1.0 + 0.9 * len(traces)))
+    ms = lambda t: 1e3 * (t - lo)  # noqa: E731
+    axes = sorted({axis_of(e.group) for t in traces for e in t.events
+                   if e.kind != "compute" and e.end > lo and e.start < hi}, key=lambda a: (a not in AXIS_COLORS, a))
+    axis_colors = {a: AXIS_COLORS.get(a, "#bab0ac") for a in axes}
+    fig, ax = plt.subplots(figsize=(14, 1.0 + 0.9 * len(traces)))
     ticks, names = [], []
     for r, t in enumerate(traces):
         inside = [e for e in t.events if e.end > lo and e.start < hi]
+        cuts = blocked(inside)
         y = 2 * r
-        ax.barh(y + 0.5, 1e3 * (hi - lo), left=0, height=1.9, color="#e6e6e6")  # idle unless covered
+        ax.barh(y + 0.5, ms(hi), left=0, height=1.9, color="#e6e6e6")  # idle unless covered
         for e in inside:
-            start, width = 1e3 * (max(e.start, lo) - lo), 1e3 * (min(e.end, hi) - max(e.start, lo))
-            compute = e.kind == "compute"
-            color = COMPUTE_COLORS.get(e.op, "#bab0ac") if compute else op_colors[e.op]
-            ax.barh(y if compute else y + 1, width, left=start, height=0.8, color=color, edgecolor="black",
-                    linewidth=0.3)
-            if _label(e) and width > 1e3 * (hi - lo) * 0.015:
-                ax.text(start + width / 2, y, _label(e), ha="center", va="center", fontsize=7, color="white")
-        idle = 1.0 - busy_seconds(inside, window) / (hi - lo)
+            if e.kind == "compute" and not is_module_span(e):
+                for a, b in _minus(_clip([(e.start, e.end)], window), cuts):  # blocked time is not compute
+                    ax.barh(y, ms(b) - ms(a), left=ms(a), height=0.8, color=COMPUTE_COLORS.get(e.op, "#bab0ac"),
+                            linewidth=0)
+                start, width = ms(max(e.start, lo)), ms(min(e.end, hi)) - ms(max(e.start, lo))
+                if _label(e) and width > ms(hi) * 0.015:
+                    ax.text(start + width / 2, y - 0.25, _label(e), ha="center", va="center", fontsize=6, color="white")
+            elif e.kind != "compute":
+                start, width = ms(max(e.start, lo)), ms(min(e.end, hi)) - ms(max(e.start, lo))
+                ax.barh(y + 1, width, left=start, height=0.8, color=axis_colors[axis_of(e.group)],
+                        edgecolor="black", linewidth=0.3)
+        for e in inside:  # module spans: outlined on top, named where they are wide enough
+            if is_module_span(e):
+                start, width = ms(max(e.start, lo)), ms(min(e.end, hi)) - ms(max(e.start, lo))
+                ax.barh(y, width, left=start, height=0.8, fill=False, edgecolor="black", linewidth=0.4)
+                if width > ms(hi) * 0.012:
+                    name = "emb" if e.op == "embedding" else e.op
+                    ax.text(start + width / 2, y + 0.15, name, ha="center", va="center", fontsize=5.5, color="black")
+        busy = busy_seconds(inside, window) / (hi - lo)
+        computing = compute_seconds(inside, window) / (hi - lo)
         ticks += [y, y + 1]
-        names += [f"rank {t.rank} compute  (idle {100 * idle:.0f}%)", "communication"]
+        names += [f"rank {t.rank} compute {100 * computing:.0f}%", f"comm {100 * (busy - computing):.0f}%, "
+                  f"idle {100 * (1 - busy):.0f}%"]
     ax.set_yticks(ticks, names, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlim(0, 1e3 * (hi - lo))
-    ax.set_xlabel("milliseconds (grey: neither computing nor communicating)")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in list(COMPUTE_COLORS.values()) + list(op_colors.values())]
-    ax.legend(handles, list(COMPUTE_COLORS) + ops, loc="lower center", bbox_to_anchor=(0.5, 1.0),
-              ncol=min(8, len(handles)), fontsize=8, frameon=False)
+    ax.set_xlim(0, ms(hi))
+    ax.set_xlabel("milliseconds (grey: neither computing nor communicating; boxes inside compute: modules; "
+                  "gaps in compute: blocked in a collective)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in list(COMPUTE_COLORS.values()) + list(axis_colors.values())]
+    ax.legend(handles, list(COMPUTE_COLORS) + [f"{a} comm" for a in axis_colors], loc="lower center",
+              bbox_to_anchor=(0.5, 1.0), ncol=min(10, len(handles)), fontsize=8, frameon=False)
     fig.suptitle(title, fontsize=10, x=0.01, ha="left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -10,7 +10,9 @@ import json
 from contextlib import contextmanager
 
 from minidist.inspect.load import memory_path, trace_path
+from minidist.inspect.timeline import step_window
 from minidist.parallel.accounting import unique_nbytes
+from minidist.parallel.module_spans import is_module_span, peak_held_bytes
 
 
 def write_trace(run_dir, trace) -> None:
@@ -52,3 +54,19 @@ def model_state_bytes(model, optimizer) -> dict:
     return {"parameters": unique_nbytes([p.data for p in params]),
             "gradients": unique_nbytes([p.grad for p in params]),
             "optimizer": unique_nbytes([a for slot in optimizer.state.values() for a in slot.values()])}
+
+
+DEVICE = ("parameters", "gradients", "optimizer")  # a memory row's device columns (host, disk: elsewhere)
+
+
+def step_peak_bytes(trace, held: dict) -> int:
+    """The most device bytes this rank held during the last step in ``trace`` (cut by its
+    "optimizer" spans, ``timeline.step_window``): the largest a module span (module_spans.py) saw
+    of parameters, gradients and live activations, plus the optimizer state of ``held`` (a memory
+    row, measured after the step; the state does not change size within it), and never less than
+    ``held``'s own device total: the end of the step is a moment of it."""
+    end = sum(held.get(k, 0) for k in DEVICE)
+    window = step_window([trace], -1) if any(e.op == "optimizer" for e in trace.events) else None
+    events = [e for e in trace.events if is_module_span(e) and (window is None or window[0] <= e.start <= window[1])]
+    sampled = peak_held_bytes(events) + held.get("optimizer", 0) if events else 0
+    return max(end, sampled)

@@ -28,6 +28,7 @@ from minidist.device import get_array_module
 from minidist.optim import clip_grad_norm
 from minidist.parallel.clip import clip_grad_norm_parallel
 from minidist.parallel.loss_scaling import backward_micro_batch, seed_aux_losses
+from minidist.parallel.module_spans import ModuleSpans
 from minidist.parallel.sampler import micro_batches
 from minidist.parallel.tensor_parallel import sync_sequence_parallel_grads
 from minidist.parallel.zero import ZeroOptimizer
@@ -41,13 +42,15 @@ def forward_backward(model, batches, no_sync=contextlib.nullcontext, trace=None,
     the last). Returns the mean loss. (A pipeline engine's ``forward_backward`` replaces exactly
     this function.)"""
     trace = trace or Trace(enabled=False)
+    spans = ModuleSpans(trace)  # embedding, h.0 ... head inside each pass (module_spans.py)
     m, losses = len(batches), []
     for i, batch in enumerate(batches):
         idx, targets = inputs_and_targets(batch)          # (b/m, T), (b/m, T)
         with no_sync() if i < m - 1 else contextlib.nullcontext():
-            with trace.record("forward", kind="compute"):
+            with trace.record("forward", kind="compute"), spans.forward(model, seq=i) as tape:
                 _, loss = model(idx, targets)
-            with trace.record("backward", kind="compute"):
+                tape.output(loss)
+            with trace.record("backward", kind="compute"), spans.backward(tape):
                 backward_micro_batch(loss, m, loss_scale)
         losses.append(loss.item())
     return float(np.mean(losses))

@@ -23,6 +23,7 @@ import contextlib
 from minidist.autograd import Tensor, get_array_module, no_grad, weight_grads_later
 from minidist.data import inputs_and_targets
 from minidist.parallel.loss_scaling import backward_micro_batch
+from minidist.parallel.module_spans import ModuleSpans
 from minidist.parallel.pipeline.actions import RECVS, stage_rank
 from minidist.parallel.pipeline.p2p import StageLink
 from minidist.parallel.pipeline.schedules import build_schedule, placement_of, splits_backward
@@ -102,6 +103,7 @@ class PipelineEngine:
         link = StageLink(self.group, self.xp, self.placement)
         inputs, outputs, grads = {}, {}, {}  # (stage, micro-batch) -> received input / output / its gradient
         weights_later = {}  # (stage, micro-batch) -> its weight-gradient work, from B to W
+        spans, tapes = ModuleSpans(self.trace), {}  # per-module spans (module_spans.py): one tape per forward
         loss_sum, held, peak = 0.0, 0, 0
         for a in actions:
             key, chunk = (a.stage, a.microbatch), a.stage // self.group.size
@@ -118,8 +120,10 @@ class PipelineEngine:
                     inputs[key] = Tensor((outputs[before] if training else outputs.pop(before)).data,
                                          requires_grad=training)
                 x = idx if a.stage == 0 else inputs[key] if training else inputs.pop(key)
-                with self.trace.record("forward", group=f"stage {a.stage}", seq=a.microbatch, kind="compute"):
+                with self.trace.record("forward", group=f"stage {a.stage}", seq=a.microbatch, kind="compute"), \
+                        spans.forward(stage, a.microbatch, a.stage == 0, a.stage == stage.n_stages - 1) as tapes[key]:
                     out = stage(chunk, x, targets)  # (mb, T, C), or the loss on the last stage
+                    tapes[key].output(out)
                     if a.stage == stage.n_stages - 1:
                         loss_sum += out.item() / m
                 outputs[key] = out
@@ -131,7 +135,8 @@ class PipelineEngine:
                 final = not self.split and a == last_backward[a.stage]
                 split = weight_grads_later() if self.split else contextlib.nullcontext()
                 with contextlib.nullcontext() if final else self.no_sync(), split as later, self.trace.record(
-                        "backward", group=f"stage {a.stage}", seq=a.microbatch, kind="compute"):
+                        "backward", group=f"stage {a.stage}", seq=a.microbatch, kind="compute"), \
+                        spans.backward(tapes.pop(key)):
                     if a.stage == stage.n_stages - 1:
                         backward_micro_batch(outputs.pop(key), m, loss_scale)
                     else:
