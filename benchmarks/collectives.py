@@ -4,6 +4,7 @@
     mpiexec -n 2 python benchmarks/collectives.py --quick
     mpiexec -n 2 python benchmarks/collectives.py --device cuda     # GPU buffers: ring vs NCCL
     mpiexec -n 4 python benchmarks/collectives.py --collectives all_to_all --all-to-all-algorithms
+    mpiexec -n 4 python benchmarks/collectives.py --algorithms --sizes 256K,512K,1M,2M,4M
 
 ``--device cuda`` puts every buffer on the GPU (CuPy) and compares backend "ring" (over MPI, staged
 through pinned host memory unless MPI is CUDA-aware) with backend "nccl" (NCCL's own collectives);
@@ -12,10 +13,12 @@ synchronising the GPU, so kernels still queued are counted.
 
 For each collective (all_reduce, reduce_scatter, all_gather, all_to_all) and each size (bytes of the
 full, unsharded float32 buffer; for all_to_all, of each rank's input, cut into n equal chunks), the
-two backends are timed ALTERNATELY within one run, so a noisy neighbour hurts both equally: backend
-"ring" (minidist's algorithms over point-to-point; for all_reduce, ``algorithm="auto"`` picks
-recursive doubling for small buffers; for all_to_all, the scattered exchange for chunks under 1 MiB,
-else pairwise) and backend "mpi" (MPI's own MPI_Allreduce & co, MPI_Alltoall for all_to_all). A
+two backends are timed ALTERNATELY within one run, each repeat starting with the next backend in
+turn, so a noisy neighbour hurts both equally: backend
+"ring" (minidist's algorithms over point-to-point, as ``auto`` picks them by size and world size:
+for all_reduce recursive doubling, Rabenseifner's or the ring; for reduce_scatter and all_gather
+recursive halving and doubling or the ring; for all_to_all, the scattered exchange for chunks under
+1 MiB, else pairwise) and backend "mpi" (MPI's own MPI_Allreduce & co, MPI_Alltoall for all_to_all). A
 repeat times ``iters`` back-to-back calls after a barrier; its time is the slowest rank's; the table
 shows the median over repeats.
 
@@ -28,7 +31,9 @@ backends; #wrong counts elements, summed over ranks, where "ring" differs from "
 
 ``--all-to-all-algorithms`` adds two more ring groups to the all_to_all rows, one that always runs the
 pairwise exchange and one that always runs the scattered one, timed alternately with the others:
-the measurement behind ``alltoall.SCATTERED_BELOW_BYTES``.
+the measurement behind ``alltoall.SCATTERED_BELOW_BYTES``. ``--algorithms`` likewise adds ring
+groups that force recursive doubling, Rabenseifner's/halving, or the ring (``FORCED``): the
+measurement behind the group's ``threshold_bytes`` and ``ring_from_bytes``.
 """
 from __future__ import annotations
 
@@ -47,9 +52,18 @@ from minidist.device import synchronize, to_numpy
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 STYLES = {"ring": ("o-", "ring (minidist)"), "mpi": ("s--", "mpi (MPI's own)"), "nccl": ("^--", "nccl (NCCL's own)"),
+          "doubling": ("<:", "doubling forced"), "halving": (">:", "halving forced"), "ringonly": ("d:", "ring forced"),
           "pairwise": ("v:", "all_to_all pairwise (minidist)"), "scattered": ("x:", "all_to_all scattered (minidist)")}
 ALL_TO_ALL_ALGORITHMS = {"pairwise": 0, "scattered": 1 << 62}
 """``--all-to-all-algorithms``: ring groups whose ``scattered_below_bytes`` forces one algorithm."""
+FORCED = {"doubling": ((1 << 62, 1 << 62), ("all_reduce",)),
+          "halving": ((0, 1 << 62), ("all_reduce", "reduce_scatter", "all_gather")),
+          "ringonly": ((0, 0), ("all_reduce", "reduce_scatter", "all_gather"))}
+"""``--algorithms``: ring groups whose (``threshold_bytes``, ``ring_from_bytes``) force one
+algorithm, and the collectives where that group differs from the others. "halving" is
+Rabenseifner's all-reduce, recursive halving reduce-scatter and recursive doubling all-gather
+(power-of-two ranks; else the fold-in for all-reduce and the ring for the other two); "ringonly"
+the ring everywhere."""
 
 
 def parse_size(text: str) -> int:
@@ -92,7 +106,7 @@ def count_wrong(groups, collective: str, count: int, xp) -> int:
         results[name] = to_numpy(result())
     reference = list(groups)[-1]
     wrong = sum(int(np.count_nonzero(got != results[reference])) for name, got in results.items()
-                if name == "ring" or name in ALL_TO_ALL_ALGORITHMS)
+                if name != reference)
     return MPI.COMM_WORLD.allreduce(wrong)
 
 
@@ -112,6 +126,7 @@ def measure(groups, collective: str, nbytes: int, repeats: int, budget_bytes: in
     n = MPI.COMM_WORLD.size
     if collective != "all_to_all":  # the forced all-to-all algorithms have nothing else to show
         groups = {name: g for name, g in groups.items() if name not in ALL_TO_ALL_ALGORITHMS}
+    groups = {name: g for name, g in groups.items() if name not in FORCED or collective in FORCED[name][1]}
     count = nbytes // 4
     wrong = count_wrong(groups, collective, count, xp)
     calls = {name: make_call(g, collective, count, seed=None, xp=xp) for name, g in groups.items()}
@@ -119,8 +134,10 @@ def measure(groups, collective: str, nbytes: int, repeats: int, budget_bytes: in
     for call, _ in calls.values():
         call()  # warm up: workspaces, MPI connections
     times = {name: [] for name in groups}
-    for _ in range(repeats):
-        for name, (call, result) in calls.items():
+    names = list(calls)
+    for i in range(repeats):  # each repeat starts with the next group: no backend is always first or last
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            call, result = calls[name]
             times[name].append(time_calls(call, iters, result()))
     rows = []
     for name in groups:
@@ -194,6 +211,15 @@ def markdown(runs: list[tuple[int, list[dict]]]) -> str:
                            f"{ring['busbw']:.3f} | {other['busbw']:.3f} | {ring['busbw'] / other['busbw']:.2f} | "
                            f"{ring['wrong'] + other['wrong']} |")
             out.append("")
+            forced = [name for name in FORCED if (name, sizes[0]) in by]
+            if forced:
+                out += [f"### {collective} algorithms, {n} ranks (time, us)", "",
+                        "| size | " + " | ".join(f"{name} forced" for name in forced) + f" | auto | {ref} |",
+                        "|---:|" + "---:|" * (len(forced) + 2)]
+                for size in sizes:
+                    times = [by[(name, size)]["time_us"] for name in (*forced, "ring", ref)]
+                    out.append(f"| {size_label(size)} | " + " | ".join(f"{t:.1f}" for t in times) + " |")
+                out.append("")
             if any((name, sizes[0]) in by for name in ALL_TO_ALL_ALGORITHMS):
                 out += [f"### {collective} algorithms, {n} ranks", "",
                         f"| size | pairwise (us) | scattered (us) | auto (us) | {ref} (us) | scattered / pairwise |",
@@ -211,16 +237,21 @@ def main() -> None:
     p.add_argument("--min-bytes", default="1K", help="smallest buffer (default 1K)")
     p.add_argument("--max-bytes", default="64M", help="largest buffer (default 64M)")
     p.add_argument("--factor", type=int, default=4, help="size step multiplier (default 4)")
+    p.add_argument("--sizes", help="comma-separated sizes, e.g. 256K,512K,1M (instead of min/max/factor)")
     p.add_argument("--repeats", type=int, default=7, help="timed repeats per size; the median is kept")
     p.add_argument("--budget", default="64M", help="bytes moved per repeat: iters = budget / size, 1..200")
     p.add_argument("--collectives", default=",".join(COLLECTIVES))
     p.add_argument("--segment-bytes", help="the ring's segment size (default: the library's)")
-    p.add_argument("--threshold-bytes", help="all-reduce size from which the ring replaces recursive "
-                                             "doubling (default: the library's)")
+    p.add_argument("--threshold-bytes", help="all-reduce size from which recursive doubling gives way "
+                                             "(default: the library's)")
+    p.add_argument("--ring-from-bytes", help="size from which the ring replaces Rabenseifner's all-reduce "
+                                             "and recursive halving/doubling (default: the library's)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the buffers live: host memory (ring vs MPI's own) or the GPU (ring vs NCCL)")
     p.add_argument("--all-to-all-algorithms", action="store_true",
                    help="also time all_to_all's pairwise and scattered exchanges, each forced")
+    p.add_argument("--algorithms", action="store_true",
+                   help="also time each hand-written algorithm forced (doubling, halving, ring) next to 'auto'")
     p.add_argument("--quick", action="store_true", help="smoke test: 1K..64K, 2 repeats, small budget")
     p.add_argument("--json", help="write the rows and the machine description to this JSON file")
     p.add_argument("--plot", help="write a PNG of busbw against size to this path")
@@ -260,15 +291,25 @@ def main() -> None:
             g.scattered_below_bytes = ALL_TO_ALL_ALGORITHMS[name]
         *others, reference = groups
         groups = {**{name: groups[name] for name in others}, **forced, reference: groups[reference]}
+    if args.algorithms:  # before the reference, which stays last
+        *others, reference = groups
+        forced = {name: group("ring") for name in FORCED}
+        for name, g in forced.items():
+            g.threshold_bytes, g.ring_from_bytes = FORCED[name][0]
+        groups = {**{name: groups[name] for name in others}, **forced, reference: groups[reference]}
     if args.segment_bytes:
         groups["ring"].segment_bytes = parse_size(args.segment_bytes)
     if args.threshold_bytes:
         groups["ring"].threshold_bytes = parse_size(args.threshold_bytes)
+    if args.ring_from_bytes:
+        groups["ring"].ring_from_bytes = parse_size(args.ring_from_bytes)
     n, rank = MPI.COMM_WORLD.size, MPI.COMM_WORLD.rank
     sizes, size = [], parse_size(args.min_bytes)
     while size <= parse_size(args.max_bytes):
         sizes.append(size)
         size *= args.factor
+    if args.sizes:
+        sizes = [parse_size(s) for s in args.sizes.split(",")]
     machine = dict(ranks=n, host=platform.node(), cpu=platform.processor() or platform.machine(),
                    python=platform.python_version(), numpy=np.__version__,
                    mpi=MPI.Get_library_version().splitlines()[0].strip(), device=args.device)
@@ -277,6 +318,7 @@ def main() -> None:
         machine["cuda_aware_mpi"] = groups["ring"].transport.cuda_aware
     machine["ring_segment_bytes"] = groups["ring"].segment_bytes
     machine["doubling_below_bytes"] = groups["ring"].threshold_bytes
+    machine["ring_from_bytes"] = groups["ring"].ring_from_bytes
     if rank == 0:
         print(f"# {n} ranks, {machine['mpi']}, numpy {machine['numpy']}, python {machine['python']}, "
               f"ring segment {machine['ring_segment_bytes']} B, buffers on {machine.get('gpu', 'the host')}")

@@ -67,7 +67,7 @@ def assert_all_equal(results, want):
 
 
 @SETTINGS
-@given(worlds, lengths, dtypes, ops, st.sampled_from(["auto", "ring", "doubling"]), seeds)
+@given(worlds, lengths, dtypes, ops, st.sampled_from(["auto", "ring", "doubling", "halving"]), seeds)
 def test_all_reduce_gives_every_rank_the_same_reduction(n, length, dtype, op, algorithm, seed):
     inputs = rank_inputs(n, (length,), dtype, op, seed)
     results = run_local(lambda g: g.all_reduce(inputs[g.rank].copy(), op, algorithm=algorithm), n)
@@ -87,9 +87,13 @@ def test_all_reduce_works_in_place_on_any_shape(n, shape, dtype, op, seed):
     assert_all_equal(run_local(fn, n), expected(inputs, op))
 
 
+ring_from = st.sampled_from([0, 1 << 62])  # the ring always, or halving/doubling wherever n is a power of two
+
+
 @SETTINGS
-@given(worlds, st.integers(0, 3000), st.integers(1, 3), dtypes, ops, st.booleans(), seeds)
-def test_reduce_scatter_leaves_each_rank_its_array_split_part(n, rows, width, dtype, op, give_out, seed):
+@given(worlds, st.integers(0, 3000), st.integers(1, 3), dtypes, ops, st.booleans(), ring_from, seeds)
+def test_reduce_scatter_leaves_each_rank_its_array_split_part(n, rows, width, dtype, op, give_out, ring_from_bytes,
+                                                              seed):
     inputs = rank_inputs(n, (rows, width), dtype, op, seed)
     want = np.array_split(expected(inputs, op), n)  # rank r gets part r along axis 0
 
@@ -101,14 +105,14 @@ def test_reduce_scatter_leaves_each_rank_its_array_split_part(n, rows, width, dt
         np.testing.assert_array_equal(x, inputs[g.rank])  # the input is untouched
         return shard
 
-    for r, shard in enumerate(run_local(fn, n)):
+    for r, shard in enumerate(run_local(fn, n, ring_from_bytes=ring_from_bytes)):
         assert_all_equal([shard], want[r])
 
 
 @SETTINGS
 @given(worlds, st.integers(0, 3000), st.integers(1, 3), dtypes, st.sampled_from(["count", "equal", "in place"]),
-       seeds)
-def test_all_gather_concatenates_shards_in_rank_order(n, rows, width, dtype, mode, seed):
+       ring_from, seeds)
+def test_all_gather_concatenates_shards_in_rank_order(n, rows, width, dtype, mode, ring_from_bytes, seed):
     full = rank_inputs(1, (rows if mode != "equal" else rows // n * n, width), dtype, "sum", seed)[0]
     shards = np.array_split(full, n)
 
@@ -121,21 +125,22 @@ def test_all_gather_concatenates_shards_in_rank_order(n, rows, width, dtype, mod
             return out
         return g.all_gather(shards[g.rank].copy(), count=rows if mode == "count" else None)
 
-    assert_all_equal(run_local(fn, n), full)
+    assert_all_equal(run_local(fn, n, ring_from_bytes=ring_from_bytes), full)
 
 
 @SETTINGS
-@given(worlds, lengths, dtypes, ops, seeds)
-def test_reduce_scatter_then_all_gather_is_all_reduce(n, length, dtype, op, seed):
+@given(worlds, lengths, dtypes, ops, ring_from, seeds)
+def test_reduce_scatter_then_all_gather_is_all_reduce(n, length, dtype, op, ring_from_bytes, seed):
     inputs = rank_inputs(n, (length,), dtype, op, seed)
 
     def fn(g):
         return g.all_gather(g.reduce_scatter(inputs[g.rank], op), count=length)
 
-    gathered = run_local(fn, n)
+    gathered = run_local(fn, n, ring_from_bytes=ring_from_bytes)
     assert_all_equal(gathered, expected(inputs, op))  # NumPy's answer ...
-    reduced = run_local(lambda g: g.all_reduce(inputs[g.rank].copy(), op, algorithm="ring"), n)[0]
-    assert_all_equal(gathered, reduced)  # ... and the ring all_reduce's, bitwise: its two halves
+    if ring_from_bytes == 0:  # both rings: ...
+        reduced = run_local(lambda g: g.all_reduce(inputs[g.rank].copy(), op, algorithm="ring"), n)[0]
+        assert_all_equal(gathered, reduced)  # ... and the ring all_reduce's, bitwise: its two halves
 
 
 @SETTINGS

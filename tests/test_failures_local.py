@@ -149,7 +149,7 @@ def test_a_sleeping_rank_is_named_by_every_rank_that_waited_not_just_the_neighbo
             time.sleep(1.2)  # stopped: far past the timeout, never calls #2 in time
             return None
         with pytest.raises(CommTimeoutError) as info:
-            g.all_reduce(np.ones(1 << 15))  # the ring: rank 0 waits on rank 3, which waits on rank 2
+            g.all_reduce(np.ones(1 << 15), algorithm="ring")  # rank 0 waits on rank 3, which waits on rank 2
         return info.value, recorder.dump(g.trace, info.value)
 
     results = run_local(fn, 4, timeout=0.3)

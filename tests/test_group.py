@@ -10,17 +10,22 @@ from minidist import run_local
 from minidist.comm.group import DEFAULT_THRESHOLD_BYTES
 
 
-def test_auto_uses_recursive_doubling_below_the_threshold_and_the_ring_from_it():
+def test_auto_picks_by_size_and_group_size():
     small, large = DEFAULT_THRESHOLD_BYTES // 8 - 1, DEFAULT_THRESHOLD_BYTES // 8  # float64 elements
 
     def fn(g):
         for n in (small, large):
             g.all_reduce(np.ones(n))
         g.all_reduce(np.ones(4), algorithm="ring")
+        g.reduce_scatter(np.ones(8))
+        g.all_gather(np.ones(2))
         return [e.algorithm for e in g.trace.events]
 
-    assert run_local(fn, 3)[0] == ["doubling", "ring", "ring"]
-    assert run_local(fn, 3, threshold_bytes=0)[0] == ["ring", "ring", "ring"]
+    # doubling below the threshold; then Rabenseifner's on a power-of-two group, else the ring
+    assert run_local(fn, 3)[0] == ["doubling", "ring", "ring", "ring", "ring"]
+    assert run_local(fn, 4)[0] == ["doubling", "halving", "ring", "halving", "doubling"]
+    assert run_local(fn, 4, threshold_bytes=0, ring_from_bytes=0)[0] == ["ring"] * 5
+    assert run_local(fn, 3, threshold_bytes=0)[0] == ["ring", "ring", "ring", "ring", "ring"]
 
 
 @pytest.mark.parametrize("dtype, want", [("float32", [-3.5, 3.5, 0.5]), ("int64", [-3, 3, 0])])
@@ -46,8 +51,8 @@ def test_every_call_is_numbered_and_traced():
 
     (events0, seq0), (events1, seq1) = run_local(fn, 2)
     assert events0 == [("all_reduce", "world", "doubling", 40, 1, None, "collective"),
-                       ("reduce_scatter", "world", "ring", 40, 2, None, "collective"),
-                       ("all_gather", "world", "ring", 40, 3, None, "collective"),
+                       ("reduce_scatter", "world", "halving", 40, 2, None, "collective"),
+                       ("all_gather", "world", "doubling", 40, 3, None, "collective"),
                        ("send", "world", "", 40, 1, 1, "p2p"),
                        ("barrier", "world", "binomial", 0, 4, None, "collective")]
     assert events1[3] == ("recv", "world", "", 40, 1, 0, "p2p")

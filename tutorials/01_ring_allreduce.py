@@ -186,7 +186,8 @@ def library(group, start, hand_written):
 
 ALGORITHMS = {"ring": ": the ring, as above",
               "halving": " (Rabenseifner's: on a power-of-two group, a reduce-scatter by recursive halving and\n"
-                         "  an all-gather by doubling: the ring's 2(n-1)/n bytes in 2 log2(n) rounds)"}
+                         "  an all-gather by doubling: the ring's 2(n-1)/n bytes in 2 log2(n) rounds,\n"
+                         "  one fewer on 4+ ranks while half the buffer's chunks are small: the middle two merge)"}
 
 
 def show_library(group, picked):

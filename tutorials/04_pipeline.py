@@ -38,7 +38,7 @@ from minidist.model import GPT, GPTConfig
 from minidist.optim import AdamW
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.pipeline import (Action, PipelineEngine, PipelineStage, ScheduleError, build_schedule,
-                                        compute_spans, executed_timeline, format_timeline, gather_spans,
+                                        compute_spans, draw_timeline, executed_timeline, format_timeline, gather_spans,
                                         split_micro_batches, validate)
 
 CONFIG = GPTConfig(n_layer=8, n_head=2, n_embd=32, block_size=16)
@@ -213,21 +213,9 @@ def draw(path, p, executed, ideal):
         scale = executed[name].makespan / ideal[name].makespan
         for ax, timeline, factor, what in ((axes[2 * k], executed[name], 1e3, "executed"),
                                            (axes[2 * k + 1], ideal[name], 1e3 * scale, "ideal")):
-            ax.set_facecolor("#d9d9d9")  # idle
-            for r, spans in enumerate(timeline.spans):
-                for s in spans:
-                    ax.barh(r, (s.end - s.start) * factor, left=s.start * factor, height=0.8,
-                            color=colours(s.action.microbatch % 10), edgecolor="black", linewidth=0.4,
-                            hatch="//" if s.action.op == "B" else None)
-                    chunk = f".{s.action.stage // p}" if s.action.stage >= p or name == "interleaved" else ""
-                    if (s.end - s.start) / timeline.makespan > 0.02:
-                        ax.text((s.start + s.end) / 2 * factor, r, f"{s.action.op}{s.action.microbatch}{chunk}",
-                                ha="center", va="center", fontsize=6.5)
-            ax.set_yticks(range(p), [f"rank {r}" for r in range(p)], fontsize=8)
-            ax.invert_yaxis()
+            draw_timeline(ax, timeline, factor, colours, f"{name}, {what}: ")
             ax.set_xlim(0, 1e3 * executed[name].makespan)
             ax.tick_params(axis="x", labelsize=8)
-            ax.set_title(f"{name}, {what}: bubble {100 * timeline.bubble():.1f}%", fontsize=9, loc="left")
     axes[-1].set_xlabel("milliseconds of the last step (ideal: F = 1, B = 2 units, scaled to the executed step)")
     handles = [Patch(fc=colours(i), ec="black", label=f"micro-batch {i}") for i in range(MICRO)]
     handles += [Patch(fc="white", ec="black", label="F: forward"), Patch(fc="white", ec="black", hatch="//",

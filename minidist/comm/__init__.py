@@ -1,8 +1,8 @@
 """The collective engine: transports, hand-written algorithms, process groups, traces.
 
-Algorithms live in their own modules (``ring``, ``doubling``, ``rooted``; ``alltoall``: the pairwise
-and scattered all-to-all exchanges; ``native`` wraps MPI's own, ``nccl`` NCCL's); this package
-re-exports the names a user needs.
+Algorithms live in their own modules (``ring``, ``doubling``, ``halving``: Rabenseifner's, ``rooted``;
+``alltoall``: the pairwise and scattered all-to-all exchanges; ``native`` wraps MPI's own, ``nccl``
+NCCL's); this package re-exports the names a user needs.
 """
 from minidist.comm.group import ProcessGroup
 from minidist.comm.launch import init, run_local

@@ -15,7 +15,7 @@ from minidist.comm.ops import DTYPES, GROUP_OPS, split_counts
 from minidist.comm.tags import COLLECTIVE_TAG_BASE
 from minidist.device import data_pointer, get_array_module, is_cupy
 
-ALGORITHMS = ("auto", "ring", "doubling")
+ALGORITHMS = ("auto", "ring", "doubling", "halving")
 """What ``all_reduce(algorithm=...)`` accepts."""
 
 
@@ -53,7 +53,8 @@ def check_op(group, op) -> None:
 def check_algorithm(group, algorithm) -> None:
     """``algorithm`` is one ``all_reduce`` knows."""
     if algorithm not in ALGORITHMS:
-        raise ValueError(f"rank {group.rank}: algorithm must be 'auto', 'ring' or 'doubling', got {algorithm!r}")
+        raise ValueError(f"rank {group.rank}: algorithm must be 'auto', 'ring', 'doubling' or 'halving', "
+                         f"got {algorithm!r}")
 
 
 def check_rank(group, r, what) -> None:

@@ -1,4 +1,4 @@
-"""Recursive doubling: the latency-optimal all-reduce, for small messages.
+"""Recursive doubling: the latency-optimal all-reduce, for small messages, and all-gather.
 
 With n a power of two, log2(n) rounds suffice. In round k every rank swaps its whole buffer with the
 rank whose number differs in bit k, and both reduce. After round k each rank holds the reduction of a
@@ -13,11 +13,18 @@ it and sits out. The p remaining ranks double, then each odd rank hands the resu
 Identical bits everywhere: a pair of ranks always computes ``lower_rank_data op higher_rank_data``,
 the same expression with the same operands on both sides, so their results agree to the last bit even
 where an op is not bitwise commutative (``maximum(-0.0, 0.0)``).
+
+All-gather (:func:`all_gather`, n a power of two) doubles too, but what it swaps grows instead of
+staying whole: rank r starts with its own chunk; in round k it swaps everything it holds (2^k
+chunks, a block aligned to 2^k) with partner r ^ 2^k, and both then hold the aligned block of
+2^(k+1). log2(n) rounds instead of the ring's n - 1, the same (n-1)/n of the buffer sent.
+``halving.py`` uses it as the second half of Rabenseifner's all-reduce.
 """
 from __future__ import annotations
 
-from minidist.comm.ops import Workspace, reduce_ufunc
+from minidist.comm.ops import Workspace, offsets, reduce_ufunc, same_memory
 from minidist.comm.tags import TAG_DOUBLING as TAG
+from minidist.comm.tags import TAG_DOUBLING_GATHER
 
 
 def all_reduce(t, buf, op, *, workspace=None) -> None:
@@ -55,3 +62,47 @@ def all_reduce(t, buf, op, *, workspace=None) -> None:
         mask <<= 1
     if r < 2 * extra:
         t.send(buf, r - 1, TAG)
+
+
+def all_gather(t, shard, counts, out) -> None:
+    """Every rank's ``shard`` (rank r's has ``counts[r]`` elements) concatenated in rank order into
+    ``out`` on every rank; n must be a power of two (the group uses the ring otherwise). ``shard``
+    may already be ``out``'s own chunk (in-place all-gather).
+
+    Sends: log2(n) exchanges, with partners rank ^ 1, ^ 2, ^ 4, ...: in round k, the 2^k chunks this
+    rank holds (the aligned block around its own) go to the partner, whose 2^k come back straight
+    into their place in ``out``.
+    """
+    n, r = t.size, t.rank
+    if n & (n - 1):
+        raise ValueError(f"rank {r}: doubling.all_gather needs a power-of-two group, got {n} ranks")
+    starts = offsets(counts) + [sum(counts)]
+    mine = out[starts[r]:starts[r + 1]]
+    if not same_memory(mine, shard):
+        mine[...] = shard
+    gather_blocks(t, out, starts, r, range(n))
+
+
+def gather_blocks(t, buf, starts, me, ranks, mask=1) -> None:
+    """The doubling rounds of :func:`all_gather` among ``p = len(ranks)`` (a power of two)
+    participants numbered 0..p-1, ``me`` being this one and ``ranks[f]`` the transport rank of f.
+    Block f, ``buf[starts[f]:starts[f+1]]``, is participant f's at the start and everyone's at the
+    end. With ``mask`` > 1, each participant starts with the ``mask`` aligned blocks around its own."""
+    while mask < len(ranks):
+        lo = me & ~(mask - 1)  # I hold blocks lo..lo+mask-1; the partner the aligned ones next to them
+        other = lo ^ mask
+        send = buf[starts[lo]:starts[lo + mask]]
+        recv = buf[starts[other]:starts[other + mask]]
+        _exchange(t, send, recv, ranks[me ^ mask], TAG_DOUBLING_GATHER)
+        mask <<= 1
+
+
+def _exchange(t, send, recv, peer, tag) -> None:
+    """Swap ``send`` for ``recv`` with ``peer``; a direction with nothing to carry sends no message
+    (both sides agree, since one's send is the other's receive)."""
+    if send.size and recv.size:
+        t.sendrecv(send, peer, recv, peer, tag)
+    elif send.size:
+        t.send(send, peer, tag)
+    elif recv.size:
+        t.recv(recv, peer, tag)

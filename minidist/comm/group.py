@@ -15,12 +15,14 @@ the peer, and, from a census of the group (``census.py``), the rank that never a
 group's communication thread and returns a :class:`~minidist.comm.work.Work` at once (see
 ``work.py``): queued collectives run in issue order, and a blocking collective waits for them first.
 
-``backend="ring"`` runs the hand-written algorithms (``ring``, ``doubling``, ``rooted``,
-``alltoall``) over the transport; ``backend="mpi"`` hands the collectives to MPI's own (``native``),
+``backend="ring"`` runs the hand-written algorithms (``ring``, ``doubling``, ``halving``, ``rooted``,
+``alltoall``) over the transport, chosen by size and group size (``_all_reduce_algorithm``,
+``_halving``); ``backend="mpi"`` hands the collectives to MPI's own (``native``),
 which needs an ``MPITransport``; ``backend="nccl"`` hands collectives and point-to-point calls on GPU
 (CuPy) arrays to NCCL (``nccl``), one communicator per group, while host (NumPy) arrays, such as a
 flag or a gathered log line, still go over the transport with the hand-written algorithms.
-``algorithm="ring"`` or ``"doubling"`` forces a hand-written all-reduce on any.
+``algorithm="ring"``, ``"doubling"`` or ``"halving"`` (Rabenseifner's) forces a hand-written
+all-reduce on any.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from functools import partial
 
 import numpy as np
 
-from minidist.comm import alltoall, census, checks, doubling, ring, rooted
+from minidist.comm import alltoall, census, checks, doubling, halving, ring, rooted
 from minidist.comm.fingerprint import check_call
 from minidist.comm.ops import Workspace, averages_first, divide_by_size, split_counts
 from minidist.comm.tags import TAG_GATHER_BYTES
@@ -40,12 +42,22 @@ from minidist.comm.work import CommStream
 from minidist.device import device_of, is_cupy
 
 DEFAULT_THRESHOLD_BYTES = 256 * 1024
-"""All-reduces smaller than this use recursive doubling, larger ones the ring. In the usual cost
-model (a message costs a latency a plus its bytes times b), doubling costs log2(n) (a + N b) and the
-ring 2(n-1) a + 2(n-1)/n N b: doubling sends fewer messages, the ring fewer bytes. With MPI's few
-microseconds of latency and several GB/s, the two meet at some hundreds of KiB for n = 4..8 (measured
-by benchmarks/collectives.py on 2 cores: doubling won up to about 1 MiB at 4 ranks, e.g. 64 KiB in
-1.2 ms against the ring's 3.5 ms). Every rank sees the same size, so all pick the same algorithm."""
+"""All-reduces smaller than this use recursive doubling. In the usual cost model (a message costs a
+latency a plus its bytes times b), doubling costs log2(n) (a + N b), Rabenseifner's about
+2 log2(n) a + 2(n-1)/n N b and the ring 2(n-1) a + 2(n-1)/n N b: doubling sends fewest messages,
+the other two fewest bytes. Measured by ``benchmarks/collectives.py --algorithms`` on 2 cores (2 and
+4 ranks): doubling is fastest up to 128 KiB, level with Rabenseifner's at 256 KiB, and slower from
+512 KiB (4 ranks, 1 MiB: 522 us against 432 us). Every rank sees the same size, so all pick the same
+algorithm."""
+
+DEFAULT_RING_FROM_BYTES = 8 * 1024 * 1024
+"""On a power-of-two group, all-reduces from ``threshold_bytes`` up to this use Rabenseifner's
+algorithm (``halving.py``), and reduce-scatters and all-gathers below it recursive halving and
+doubling (log2(n) rounds); the ring from here on, and on other groups at every size. Measured on 2
+cores (``--algorithms``): Rabenseifner's all-reduce beat the ring by 18-35% from 256 KiB to 2 MiB at
+4 ranks (3-4 rounds against 6), was level at 4 MiB and lost by 5-30% from 8 MiB, at 2 and 4 ranks
+(probably because its unsegmented halves, up to half the buffer, no longer fit in the cache, where
+the ring streams 1 MiB segments)."""
 
 
 class ProcessGroup:
@@ -53,7 +65,8 @@ class ProcessGroup:
 
     ``rank``/``size`` are this rank's number and the group's size; ``trace`` records every call
     (pass one to share it, e.g. between a group and its sub-groups); ``threshold_bytes`` is where
-    ``all_reduce(algorithm="auto")`` switches from recursive doubling to the ring; ``segment_bytes``
+    ``all_reduce(algorithm="auto")`` switches from recursive doubling to the next algorithm and
+    ``ring_from_bytes`` where the ring takes over (see ``_all_reduce_algorithm``); ``segment_bytes``
     is the ring's segment size; ``scattered_below_bytes`` is the mean chunk size below which
     ``all_to_all`` posts all its messages at once rather than in pairwise steps; ``check_calls``
     compares every collective's fingerprint with the ring neighbours first, ``debug`` with every rank.
@@ -62,7 +75,8 @@ class ProcessGroup:
     def __init__(self, transport, *, backend: str = "ring", trace: Trace | None = None, debug: bool = False,
                  threshold_bytes: int = DEFAULT_THRESHOLD_BYTES, name: str = "world",
                  segment_bytes: int = ring.SEGMENT_BYTES, flight_recorder=None, check_calls: bool = True,
-                 scattered_below_bytes: int = alltoall.SCATTERED_BELOW_BYTES):
+                 scattered_below_bytes: int = alltoall.SCATTERED_BELOW_BYTES,
+                 ring_from_bytes: int = DEFAULT_RING_FROM_BYTES):
         if backend not in ("ring", "mpi", "nccl"):
             raise ValueError(f"backend must be 'ring', 'mpi' or 'nccl', got {backend!r}")
         self.transport = transport
@@ -70,6 +84,7 @@ class ProcessGroup:
         self.backend, self.debug, self.name, self.check_calls = backend, debug, name, check_calls
         self.trace = trace if trace is not None else Trace(transport.rank)
         self.threshold_bytes, self.segment_bytes = threshold_bytes, segment_bytes
+        self.ring_from_bytes = ring_from_bytes
         self.scattered_below_bytes = scattered_below_bytes
         self.flight_recorder = flight_recorder  # dumps the trace's last calls when one times out
         self.seq = 0  # collectives called so far: the same on every rank
@@ -95,13 +110,13 @@ class ProcessGroup:
         """Every rank's ``x`` becomes the elementwise ``op`` over all ranks, in place; returns ``x``
         (with ``async_op``: a Work whose ``wait()`` returns ``x``; leave ``x`` alone until then).
 
-        ``algorithm``: "auto" (doubling below ``threshold_bytes``, else the ring; MPI's or NCCL's own
-        on backend "mpi" or "nccl"), "ring" or "doubling"."""
+        ``algorithm``: "auto" (by size and group size, ``_all_reduce_algorithm``; MPI's or NCCL's own
+        on backend "mpi" or "nccl"), "ring", "doubling" or "halving"."""
         checks.check_array(self, x, "x")
         checks.check_op(self, op)
         checks.check_algorithm(self, algorithm)
         if algorithm == "auto":
-            algorithm = self._algorithm("doubling" if x.nbytes < self.threshold_bytes else "ring", x)
+            algorithm = self._algorithm(self._all_reduce_algorithm(x.nbytes), x)
         flat = x.reshape(-1)  # (N,) view
 
         first = op == "avg" and averages_first(x.dtype)  # float16: divide, then sum
@@ -114,6 +129,8 @@ class ProcessGroup:
                                 workspace=self._workspace)
             elif algorithm == "doubling":
                 doubling.all_reduce(self.transport, flat, _summed(op), workspace=self._workspace)
+            elif algorithm == "halving":
+                halving.all_reduce(self.transport, flat, _summed(op), workspace=self._workspace)
             else:  # the backend's own
                 self._native_for(x).all_reduce(flat, _summed(op))
             if op == "avg" and not first:
@@ -133,6 +150,7 @@ class ProcessGroup:
         counts = [c * math.prod(x.shape[1:]) for c in rows]  # elements per rank
         out = checks.out_array(self, out, (rows[self.rank],) + x.shape[1:], x.dtype, like=x)
         native = self._native_for(x)
+        algorithm = self._algorithm("halving" if self._halving(x.nbytes) else "ring", x)
 
         first = op == "avg" and averages_first(x.dtype)  # float16: divide, then sum
 
@@ -143,13 +161,16 @@ class ProcessGroup:
                 divide_by_size(scratch, self.size)
             if native:
                 native.reduce_scatter(scratch, counts, _summed(op), out.reshape(-1))
+            elif algorithm == "halving":
+                halving.reduce_scatter(self.transport, scratch, counts, _summed(op), out.reshape(-1),
+                                       workspace=self._workspace)
             else:
                 ring.reduce_scatter(self.transport, scratch, counts, _summed(op), out.reshape(-1),
                                     segment_bytes=self.segment_bytes, workspace=self._workspace)
             if op == "avg" and not first:
                 divide_by_size(out, self.size)
             return out
-        return self._dispatch("reduce_scatter", run, self._algorithm("ring", x), x.nbytes, async_op=async_op,
+        return self._dispatch("reduce_scatter", run, algorithm, x.nbytes, async_op=async_op,
                               like=x, op=op, dtype=x.dtype, count=x.size)
 
     def all_gather(self, shard, count: int | None = None, out=None, async_op: bool = False):
@@ -164,14 +185,17 @@ class ProcessGroup:
         counts = [c * math.prod(shard.shape[1:]) for c in rows]  # elements per rank
         out = checks.out_array(self, out, (sum(rows),) + shard.shape[1:], shard.dtype, like=shard)
         native = self._native_for(shard)
+        algorithm = self._algorithm("doubling" if self._halving(out.nbytes) else "ring", shard)
 
         def run():
             if native:
                 native.all_gather(shard.reshape(-1), counts, out.reshape(-1))
+            elif algorithm == "doubling":
+                doubling.all_gather(self.transport, shard.reshape(-1), counts, out.reshape(-1))
             else:
                 ring.all_gather(self.transport, shard.reshape(-1), counts, out.reshape(-1))
             return out
-        return self._dispatch("all_gather", run, self._algorithm("ring", shard), out.nbytes, async_op=async_op,
+        return self._dispatch("all_gather", run, algorithm, out.nbytes, async_op=async_op,
                               like=shard, dtype=shard.dtype, count=out.size)
 
     def all_to_all(self, x, send_counts=None, recv_counts=None, out=None, async_op: bool = False):
@@ -332,6 +356,7 @@ class ProcessGroup:
             return None
         return ProcessGroup(sub, backend=self.backend, trace=self.trace, debug=self.debug,
                             threshold_bytes=self.threshold_bytes, segment_bytes=self.segment_bytes,
+                            ring_from_bytes=self.ring_from_bytes,
                             check_calls=self.check_calls, scattered_below_bytes=self.scattered_below_bytes,
                             flight_recorder=self.flight_recorder, name=name if name is not None else f"{self.name}/split{self._splits}.{color}")
 
@@ -406,6 +431,23 @@ class ProcessGroup:
         "nccl", else the transport."""
         return self._native.p2p if self.backend == "nccl" and is_cupy(x) else self.transport
 
+    def _all_reduce_algorithm(self, nbytes: int) -> str:
+        """``all_reduce(algorithm="auto")``'s choice for a buffer of ``nbytes``: recursive doubling
+        below ``threshold_bytes``; from there, on a power-of-two group, Rabenseifner's ("halving")
+        below ``ring_from_bytes``; else the ring. It depends only on the size and the group's size,
+        which every rank shares, so every rank picks the same."""
+        if nbytes < self.threshold_bytes:
+            return "doubling"
+        if nbytes < self.ring_from_bytes and _power_of_two(self.size):
+            return "halving"
+        return "ring"
+
+    def _halving(self, nbytes: int) -> bool:
+        """Whether reduce_scatter (recursive halving) and all_gather (recursive doubling) of a full
+        buffer of ``nbytes`` take log2(n) rounds rather than the ring's n - 1: on a power-of-two group,
+        below ``ring_from_bytes``. The same on every rank."""
+        return self.size > 1 and _power_of_two(self.size) and nbytes < self.ring_from_bytes
+
     def _algorithm(self, hand_written: str, x) -> str:
         """The name the trace records: the backend's ("mpi", "nccl") when it runs the call."""
         return self.backend if self._native_for(x) else hand_written
@@ -461,6 +503,10 @@ class _GroupRequest(Request):
     def wait(self) -> None:
         with self.group._timeouts(self.op, self.seq):
             self.request.wait()
+
+
+def _power_of_two(n: int) -> bool:
+    return n & (n - 1) == 0
 
 
 def _summed(op: str) -> str:

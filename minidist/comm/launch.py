@@ -29,8 +29,9 @@ def init(backend: str = "ring", *, timeout: float = 300.0, debug: bool = False, 
     a node takes GPU i (see ``nccl.select_device``). An uncaught exception on any rank aborts the
     whole job. ``trace=False`` turns recording off; the trace keeps this rank's last ``trace_keep``
     calls, so a job of any length holds the same memory (None keeps every call: it grows with the job).
-    ``threshold_bytes`` overrides where all-reduce switches to the ring and ``segment_bytes`` the
-    ring's segment size. When a call times out, the flight recorder prints this
+    ``threshold_bytes`` overrides where all-reduce switches from recursive doubling to the
+    bandwidth-optimal algorithms (Rabenseifner's, then the ring: ``ProcessGroup``) and
+    ``segment_bytes`` the ring's segment size. When a call times out, the flight recorder prints this
     rank's last recorded calls to stderr (and to ``flight_dir/flight_rank<r>.txt`` if given).
     GPU (CuPy) buffers go to MPI as they are when it is CUDA-aware and through pinned host memory
     when not; ``cuda_aware=None`` asks the MPI library, True or False overrides it. ``timeout``

@@ -1,9 +1,9 @@
 """What every collective algorithm shares: reduction operators, accepted dtypes, uneven counts and a
 scratch workspace (their message tags are in ``tags.py``).
 
-The algorithms in ``ring.py``, ``doubling.py`` and ``rooted.py`` reduce with ufuncs written
-``ufunc(a, b, out=a)``: in place, no temporary array, and on the buffer's own device (NumPy's ufunc
-for host arrays, CuPy's kernel for GPU arrays). Whatever scratch memory they need (a segment being
+The algorithms in ``ring.py``, ``doubling.py``, ``halving.py`` and ``rooted.py`` reduce with ufuncs
+written ``ufunc(a, b, out=a)``: in place, no temporary array, and on the buffer's own device (NumPy's
+ufunc for host arrays, CuPy's kernel for GPU arrays). Whatever scratch memory they need (a segment being
 received, an accumulator) comes from a :class:`Workspace` that the group keeps across calls, so the
 hot loops allocate nothing.
 """

@@ -16,6 +16,8 @@ OPS = ["sum", "prod", "max", "min", "avg"]
 
 ring = minidist.init(backend="ring", timeout=30.0)
 mpi = minidist.init(backend="mpi", timeout=30.0)
+ring_only = minidist.init(backend="ring", timeout=30.0)
+ring_only.ring_from_bytes = 0  # reduce_scatter and all_gather by the ring even where n is a power of two
 rank, n = ring.rank, ring.size
 checks = 0
 
@@ -66,7 +68,7 @@ def check_all_reduce(g_ring, g_mpi, tag):
         for op in ops_for(dtype):
             x = data(shape, dtype, op, seed)
             want = g_mpi.all_reduce(x.copy(), op=op)
-            for algorithm in ["auto", "ring", "doubling"]:
+            for algorithm in ["auto", "ring", "doubling", "halving"]:
                 got = x.copy()
                 returned = g_ring.all_reduce(got, op=op, algorithm=algorithm)
                 assert returned is got, "all_reduce works in place and returns its argument"
@@ -117,7 +119,7 @@ def check_bitwise_identical_floats():
     the same bits (each element is reduced once, on one rank, then copied)."""
     for dtype in [np.float16, np.float32, np.float64]:
         for count in [n + 1, 1001, 100_003]:
-            for algorithm in ["ring", "doubling"]:
+            for algorithm in ["ring", "doubling", "halving"]:
                 x = np.random.default_rng([count, rank]).standard_normal(count).astype(dtype)
                 ring.all_reduce(x, op="avg", algorithm=algorithm)
                 identical_on_all_ranks(x, f"all_reduce {np.dtype(dtype)} {count} {algorithm}")
@@ -168,6 +170,7 @@ def check_subgroups():
 
 check_all_reduce(ring, mpi, "world")
 check_reduce_scatter_all_gather(ring, mpi, "world")
+check_reduce_scatter_all_gather(ring_only, mpi, "world, the ring only")
 check_rooted(ring, mpi, "world")
 check_bitwise_identical_floats()
 check_point_to_point()

@@ -18,11 +18,11 @@ from minidist.parallel.pipeline.executor import PipelineEngine, split_micro_batc
 from minidist.parallel.pipeline.schedules import SCHEDULES, build_schedule, placement_of, splits_backward
 from minidist.parallel.pipeline.stages import (PipelineStage, estimate_layer_costs, measure_layer_costs,
                                                partition_layers)
-from minidist.parallel.pipeline.timeline import (compute_spans, draw_timelines, executed_timeline,
+from minidist.parallel.pipeline.timeline import (compute_spans, draw_timeline, draw_timelines, executed_timeline,
                                                  format_timeline, gather_spans)
 from minidist.parallel.pipeline.validate import ScheduleError, Timeline, simulate, validate
 
 __all__ = ["Action", "rank_stages", "stage_rank", "placement_of", "splits_backward", "PipelineEngine", "split_micro_batches", "SCHEDULES", "build_schedule", "PipelineStage",
-           "estimate_layer_costs", "measure_layer_costs", "partition_layers", "compute_spans", "draw_timelines",
+           "estimate_layer_costs", "measure_layer_costs", "partition_layers", "compute_spans", "draw_timeline", "draw_timelines",
            "executed_timeline", "format_timeline", "gather_spans", "ScheduleError", "Timeline", "simulate",
            "validate"]

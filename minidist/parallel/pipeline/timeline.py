@@ -74,10 +74,32 @@ def executed_timeline(spans_per_rank: list[np.ndarray]) -> Timeline:
     return Timeline(timeline, end - origin)
 
 
+def draw_timeline(ax, timeline: Timeline, factor: float = 1.0, colors=None, title: str = "") -> None:
+    """Draw ``timeline`` into matplotlib axes ``ax``: one row per rank, F, B and W boxes coloured by
+    micro-batch (``colors``: a colormap; B hatched //, W hatched xx) and labelled where there is room,
+    idle time grey; times multiplied by ``factor``."""
+    import matplotlib.pyplot as plt
+
+    p = len(timeline.spans)
+    colors = colors or plt.get_cmap("tab10")
+    chunks = any(s.action.stage >= p for spans in timeline.spans for s in spans)
+    ax.set_facecolor("#d9d9d9")  # idle
+    for r, spans in enumerate(timeline.spans):
+        for s in spans:
+            ax.barh(r, (s.end - s.start) * factor, left=s.start * factor, height=0.8,
+                    color=colors(s.action.microbatch % colors.N), edgecolor="black", linewidth=0.4,
+                    hatch={"B": "//", "W": "xx"}.get(s.action.op), alpha=0.75 if s.action.op == "F" else 1.0)
+            if (s.end - s.start) / timeline.makespan > 0.012:
+                ax.text((s.start + s.end) / 2 * factor, r, _label(s.action, p, chunks), ha="center",
+                        va="center", fontsize=7)
+    ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
+    ax.invert_yaxis()
+    ax.set_title(f"{title}bubble {100 * timeline.bubble():.1f}%", fontsize=10, loc="left")
+
+
 def draw_timelines(path, executed: Timeline, ideal: Timeline, title: str = "") -> None:
     """Save a PNG: the executed timeline (top) above the ideal one (bottom, scaled to the same
-    length), one row per rank, F, B and W boxes coloured by micro-batch (B hatched //, W hatched
-    xx), idle time grey."""
+    length), each drawn by :func:`draw_timeline`."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -86,24 +108,10 @@ def draw_timelines(path, executed: Timeline, ideal: Timeline, title: str = "") -
     n_mb = 1 + max(s.action.microbatch for spans in ideal.spans for s in spans)
     colors = plt.get_cmap("tab20" if n_mb > 10 else "tab10")
     fig, axes = plt.subplots(2, 1, figsize=(12, 1.2 + 1.1 * p), sharex=True)
-    scale = executed.makespan / ideal.makespan
-    chunks = any(s.action.stage >= p for spans in ideal.spans for s in spans)
-    for ax, timeline, factor, name in ((axes[0], executed, 1.0, "executed"), (axes[1], ideal, scale, "ideal")):
-        ax.set_facecolor("#d9d9d9")  # idle
-        for r, spans in enumerate(timeline.spans):
-            for s in spans:
-                color = colors(s.action.microbatch % colors.N)
-                forward = s.action.op == "F"
-                ax.barh(r, (s.end - s.start) * factor, left=s.start * factor, height=0.8, color=color,
-                        edgecolor="black", linewidth=0.4, hatch={"B": "//", "W": "xx"}.get(s.action.op),
-                        alpha=0.75 if forward else 1.0)
-                if (s.end - s.start) / timeline.makespan > 0.012:
-                    ax.text((s.start + s.end) / 2 * factor, r, _label(s.action, p, chunks), ha="center",
-                            va="center", fontsize=7)
-        ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
-        ax.invert_yaxis()
+    for ax, timeline, factor, name in ((axes[0], executed, 1.0, "executed"),
+                                       (axes[1], ideal, executed.makespan / ideal.makespan, "ideal")):
+        draw_timeline(ax, timeline, factor, colors, f"{name}: ")
         ax.set_xlim(0, executed.makespan)
-        ax.set_title(f"{name}: bubble {100 * timeline.bubble():.1f}%", fontsize=10, loc="left")
     axes[1].set_xlabel("seconds (ideal: the simulator's cost units, scaled to the executed step)")
     fig.suptitle(title)
     fig.tight_layout()
