@@ -51,7 +51,6 @@ from minidist.comm.ops import bus_factor
 from minidist.data import get_batch, inputs_and_targets
 from minidist.model import GPT, GPTConfig
 from minidist.optim import AdamW, clip_grad_norm
-from minidist.parallel.accounting import unique_nbytes
 from minidist.parallel.loss_scaling import backward_micro_batch
 from minidist.parallel.zero import ZeroOptimizer
 
@@ -85,18 +84,13 @@ def watch_gathers(zero, model):
     False to stop, before ``full_parameters()`` gathers everything on purpose)."""
     peak = {"bytes": 0, "units": [], "watching": True}
     gatherer, ensure = zero.gatherer, zero.gatherer.ensure
-    params = list(model.parameters())  # released parameters hold an empty array: 0 bytes
 
     def watched(shards):
         ensure(shards)
-        if not peak["watching"]:
-            return
-        bound = unique_nbytes([p.data for p in params])
-        in_flight = sum(full.nbytes for full, _ in gatherer._queued.values())  # prefetch buffers
-        if bound + in_flight > peak["bytes"]:
+        if peak["watching"] and gatherer.held_bytes() > peak["bytes"]:  # gathered + prefetch buffers
             gathered = [s.unit.name for s in zero.shards if s.unit.params[0][1].data.size]
-            queued = [s.unit.name for s in zero.shards if id(s) in gatherer._queued]
-            peak.update(bytes=bound + in_flight, units=gathered + [f"{u} (prefetch)" for u in queued])
+            queued = [s.unit.name for s in gatherer.prefetching(zero.shards)]
+            peak.update(bytes=gatherer.held_bytes(), units=gathered + [f"{u} (prefetch)" for u in queued])
     gatherer.ensure = watched
     return peak
 

@@ -64,9 +64,8 @@ from collections import Counter
 import numpy as np
 
 import minidist
-from minidist.comm import Trace
+from minidist.comm import gather_traces
 from minidist.parallel.param_server import staleness_bound, train_parameter_server
-from minidist.parallel.ps_timeline import gather_traces
 from minidist.train import train
 from minidist.train_build import build_model, load_data
 from minidist.train_config import TrainConfig
@@ -83,10 +82,7 @@ def run(group, servers, staleness, straggler=0.0):
     model = build_model(CFG)
     history = train_parameter_server(group, model, CFG, load_data(CFG)[0], servers=servers,
                                      staleness=staleness, straggler=straggler)
-    traces = gather_traces(group, group.trace)
-    if traces is not None:  # rank 0's own trace is the live one, cleared by the next run: keep a copy
-        traces[0] = Trace.from_bytes(traces[0].to_bytes(), 0)
-    return model, history, traces
+    return model, history, gather_traces(group, group.trace)  # copies: the next run clears the live one
 
 
 def spans(trace, op):

@@ -8,11 +8,11 @@ from minidist.comm.group import ProcessGroup
 from minidist.comm.launch import init, run_local
 from minidist.comm.local_transport import LocalTransport, PeerExited
 from minidist.comm.ops import GROUP_OPS, split_counts
-from minidist.comm.trace import Event, Trace, write_chrome_trace
+from minidist.comm.trace import Event, Trace, gather_traces, write_chrome_trace
 from minidist.comm.work import Work
 from minidist.comm.transport import (CollectiveMismatchError, CommTimeoutError, PeerTimeout, Request,
                                      Transport, wait_all)
 
 __all__ = ["ProcessGroup", "init", "run_local", "LocalTransport", "PeerExited", "GROUP_OPS", "split_counts",
-           "Event", "Trace", "write_chrome_trace", "CollectiveMismatchError", "CommTimeoutError",
+           "Event", "Trace", "gather_traces", "write_chrome_trace", "CollectiveMismatchError", "CommTimeoutError",
            "PeerTimeout", "Request", "Transport", "Work", "wait_all"]

@@ -216,6 +216,17 @@ class Trace:
         return out
 
 
+def gather_traces(group, trace: Trace, root: int = 0) -> list[Trace] | None:
+    """Every rank's ``trace`` on ``root``: copies, in rank order (None on the other ranks). Sends
+    each rank's events as JSON lines (``Trace.to_bytes``) in one ``group.gather_bytes`` to ``root``.
+    ``time.perf_counter`` is one clock for all processes of a machine, so the spans line up; ranks
+    on several machines would need their clocks aligned first."""
+    gathered = group.gather_bytes(trace.to_bytes(), dst=root)
+    if gathered is None:
+        return None
+    return [Trace.from_bytes(data, rank) for rank, data in enumerate(gathered)]
+
+
 def write_chrome_trace(traces: list[Trace], path, shared_clock: bool = False) -> None:
     """Merge the traces of several ranks into one Chrome trace JSON file at ``path``.
 

@@ -74,8 +74,8 @@ def offload_formula(part: dict, shard_bytes: float, where: str, params: bool, ma
 
 
 def bus_bytes(events, group_name: str, group_size: int) -> dict:
-    """Per op (all_reduce / reduce_scatter / all_gather) the bytes each rank of ``group_name`` sends
-    for the recorded ``events``, plus their ``"total"``."""
+    """Per op (all_reduce / reduce_scatter / all_gather) the bus bytes each rank of ``group_name``
+    sends for the recorded ``events`` (the convention of :func:`sent_bytes`), plus their ``"total"``."""
     sent = {op: 0.0 for op in SHARDING_OPS}
     for e in events:
         if e.group == group_name and e.op in SHARDING_OPS:
@@ -98,7 +98,10 @@ def sent_bytes(events, group_sizes: dict[str, int]) -> dict:
     """Per mesh axis (:func:`axis_of`), the bytes this rank sent in ``events``: each collective's
     bus bytes (nccl-tests' factors, :func:`~minidist.comm.ops.bus_factor`, on the group's size from
     ``group_sizes``), each point-to-point send's bytes (half of a sendrecv's); receives, waits and
-    compute send nothing."""
+    compute send nothing. Bus bytes are what a bandwidth-optimal algorithm sends (the ring and
+    Rabenseifner's send exactly that); recursive doubling, which the groups pick for all-reduces
+    below 256 KiB, sends log2(n) whole buffers instead: the convention counts the data's share of
+    the link, not that algorithm's messages, and the planner counts the same way."""
     sent: dict = {}
     for e in events:
         if e.kind not in ("collective", "p2p") or e.op in ("recv", "irecv"):

@@ -7,7 +7,8 @@ the new parameters back to every worker. Averaging W gradients of W equal row-sl
 gives the full-batch gradient, so this equals one process and all-reduce data parallelism.
 
 Asynchronous (``run_async``): the server applies each worker's gradient the moment it arrives
-(scaled by 1/W: W updates make about one synchronous step), then answers that worker with the
+(scaled by 1/W: with SGD, W updates make about one synchronous step; Adam's normalised update
+undoes the scale, so with AdamW each is a full step), then answers that worker with the
 latest parameters. Nobody waits for the slowest worker, so updates may be computed on stale
 parameters: staleness = server version now - version the gradient was computed on, recorded per
 update. Staleness bound s (stale synchronous parallel): the answer to a worker that has finished

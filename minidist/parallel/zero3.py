@@ -67,6 +67,16 @@ class Gatherer:
                 self._full[id(s)] = full
                 self._by_array.update({id(p.data): (s, i) for i, (_, p) in enumerate(s.unit.params)})
 
+    def held_bytes(self) -> int:
+        """Bytes of full parameters this rank holds now: the units gathered and bound, and the
+        buffers of the all-gathers in flight (the prefetch). ZeRO-3's working memory on top of
+        the resting shards."""
+        return sum(full.nbytes for full in self._full.values()) + sum(full.nbytes for full, _ in self._queued.values())
+
+    def prefetching(self, shards) -> list:
+        """Those of ``shards`` whose all-gather is in flight now."""
+        return [s for s in shards if id(s) in self._queued]
+
     def _queue(self, shards) -> None:
         for s in shards:
             if id(s) not in self._full and id(s) not in self._queued:
