@@ -200,6 +200,14 @@ def test_every_tutorial_is_listed():
     assert sorted(p.name for p in TUTORIALS.glob("[0-9][0-9]_*.py")) == sorted(s for s, *_ in LESSONS)
 
 
+@pytest.mark.parametrize("script", [s for s, *_ in LESSONS], ids=[s[:2] for s, *_ in LESSONS])
+def test_every_lesson_takes_png(script):
+    """A design contract: every lesson draws its idea with --png PATH (here: its --help says so)."""
+    done = subprocess.run([sys.executable, str(TUTORIALS / script), "--help"], capture_output=True, text=True,
+                          timeout=SECONDS, cwd=REPO)
+    assert done.returncode == 0 and "--png" in done.stdout, done.stdout + done.stderr
+
+
 def test_the_pipeline_lesson_explains_its_first_step_per_rank():
     done = subprocess.run([sys.executable, str(TUTORIALS / "04_pipeline.py"), "--local", "2", "--explain"],
                           capture_output=True, text=True, timeout=2 * SECONDS, cwd=REPO,

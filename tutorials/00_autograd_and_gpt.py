@@ -1,6 +1,7 @@
 """Lesson 00: autograd and one GPT training step, on one process.
 
     python tutorials/00_autograd_and_gpt.py
+    python tutorials/00_autograd_and_gpt.py --png autograd.png   # also draw the graph and a gradient
 
 Every later lesson splits this computation across processes (data, tensor, pipeline parallel,
 ZeRO) and proves that it gets the same numbers as this one. So first we make the one-process
@@ -11,9 +12,13 @@ numbers trustworthy:
   3. one training step by hand (p -= lr * grad) and the loss before and after it;
   4. the same step by minidist's SGD optimizer: bit-for-bit the hand-written one.
 
-The script checks every claim it prints and exits non-zero if one fails.
+The script checks every claim it prints and exits non-zero if one fails. With ``--png PATH`` it
+draws what this run did: the ops of the GPT's graph that backward walked, and the loss along one
+weight with the tangent whose slope autograd gave.
 """
+import argparse
 import sys
+from collections import Counter
 
 import numpy as np
 
@@ -22,6 +27,9 @@ from minidist.data import default_corpus, get_batch, inputs_and_targets, load_to
 from minidist.model import GPT, GPTConfig
 from minidist.optim import SGD
 
+args = argparse.ArgumentParser(description="Lesson 00: autograd and one GPT training step.")
+args.add_argument("--png", help="draw the GPT's graph (ops by kind) and one gradient as a tangent into this PNG")
+args = args.parse_args()
 failures = []
 
 
@@ -34,6 +42,18 @@ def check(ok, claim):
 
 def relative_error(a, b):
     return abs(a - b) / max(abs(a), abs(b), 1e-12)
+
+
+def graph_ops(t) -> Counter:
+    """How many nodes of each op (Function class) the graph behind tensor ``t`` holds: what
+    backward will visit, each node once."""
+    seen, stack = {}, [t._node]
+    while stack:
+        node = stack.pop()
+        if node is not None and id(node) not in seen:
+            seen[id(node)] = type(node).__name__
+            stack.extend(i._node for i in node.inputs if i is not None)
+    return Counter(seen.values())
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -74,6 +94,10 @@ print(f"   batch: {idx.shape[0]} rows of {idx.shape[1]} bytes, e.g. {bytes(idx[0
 
 _, loss = model(idx, targets)
 loss_before = loss.item()
+ops = graph_ops(loss)  # before backward, which frees the graph
+print(f"   the graph behind the loss: {sum(ops.values())} ops, "
+      + ", ".join(f"{n} {name}" for name, n in ops.most_common()))
+check(ops["Linear"] == 4 * config.n_layer + 1, "4 Linears per block (c_attn, attn c_proj, c_fc, mlp c_proj) + the LM head")
 print(f"   loss = {loss_before:.4f}; a model that guesses uniformly over 256 bytes scores ln 256 = {np.log(256):.4f}")
 check(abs(loss_before - np.log(256)) < 0.5, "an untrained model's loss is close to ln 256")
 loss.backward()
@@ -125,6 +149,52 @@ same = all(np.array_equal(p.data, by_hand[name]) for name, p in model.named_para
 check(same, "SGD(lr=0.1).step() gives exactly the hand-written update")
 print(f"\n   The baseline every later lesson compares against: loss {loss_before:.10f} -> {loss_after:.10f}"
       "\n   (float64, seed 0, batch 0 of the default corpus, lr 0.1).")
+
+
+
+def draw(path):
+    """Left: the ops of the GPT's graph by kind (what backward walked). Right: the loss along the
+    most sensitive element of c_fc's weight in block h.1 (the model at its start weights, batch 0),
+    and the tangent whose slope is autograd's gradient there."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    model.load_state_dict(start)
+    p = params["transformer.h.1.mlp.c_fc.weight"]
+    model.zero_grad()
+    model(idx, targets)[1].backward()
+    i = tuple(int(j) for j in np.unravel_index(np.argmax(np.abs(p.grad)), p.data.shape))
+    w0, slope = float(p.data[i]), float(p.grad[i])
+    ws = w0 + np.linspace(-0.5, 0.5, 21)
+    losses = [loss_at(p, i, w) for w in ws]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw=dict(width_ratios=(1, 1.2)))
+    names, counts = zip(*ops.most_common())
+    left.barh(range(len(names)), counts, color="#4e79a7")
+    left.set_yticks(range(len(names)), names, fontsize=8)
+    left.invert_yaxis()
+    for y, c in enumerate(counts):
+        left.text(c, y, f" {c}", va="center", fontsize=8)
+    left.set_xlabel("nodes in the graph behind the loss")
+    left.set_title(f"what backward walks: {sum(counts)} ops, {config.n_layer} blocks", fontsize=10)
+    right.plot(ws, losses, "o-", color="#4e79a7", markersize=3, label="loss (forward, no graph)")
+    right.plot(ws, losses[10] + slope * (ws - w0), "--", color="#e15759", label=f"tangent: slope = autograd's {slope:+.4f}")
+    right.axvline(w0, color="0.6", linewidth=0.8)
+    right.set_xlabel(f"h.1.mlp.c_fc.weight{list(i)}")
+    right.set_ylabel("loss on batch 0")
+    right.set_title("one gradient: the slope of the loss along one weight", fontsize=10)
+    right.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), fontsize=8, frameon=False, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    print(f"\n   Drawn into {path}: the graph's ops, and the loss along one weight with autograd's tangent.")
+
+
+if args.png:
+    draw(args.png)
+
+print("\nTry: set n_layer=4 in `config` and run again. Expected: the graph line reports 17 Linear ops"
+      "\n     (4 per block + the head), every check still [ok], and a different baseline loss.")
 
 if failures:
     print(f"\n{len(failures)} check(s) FAILED")
