@@ -26,15 +26,13 @@ matrix and computes with it, and the ranks add their partial results where the m
   4. The proof: loss and every gradient, joined from the shards, equal one process's (float64).
 """
 import argparse
-import time
 
 import numpy as np
 
 import minidist
-from minidist.autograd import Function
-from minidist.comm.trace import Event
 from minidist.model import GPT, GPTConfig
 from minidist.parallel.accounting import activation_bytes
+from minidist.parallel.module_spans import ModuleSpans, is_module_span
 from minidist.parallel.tensor_parallel import sync_sequence_parallel_grads, tp_layout, unshard
 from minidist.parallel.tp_model import build_tp_gpt
 from minidist.plan.layout import RunSpec
@@ -43,7 +41,7 @@ from minidist.plan.models import from_gpt_config
 
 CONFIG = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=4, n_embd=8)  # vocab 11: padded
 B, T = 2, 8
-PIECES = ["embed"] + [f"h.{i}" for i in range(CONFIG.n_layer)] + ["head"]
+PIECES = ["embedding"] + [f"h.{i}" for i in range(CONFIG.n_layer)] + ["head"]  # module_spans.py's names
 SPLIT = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")  # drawn
 
 
@@ -81,60 +79,32 @@ def holdings(group, model):
     return owners
 
 
-class Marker(Function):
-    """Identity both ways; its backward notes in the trace the moment the gradient passes here. Put
-    between two pieces of the model, it tells which backward collectives belong to which piece."""
-
-    @staticmethod
-    def forward(ctx, x, trace, piece):
-        ctx.trace, ctx.piece = trace, piece
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        now = time.perf_counter()
-        ctx.trace.add(Event(f"backward of {ctx.piece} done", "", "", 0, now, now, 0, ctx.trace.rank, kind="compute"))
-        return grad, None, None
-
-
 def one_step(group, model):
-    """Forward (piece by piece along the model's cut: embed, each block, head, each recorded as a
-    compute span) and backward (markers at the cuts). Returns the loss, the activation bytes the
-    graph keeps, and per (piece, "forward" | "backward") the collectives, in order."""
+    """Forward and backward of one batch, with the trace watched so that it records a span per
+    module (embedding, each block, head) inside each pass (minidist/parallel/module_spans.py).
+    Returns the loss, the activation bytes the graph keeps, and per (module, "forward" |
+    "backward") the collectives that started inside that module's span, in order."""
     idx, targets = batch()
     trace = group.trace
     trace.clear()
-    with trace.record("forward", kind="compute"):
-        with trace.record("embed", kind="compute"):
-            x = model.embed(idx)  # (B, T, C), or (B, T/n, C) under sequence parallelism
-        for i, block in enumerate(model.transformer.h):
-            x = Marker.apply(x, trace, f"h.{i}")  # its backward runs once h.i's backward is done
-            with trace.record(f"h.{i}", kind="compute"):
-                x = block(x)
-        x = Marker.apply(x, trace, "head")
-        with trace.record("head", kind="compute"):
-            _, loss = model.head(x, targets)
-    held = activation_bytes(loss, exclude=[p.data for p in model.parameters()])  # what backward will read
-    with trace.record("backward", kind="compute"):
-        loss.backward()
-    with trace.record("sync_sequence_parallel_grads", kind="compute"):
-        sync_sequence_parallel_grads(model, group)
-    spans = [e for e in trace.events if e.kind == "compute" and e.op in PIECES]
-    marks = [e for e in trace.events if e.op.startswith("backward of ")]
-    backward = next(e for e in trace.events if e.op == "backward")
+    with trace.capture() as events:  # watched: module spans are recorded
+        spans = ModuleSpans(trace)
+        with trace.record("forward", kind="compute"), spans.forward(model) as tape:
+            _, loss = model(idx, targets)
+            tape.output(loss)
+        held = activation_bytes(loss, exclude=[p.data for p in model.parameters()])  # what backward will read
+        with trace.record("backward", kind="compute"), spans.backward(tape):
+            loss.backward()
+        with trace.record("sync_sequence_parallel_grads", kind="compute"):
+            sync_sequence_parallel_grads(model, group)
+    modules = [e for e in events if is_module_span(e)]
     by_piece = {}
-    for e in trace.events:
+    for e in events:
         if e.kind != "collective":
             continue
-        if e.end <= backward.start:  # forward: the piece whose span holds it
-            piece = next(s.op for s in spans if s.start <= e.start and e.end <= s.end)
-            by_piece.setdefault((piece, "forward"), []).append(e)
-        elif e.end <= backward.end:  # backward: the head's until the first marker, then each block's
-            done = [m.op.split()[2] for m in marks if m.end <= e.start]
-            piece = "head" if not done else PIECES[PIECES.index(done[-1]) - 1]
-            by_piece.setdefault((piece, "backward"), []).append(e)
-        else:
-            by_piece.setdefault(("after backward", "sync"), []).append(e)
+        inside = [m for m in modules if m.start <= e.start <= m.end]
+        key = (inside[-1].op, inside[-1].algorithm) if inside else ("after backward", "sync")
+        by_piece.setdefault(key, []).append(e)
     return loss, held, by_piece
 
 
@@ -143,14 +113,14 @@ def describe(group, title, by_piece):
     if group.rank != 0:
         return
     print(f"\n=== {title} ===")
-    print(f"  {'piece':<6} {'pass':<9} collective and bytes each rank hands in ({B * T * CONFIG.n_embd * 8} = (B, T, C) "
+    print(f"  {'module':<9} {'pass':<9} collective and bytes each rank hands in ({B * T * CONFIG.n_embd * 8} = (B, T, C) "
           f"float64, {B * T * 8} = (B, T))")
     order = [(p, "forward") for p in PIECES] + [(p, "backward") for p in reversed(PIECES)]
     for piece, direction in order + [("after backward", "sync")]:
         events = by_piece.get((piece, direction), [])
         if events or direction != "sync":
             ops = ", ".join(f"{e.op} {e.nbytes}" for e in events) or "-"
-            print(f"  {piece:<6} {direction:<9} {ops}")
+            print(f"  {piece:<9} {direction:<9} {ops}")
 
 
 def check_counts(group, by_piece, sequence_parallel):
@@ -247,7 +217,7 @@ def lesson(world, png=None):
             "--local 2 (or mpiexec -n 2): every shard is half of the matrix, r0:(12, 8) for c_attn",
             "tp 2 33,616 B, tp 2 + sp 30,736 B (-2,880 B, -8.6%)"))
         print(f"\nTry: {other[0]}:\n       per rank, measured: {other[1]}\n"
-              "     n_layer=3 in CONFIG: one more 'h.2    forward   all_reduce 1024, all_reduce 1024', and backward")
+              "     n_layer=3 in CONFIG: one more 'h.2       forward   all_reduce 1024, all_reduce 1024', and backward")
         print(f"Tensor parallelism on {world.size} ranks: 2 all-reduces per block each way, sp activations "
               f"{plain_bytes:,} -> {sp_bytes:,} B a rank; all checks passed.")
 
