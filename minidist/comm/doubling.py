@@ -38,18 +38,11 @@ def all_reduce(t, buf, op, *, workspace=None) -> None:
         return
     ufunc = reduce_ufunc(op, buf)
     incoming = (workspace if workspace is not None else Workspace()).get("doubling", buf.dtype, buf.size, like=buf)
+    folded = fold_in(t, buf, ufunc, incoming, TAG)
+    if folded is None:
+        return
     p = 1 << (n.bit_length() - 1)  # the largest power of two <= n
     extra = n - p
-    if r < 2 * extra:
-        if r % 2 == 0:  # fold in: give my data to r+1, wait for the final result
-            t.send(buf, r + 1, TAG)
-            t.recv(buf, r + 1, TAG)
-            return
-        t.recv(incoming, r - 1, TAG)
-        ufunc(incoming, buf, out=buf)
-        folded = r // 2
-    else:
-        folded = r - extra
     mask = 1
     while mask < p:
         other = folded ^ mask
@@ -60,8 +53,36 @@ def all_reduce(t, buf, op, *, workspace=None) -> None:
         else:
             ufunc(buf, incoming, out=buf)
         mask <<= 1
-    if r < 2 * extra:
-        t.send(buf, r - 1, TAG)
+    fold_out(t, buf, TAG)
+
+
+def fold_in(t, buf, ufunc, incoming, tag):
+    """The first half of the fold (module docstring), for n not a power of two: with p the largest
+    power of two <= n, an even rank r < 2(n - p) hands its buffer to r + 1 and waits for the final
+    result from it (returns None: it is done); an odd one receives it into ``incoming`` and reduces
+    it into ``buf`` (lower rank's data first). Returns this rank's number among the p that go on.
+
+    Sends: an even rank below 2(n - p), its whole ``buf`` to rank + 1."""
+    n, r = t.size, t.rank
+    extra = n - (1 << (n.bit_length() - 1))
+    if r >= 2 * extra:
+        return r - extra
+    if r % 2 == 0:
+        t.send(buf, r + 1, tag)
+        t.recv(buf, r + 1, tag)
+        return None
+    t.recv(incoming[:buf.size], r - 1, tag)
+    ufunc(incoming[:buf.size], buf, out=buf)
+    return r // 2
+
+
+def fold_out(t, buf, tag) -> None:
+    """The second half of the fold: each odd rank r < 2(n - p) hands the result back to r - 1.
+
+    Sends: those ranks, their whole ``buf`` to rank - 1."""
+    n, r = t.size, t.rank
+    if r < 2 * (n - (1 << (n.bit_length() - 1))) and r % 2 == 1:
+        t.send(buf, r - 1, tag)
 
 
 def all_gather(t, shard, counts, out) -> None:

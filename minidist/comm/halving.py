@@ -111,24 +111,17 @@ def all_reduce(t, buf, op, *, workspace=None) -> None:
     middle exchanges with rank ^ 1 become one swap of 2 chunks. The 2(n - p) folded ranks add one
     whole buffer in before (even rank to the odd one after it) and one out after.
     """
-    n, r = t.size, t.rank
+    n = t.size
     if n == 1:
         return
     ufunc = reduce_ufunc(op, buf)
     workspace = workspace if workspace is not None else Workspace()
     p = 1 << (n.bit_length() - 1)  # the largest power of two <= n
     extra = n - p
-    if r < 2 * extra:
-        if r % 2 == 0:  # fold in: give my data to r+1, wait for the final result
-            t.send(buf, r + 1, TAG)
-            t.recv(buf, r + 1, TAG)
-            return
-        incoming = workspace.get("halving", buf.dtype, buf.size, like=buf)
-        t.recv(incoming, r - 1, TAG)
-        ufunc(incoming, buf, out=buf)
-        me = r // 2
-    else:
-        me = r - extra
+    incoming = workspace.get("halving", buf.dtype, buf.size if extra else 0, like=buf)
+    me = doubling.fold_in(t, buf, ufunc, incoming, TAG)  # this rank among the p that go on
+    if me is None:
+        return
 
     ranks = [2 * f + 1 if f < extra else f + extra for f in range(p)] if extra else range(p)  # folded -> rank
     base, longer = divmod(buf.size, p)
@@ -148,8 +141,7 @@ def all_reduce(t, buf, op, *, workspace=None) -> None:
         else:
             ufunc(pair, incoming, out=pair)
         doubling.gather_blocks(t, buf, starts, me, ranks, mask=2)
-    if r < 2 * extra:
-        t.send(buf, r - 1, TAG)
+    doubling.fold_out(t, buf, TAG)
 
 
 def _scratch(workspace, buf, starts, me, p):
