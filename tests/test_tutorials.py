@@ -100,6 +100,12 @@ LESSONS = [
         r"    3 +15,040 +15,040 +30,080 +60,160 +120,320 +120,320   = 4 Psi",
         (r"step 2 rank \d: .* SKIPPED, scale 65536 -> 32768, skipped steps 1", 4),
         (r"step 3 rank \d: .* updated, scale 32768", 4),
+        # underflow: measured on the step-0 gradients, unscaled against x 65536
+        r"  unscaled +flushed to 0 +[\d,]+ \( *\d+\.\d\d%\) +subnormal +[\d,]+ \( *\d+\.\d\d%\)\n  x 65536 +flushed",
+        # the scale grows back: x 2 after growth_interval = 2 clean steps, / 2 at the overflow
+        r"  step 1: scale  65536 -> 131072   clean, 2 in a row: doubled\n  step 2: scale 131072 ->  65536   overflow",
+        r"  step 4: scale  65536 -> 131072   clean, 2 in a row: doubled\n",
+        r"\nTry:\n  1\. BLOWUP = 2\.0 \*\* 16",
         r"Mixed-precision ZeRO holds what the paper says, skips an overflow on every rank"]),
     ("10_context_parallel.py", 4, ["--local", "4"], [
         r"     1  kv 12-15 +- +kv 0-3 +F +kv 4-7 +F +kv 8-11 +F",  # contiguous: rank 0 skips, the others compute
@@ -109,6 +115,7 @@ LESSONS = [
         r"rank 3: \(1, 4, 4, 8\) heads 0-3, tokens 12-15 +->  \(1, 1, 16, 8\) head 3, tokens 0-15",
         r"the 6 heads of each tp rank .* do not divide by cp 4: use --cp-algorithm ring or zigzag",
         (r"  (ring|zigzag|ulysses) +\d\.\de[-+]\d\d +3\.\d{12} \(", 3),
+        r"\nTry:\n  1\. --local 2",
         r"Ring, zig-zag and Ulysses attention equal one process's to 1e-10; zig-zag balances the causal work"]),
     ("11_experts.py", 2, ["--local", "2"], [
         r"  sent     \(ep, E/ep\) rows to   r0: e0=2 e1=4   r1: e2=4 e3=6 ",  # route's choices, rank 0
@@ -118,6 +125,7 @@ LESSONS = [
         r"    e3: t0\.1 t4\.1 t5\.1 t6\.1  \| dropped: t7\.1 t3\.2\n",  # first choices queue first
         (r"  (0 \(dropless\)|1) +\d+/128 +3\.\d{12} +\d\.\de-\d\d ", 2),  # loss and gradients, dropless and not
         r"ep 2: loss and every gradient = one process's to 1e-10",
+        r"\nTry:\n  1\. --local 4",
         r"All checks passed\."]),
     ("12_zero_bubble.py", 2, ["--local", "4"], [
         r"after B: x\.grad\[0\] = \[.*\], weight\.grad = None, bias\.grad = None\n",
@@ -126,6 +134,7 @@ LESSONS = [
         r"  1,1,1 +zb-h1 +\d+ +(\d+) +\1 ",  # ZB-H1 idles (p-1)(T_F+T_B-T_W) at unit costs
         r"  1,1,1 +zbv +[\d.]+ +([\d.]+) +>= \1 ",  # ZB-V reaches its bound (p-1) T_F / 2
         (r"(zb-h1|zbv) +losses( \d\.\d{10}){3}  matches one process", 2),
+        r"\nTry:\n  1\. MICRO = 4",
         r"Zero-bubble schedules: B \+ W = backward bitwise; zb-h1 and zbv train as one process does\."]),
     ("13_offload.py", 2, ["--local", "2"], [
         r"  measured = formula to the byte: 6 configurations x 2 ranks, every rank the same bytes",
@@ -134,6 +143,7 @@ LESSONS = [
         r"  ZeRO-3 \+ optimizer,params -> files +27\.4 +56\.8 +248\.4 +191\.6  \| +27\.4 +56\.8 +248\.4 +191\.6\n",
         (r"vs ZeRO-[23]: 4 losses, 4 grad norms, 28,032 float32 masters; bitwise equal: True", 4),
         r"  20 files, 196,224 B = the disk column above .*: no file left",
+        r"\nTry:\n  1\. --local 4",
         r"Offload: device bytes fall from 246\.4 to 82\.1 KiB \(ZeRO-2\) and from 219\.0 to 27\.4 KiB \(ZeRO-3\) per rank; "
         r"offloaded runs equal the runs without, bitwise\.\nAll checks passed\."]),
     # the planner runs its small layouts on threads itself (minidist.plan.measure): one process only
@@ -149,6 +159,7 @@ LESSONS = [
         (r"\n   [1-6]( +\d+\.\d){7}  (yes|no) ", 6),  # each 70B layout's bytes by component, fits or not
         r"\n   1( +\d+\.\d){4} +8\d\d\.\d( +\d+\.\d){2}  no ",  # dp 1024, ZeRO-3: 800+ GiB of activations
         r"python -m minidist\.plan --model llama3-70b --seq 8192 --search --gpus 1024 --global-batch-size 1024",
+        r"\nTry:\n  1\. --local 4",
         r"The plan of 8 ranks = the run, to the byte .*\n\d of 6 layouts of llama3-70b fit on 1,024 GPUs\.\n"
         r"All checks passed\."]),
     ("15_recompute.py", 2, ["--local", "2"], [

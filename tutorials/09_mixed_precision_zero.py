@@ -26,12 +26,17 @@ unscales ITS gradient shard into float32, updates ITS master shard, and casts it
 (stages 1, 2 then all-gather float16 parameters; stage 3 keeps the shard until its next use).
 
 The loss scale: backward starts from ``scale / m`` (2**16 at first) so that small float16
-gradients do not flush to zero. Too large a scale overflows to inf on SOME rank; then every rank
-must skip the step together, or the replicas' shards would drift apart. So ``zero.found_inf()``
-all-reduces one flag over the world (8 bytes), and on every rank: no update, scale halved. Part 2
-makes rank 3's gradients overflow at step 2 and shows it.
+gradients do not flush to zero. Part 2 measures it on this run's step-0 gradients (computed in
+float32, then cast as a float16 backward would hold them): unscaled, some flush to 0 (below
+2**-25) and many more are subnormal (below 2**-14: fewer significant bits); times 2**16, almost
+none. Too large a scale overflows to inf on SOME rank; then every rank must skip the step
+together, or the replicas' shards would drift apart. So ``zero.found_inf()`` all-reduces one flag
+over the world (8 bytes), and on every rank: no update, scale halved. Part 3 makes rank 3's
+gradients overflow at step 2 and shows it. The scale also grows back: after ``growth_interval``
+clean steps in a row it doubles (2000 by default, the trainer's --loss-scale-window); part 3b
+runs with 2 and shows it doubling, halving at the overflow, doubling again.
 
-Part 3 checks the weights against one process in float16 (MixedPrecision + AdamW on the full batch,
+Part 4 checks the weights against one process in float16 (MixedPrecision + AdamW on the full batch,
 the same step skipped). Not bitwise: the 4 ranks compute gradients on 2 rows each and average them
 in float16 in ring order, one process on 8 rows at once, so each gradient element differs by a few
 float16 roundings (relative 2**-11 each). Adam divides by sqrt(v), so an update is about lr in size
@@ -61,6 +66,10 @@ CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32,
 BATCH, STEPS, LR, MAX_NORM = 8, 6, 1e-3, 1.0
 OVERFLOW_STEP, OVERFLOW_RANK, BLOWUP = 2, 3, 8.0  # rank 3 seeds step 2's backward 8 x too high:
 # scale 2**16 x 8 = 2**19 pushes its largest float16 gradients past 65504 (inf), not all of them
+INIT_SCALE = 2.0 ** 16  # DynamicLossScaler's first scale
+SMALLEST_NORMAL, SMALLEST_SUBNORMAL = 2.0 ** -14, 2.0 ** -24  # float16: below 2**-25 rounds to 0
+GROWTH = 2  # part 3b: growth_interval, the clean steps in a row after which the scale doubles
+# (the trainer's --loss-scale-window; PyTorch's default and minidist's: 2000)
 TOKENS = np.random.default_rng(0).integers(0, 64, size=4000)
 
 
@@ -83,6 +92,26 @@ def one_process():
     return {name: m.data for name, m in amp.master_parameters()}
 
 
+def underflow(group):
+    """Part 2: what float16 would do to this rank's step-0 gradients without the scale and with it.
+    The gradient is computed in float32 (the same model and rows); returns, summed over the world:
+    [nonzero elements, unscaled: flushed to 0, subnormal; scaled: flushed, subnormal; max |g| x scale]."""
+    model = GPT(CONFIG, seed=0, dtype="float32")
+    idx, targets = batch(0)
+    rows = np.array_split(np.arange(BATCH), group.size)[group.rank]
+    backward_micro_batch(model(idx[rows], targets[rows])[1], 1, 1.0)  # unscaled, float32
+    g = np.concatenate([p.grad.ravel() for p in model.parameters()])  # (Psi,) float32
+    g = g[g != 0]  # exact zeros (embedding rows of tokens this rank never saw) are no loss
+    counts = [g.size]
+    for scale in (1.0, INIT_SCALE):
+        h = np.abs((g * np.float32(scale)).astype(np.float16))  # what a float16 backward could hold
+        assert np.isfinite(h).all(), "the scale itself overflowed at step 0"
+        counts += [np.count_nonzero(h == 0), np.count_nonzero((h > 0) & (h < SMALLEST_NORMAL))]
+    worst = np.array([np.abs(g).max() * INIT_SCALE])
+    group.all_reduce(worst, op="max")
+    return group.all_reduce(np.array(counts, dtype=np.float64)), float(worst[0])
+
+
 def held_bytes(zero):
     """What this rank holds now, split as the paper's table: float16 parameters and gradients,
     float32 masters and moments (asserted to add up to the optimizer's own measurement)."""
@@ -94,17 +123,18 @@ def held_bytes(zero):
             "moments": moments}
 
 
-def train(group, stage):
-    """STEPS steps of AdamW under ZeRO ``stage`` in float16; returns (bytes held at step 0, the
-    paper's formula, the float32 masters at the end (gathered), and every rank's view of the
+def train(group, stage, growth_interval=2000):
+    """STEPS steps of AdamW under ZeRO ``stage`` in float16 (with the default growth_interval the
+    scale never grows here: only OVERFLOW_STEP may be skipped, asserted); returns (bytes held at
+    step 0, the paper's formula, the float32 masters at the end (gathered), every rank's view of the
     overflow step and the next: rows (step, inf in own shard, skipped, scale before, after,
-    skipped steps, loss))."""
+    skipped steps, loss), and the scale per step: rows (before, after, skipped, clean steps))."""
     model = GPT(CONFIG, seed=0, dtype="float16")  # the compute dtype: parameters and gradients float16
-    scaler = DynamicLossScaler(group=group)  # the world: every rank must skip together
+    scaler = DynamicLossScaler(group=group, growth_interval=growth_interval)  # the world: all skip together
     zero = ZeroOptimizer(model, group, stage, "adamw", lr=LR, weight_decay=0.1,
                          mixed_precision="float16", scaler=scaler)
     rows = np.array_split(np.arange(BATCH), group.size)[group.rank]  # this rank's rows
-    held, report = None, []
+    held, report, scales = None, [], []
     for step in range(STEPS):
         idx, targets = batch(step)
         zero.zero_grad()
@@ -121,13 +151,15 @@ def train(group, stage):
             if held is None:
                 held = held_bytes(zero)  # after backward + reduction: everything at its largest
             zero.step()
-        assert skipped == (step == OVERFLOW_STEP), f"rank {group.rank}: step {step} skipped={skipped}"
+        if growth_interval > STEPS:
+            assert skipped == (step == OVERFLOW_STEP), f"rank {group.rank}: step {step} skipped={skipped}"
+        scales.append((scale, scaler.scale, skipped, scaler.clean_steps))
         if step in (OVERFLOW_STEP, OVERFLOW_STEP + 1):
             row = np.array([step, inf_here, skipped, scale, scaler.scale, scaler.skipped_steps, loss.item()])
             report.append(group.all_gather(row[None, :]))  # (N, 7): every rank's view of this step
     with zero.full_parameters(masters=True):
         masters = {name: p.data.copy() for name, p in model.named_parameters()}  # float32, full
-    return held, zero.formula(), masters, np.concatenate(report)
+    return held, zero.formula(), masters, np.concatenate(report), np.array(scales)
 
 
 def lesson(group, png=None):
@@ -137,10 +169,12 @@ def lesson(group, png=None):
     results = {}
     for stage in (0, 1, 2, 3):
         results[stage] = train(group, stage)
+    counts, worst = underflow(group)
+    growing = train(group, 3, growth_interval=GROWTH)[4]  # (STEPS, 4): this rank's scale per step
 
     # 1. bytes: measured from the live arrays, against the paper's 2 Psi + 2 Psi + 12 Psi per stage
     lines = []
-    for stage, (held, formula, _, _) in results.items():
+    for stage, (held, formula, *_) in results.items():
         paper = {"parameters": 2 * psi, "gradients": 2 * psi, "masters": 4 * psi, "moments": 8 * psi}
         sharded = {"parameters": stage >= 3, "gradients": stage >= 2, "masters": stage >= 1, "moments": stage >= 1}
         paper = {k: v // n if sharded[k] else v for k, v in paper.items()}
@@ -149,7 +183,25 @@ def lesson(group, png=None):
         lines.append(f"{stage:>5} " + "".join(f"{held[k]:>11,}" for k in held)
                      + f"{sum(held.values()):>11,}{sum(paper.values()):>11,}   = {sum(held.values()) / psi:g} Psi")
 
-    # 3. against one process in float16, and the stages against each other
+    # 2. underflow: unscaled, float16 would flush some gradients to 0 and keep many more as subnormals
+    nonzero, flushed, subnormal, flushed_scaled, subnormal_scaled = counts
+    assert flushed_scaled < flushed and subnormal_scaled < subnormal, f"the scale saved nothing: {counts}"
+    assert worst < 65504, f"max |g| x {INIT_SCALE:.0f} = {worst:.0f} overflows float16 at step 0"
+
+    # 3b. the scale grows back: x 2 after GROWTH clean steps in a row, / 2 at the overflow, the same on every rank
+    assert (group.all_gather(growing[None, :]) == growing).all(), "ranks disagree on the scale"
+    scale, clean = INIT_SCALE, 0  # the state machine, counted here independently of the scaler
+    for step, (before, after, skipped, _) in enumerate(growing):
+        assert before == scale, f"step {step}: scale {before}, expected {scale}"
+        clean = 0 if skipped else clean + 1
+        if skipped:
+            scale /= 2
+        elif clean == GROWTH:
+            scale, clean = scale * 2, 0
+        assert after == scale, f"step {step}: scale {before} -> {after}, expected {scale}"
+    assert growing[OVERFLOW_STEP, 2] and (growing[:, 1] > growing[:, 0]).any(), "no overflow, or no growth"
+
+    # 4. against one process in float16, and the stages against each other
     for stage in (2, 3):
         for k, v in results[1][2].items():
             assert np.array_equal(results[stage][2][k], v), f"stage {stage} differs from stage 1 in {k}"
@@ -170,7 +222,18 @@ def lesson(group, png=None):
         print("\n".join(lines))
         print("  paper: 2 Psi + 2 Psi + 12 Psi = 16 Psi; stage 1 shards the 12, stage 2 also the grads, "
               "stage 3 all: measured = paper to the byte")
-        print(f"\n2. One overflow (ZeRO-3): rank {OVERFLOW_RANK} seeds step {OVERFLOW_STEP}'s backward with "
+        print(f"\n2. Why a loss scale: float16's smallest subnormal is 2**-24 ({SMALLEST_SUBNORMAL:.1e}; below "
+              f"half of it a value rounds to 0),\n   its smallest normal 2**-14 ({SMALLEST_NORMAL:.1e}; "
+              "below it fewer than 11 "
+              "significant bits). The step-0 gradients,\n   computed in float32 on each rank's rows, and what float16 "
+              f"would hold ({n} ranks x {psi:,} elements, {nonzero:,.0f} nonzero):")
+        print(f"  unscaled       flushed to 0 {flushed:>6,.0f} ({100 * flushed / nonzero:5.2f}%)   subnormal "
+              f"{subnormal:>6,.0f} ({100 * subnormal / nonzero:5.2f}%)")
+        print(f"  x {INIT_SCALE:<12.0f} flushed to 0 {flushed_scaled:>6,.0f} ({100 * flushed_scaled / nonzero:5.2f}%)"
+              f"   subnormal {subnormal_scaled:>6,.0f} ({100 * subnormal_scaled / nonzero:5.2f}%)")
+        print(f"  and the largest |g| x {INIT_SCALE:.0f} = {worst:,.0f} < 65504: room for {65504 / worst:.1f}x more, "
+              f"so a seed {BLOWUP:g}x too high overflows (part 3)")
+        print(f"\n3. One overflow (ZeRO-3): rank {OVERFLOW_RANK} seeds step {OVERFLOW_STEP}'s backward with "
               f"{BLOWUP:g} x the scale; every rank's own view, gathered:")
         for i, (s, inf, skip, before, after, n_skipped, lss) in enumerate(results[3][3]):
             what = (f"SKIPPED, scale {before:.0f} -> {after:.0f}, skipped steps {n_skipped:.0f}" if skip
@@ -179,11 +242,26 @@ def lesson(group, png=None):
                   f"{what}   loss {lss:.4f}")
         print(f"  the flag is agreed over the world (one 8-byte all-reduce): ranks whose shard is finite skip too;"
               f"\n  training went on at scale {results[3][3][-1, 4]:.0f}: {STEPS - 1} of {STEPS} steps applied")
-        print(f"\n3. Against one process in float16 (same overflow, same skipped step), after {applied} applied steps:")
+        print(f"\n3b. The scale grows back: the same run with growth_interval = {GROWTH} (the trainer's "
+              "--loss-scale-window; default 2000):")
+        for step, (before, after, skipped, clean) in enumerate(growing):
+            what = ("overflow: skipped, halved" if skipped else f"clean, {clean:.0f} in a row" if after == before
+                    else f"clean, {GROWTH} in a row: doubled")
+            print(f"  step {step}: scale {before:>6.0f} -> {after:>6.0f}   {what}")
+        print(f"  after {GROWTH} clean steps in a row the scaler tries twice the scale; an overflow halves it "
+              "(the same on every rank)")
+        print(f"\n4. Against one process in float16 (same overflow, same skipped step), after {applied} applied steps:")
         print("\n".join(check))
         print("  stages 1, 2, 3: bitwise equal masters (the same float16 reduce-scatters in the same order)")
         if png:
             draw(png, results, psi)
+        print("\nTry:")
+        print("  1. BLOWUP = 2.0 ** 16. Expect 'inf in own gradient shard: yes' on all 4 ranks at step 2 (rank 3's "
+              "inf\n     reaches every shard through the reduce-scatter), the same skip, 65536 -> 32768, and part 4 "
+              "unchanged\n     (max |dw| 2.04e-03 and 1.77e-03).")
+        print("  2. GROWTH = 1. Expect in 3b the scale doubled after every clean step, 65536 -> 131072 -> 262144, "
+              "halved at\n     step 2 (rank 3's overflow) and again at step 4, where 262144 overflows on its own "
+              "(part 2: 28,122 x 4\n     > 65504): the scaler settles just below float16's ceiling, 131072 <-> 262144.")
         print("Mixed-precision ZeRO holds what the paper says, skips an overflow on every rank, "
               "and trains like one process in float16.")
 

@@ -108,11 +108,11 @@ def part2(p):
     assert all(found[c, "1f1b", False][0] == found[c, "1f1b", False][1] for c in COSTS), "1F1B != its formula"
     assert unit["zb-h1"][0] < unit["1f1b"][0], "ZB-H1 idles no less than 1F1B"
     assert max(unit["zb-h1"][2]) == max(unit["1f1b"][2]) == p, "ZB-H1 holds more than 1F1B's peak"
-    assert unit["zbv"][2] == [2 * p] * p and unit["zbv"][0] >= unit["zbv"][1], "ZB-V's memory or bound"
+    assert max(unit["zbv"][2]) == 2 * p and unit["zbv"][0] >= unit["zbv"][1], "ZB-V's memory or bound"
     gap = unit["zb-h1"][0] - unit["zb-h1"][1]
     print(f"  1F1B: exactly its formula. ZB-H1 at unit costs: {'its formula' if gap == 0 else f'{gap:g} above it'}"
-          f", with 1F1B's peak of {p}. ZB-V: idle {unit['zbv'][0]:g} (bound {unit['zbv'][1]:g}), {2 * p} chunks "
-          "in flight.")
+          f", with 1F1B's peak of {p}. ZB-V: idle {unit['zbv'][0]:g} (bound {unit['zbv'][1]:g}), at most {2 * p} "
+          "chunks in flight.")
     other = COSTS[-1]
 
     def idles(again):
@@ -172,6 +172,14 @@ def lesson(world, png=None):
         print(f"\nZB-V executed vs ideal drawn in {png} (measured bubble {100 * executed.bubble():.1f}%, ideal "
               f"{100 * engine.ideal.bubble():.1f}%); 1F1B, ZB-H1, ZB-V ideal in {path}")
     if world.rank == 0:
+        print("\nTry:")
+        print("  1. MICRO = 4 (m = p; the numbers for p = 4). Expect the same idle time per rank, 1F1B 9, "
+              "ZB-H1 3\n     (it depends on p, not m), in a shorter step: bubbles 42.9%, 20.0%, 14.3% (27.3%, 11.1%, "
+              "5.9% at m = 8);\n     ZB-V idles 2 (bound 1.5), its rank 0 peaks at 7 chunks; the same losses.")
+        print("  2. COSTS = ((1, 1, 1), (1, 2, 1)) (p = 4). Expect 1F1B to idle 12 and ZB-H1 6, its formula, "
+              "replayed or rescheduled;\n     ZB-V replayed 13.5, worse than 1F1B, rescheduled 7: "
+              "a zero-bubble order must be "
+              "placed for the real costs.")
         print("Zero-bubble schedules: B + W = backward bitwise; zb-h1 and zbv train as one process does.")
 
 

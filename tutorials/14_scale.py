@@ -425,6 +425,11 @@ def lesson(ranks, png=None):
     preds = part4()
     if png:
         draw(png, preds)
+    print("\nTry:")
+    print("  1. --local 4 (dp 2 x pp 2, no tp; part 3 dp 2 x tp 2, no cp). Expect pp rank 0 to hold its stage's whole "
+          "matrices,\n     34,112 elements (17,504 a tp rank at tp 2): 68,224 B of float16 parameters; no tp column "
+          "in the bytes sent\n     (dp 68,248, pp 12,304 B); a micro-batch's activations 120,832 B on every rank "
+          "(60,928 with cp 2), each\n     still measured = planned to the byte; the 70B layouts unchanged.")
     print(f"\nThe plan of {ranks} ranks = the run, to the byte (model states, bytes per axis; activations without a "
           f"pipeline);\n{sum(p['fits'] for p in preds)} of 6 layouts of {BIG} fit on {GPUS:,} GPUs.")
     print("All checks passed.")
