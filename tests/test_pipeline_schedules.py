@@ -161,6 +161,16 @@ def test_zb_h1_reaches_the_papers_bubble_at_1f1bs_memory(p, m, costs):
     assert max(zb.peak_in_flight()) == max(one_f_one_b_step.peak_in_flight()) == p
 
 
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("costs", [(1, 1, 2), (1, 2, 2), (1, 1, 3)])
+def test_zbv_is_placed_when_weight_gradients_cost_more_than_input_gradients(p, costs):
+    """W >= B once stalled the list scheduler: every rank at its memory limit, each waiting for a
+    gradient that only another rank's deferred W would make room for. A pending W now runs there; the
+    schedule validates and keeps 1F1B's memory (2p chunks)."""
+    zbv = zb_timeline("zbv", p, 2 * p, costs)
+    assert max(zbv.peak_in_flight()) <= 2 * p
+
+
 @pytest.mark.parametrize("p", [2, 4])
 @pytest.mark.parametrize("m", [8, 16])
 def test_zbv_starts_its_last_rank_late_and_then_never_idles(p, m):

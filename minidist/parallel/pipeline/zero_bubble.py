@@ -107,22 +107,32 @@ def list_schedule(pp_size: int, micro_batches: int, virtual_stages: int, placeme
                 return False
             clock[r] = min(later + [clock[q] for q in range(p) if left[q] and clock[q] > now])
             return True
+        commit(r, op, s, i)
+        return True
+
+    def commit(r, op, s, i) -> None:
+        """Rank ``r`` runs (op, s, i) from its clock on."""
         order[r].append(Action(op, s, i))
-        clock[r] = now + cost[op]
+        clock[r] += cost[op]
         finished[(op, s, i)] = clock[r]
         next_mb[(op, s)] += 1
         held[r] += {"F": 1, "B": 0, "W": -1}[op]
         left[r] -= 1
-        return True
 
     while any(left):
         active = sorted((r for r in range(p) if left[r]), key=lambda r: (clock[r], r))
         if not any(step(r) for r in active):  # every rank waits on another: move the earliest on
             earliest = clock[active[0]]
             higher = [clock[q] for q in active if clock[q] > earliest]
-            if not higher:
-                raise RuntimeError(f"the zero-bubble list scheduler is stuck at time {earliest} "
-                                   f"(a limit of {limit} in flight is too small)")
+            if not higher:  # every rank waits for memory (W costlier than B keeps it held): a pending W frees some
+                pending = [r for r in active if candidates(r, "W")]
+                if not pending:
+                    raise RuntimeError(f"the zero-bubble list scheduler is stuck at time {earliest} "
+                                       f"(a limit of {limit} in flight is too small)")
+                r = pending[0]
+                _, s, i = min(candidates(r, "W"), key=lambda c: c[2])
+                commit(r, "W", s, i)
+                continue
             for r in active:
                 clock[r] = max(clock[r], min(higher))
     return order
