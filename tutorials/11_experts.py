@@ -342,7 +342,7 @@ def print_part4(n, proof):
     per_layer = PROOF_BATCH * T * K
     print(f"\n=== 4. the MoE GPT against one process on the full batch, float64: {PROOF_BATCH} sequences of {T}, "
           f"2 MoE layers\n    of {per_layer} assignments each, aux coef {CONFIG.aux_loss_coef:g}; rank r holds "
-          f"experts block r and {PROOF_BATCH // n} sequence{"s" if PROOF_BATCH // n != 1 else ""};\n    worst relative error over all ranks ===")
+          f"experts block r and {PROOF_BATCH // n} sequence{'s' if PROOF_BATCH // n != 1 else ''};\n    worst relative error over all ranks ===")
     print(f"  {'capacity factor':<16}{'dropped':>8}{'loss':>17} {'loss, aux':>10} {'router grads':>13} "
           f"{'expert grads':>13} {'other grads':>12}")
     for cf, loss_err, router, experts, other, loss, dropped in proof:
