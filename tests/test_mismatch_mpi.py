@@ -14,11 +14,11 @@ needs_mpi = pytest.mark.skipif(find_mpiexec() is None, reason="mpiexec not found
 @pytest.mark.parametrize("backend", ["ring", "mpi"])
 @needs_mpi
 def test_a_mismatch_by_default_aborts_the_job_with_status_4_naming_op_and_ranks(backend):
-    run = run_mpi(3, "failures.py", "disagree", backend, timeout=60, check=False)
+    run = run_mpi(3, "failures.py", "disagree", backend, timeout=150, check=False)
     assert run.returncode == EXIT_MISMATCH, run.output
     assert ("CollectiveMismatchError: all_reduce #1 on group 'world': rank 1 called all_reduce with dtype float64, "
             "count 4 while rank ") in run.stderr, run.output
-    assert run.seconds < 20, run.output
+    assert run.seconds < 60, run.output  # the fingerprint caught it: nobody waited for the 120 s timeout
 
 
 @needs_mpi

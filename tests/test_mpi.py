@@ -51,9 +51,9 @@ def test_mismatch_in_debug_mode_raises_on_every_rank():
 
 @needs_mpi
 def test_uncaught_exception_on_one_rank_aborts_the_whole_job_quickly():
-    run = run_mpi(3, "failures.py", "crash", timeout=60, check=False)
+    run = run_mpi(3, "failures.py", "crash", timeout=150, check=False)
     assert run.returncode != 0, run.output
-    assert run.seconds < 20, f"abort took {run.seconds:.1f}s: the others waited for their timeout"
+    assert run.seconds < 60, f"abort took {run.seconds:.1f}s: the others waited for their 120 s timeout"
     assert "[rank 1]" in run.stderr and "rank 1 fails on purpose" in run.stderr, run.output
 
 

@@ -51,7 +51,7 @@ elif mode == "mismatch":
         print(f"MISMATCH rank={group.rank}: {e}", flush=True)
 
 elif mode == "disagree":  # optional second argument: the backend ("ring", "mpi")
-    group = minidist.init(backend=sys.argv[2] if len(sys.argv) > 2 else "ring", timeout=10.0)
+    group = minidist.init(backend=sys.argv[2] if len(sys.argv) > 2 else "ring", timeout=120.0)
     group.all_reduce(np.ones(8, np.float32) if group.rank != 1 else np.ones(4, np.float64))
     raise AssertionError(f"rank {group.rank}: a mismatched all_reduce returned")
 
