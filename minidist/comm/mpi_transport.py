@@ -67,22 +67,11 @@ class MPIRequest(Request):
         return self.done
 
     def wait(self) -> None:
-        if self.test():
-            return
-        start = time.monotonic()
-        deadline = start + self.transport.timeout
-        pause = FIRST_SLEEP
-        while not self.test():
-            now = time.monotonic()
-            if now - start < YIELD_SECONDS:
-                os.sched_yield()
-                continue
-            if now >= deadline:
-                if self.kind == "recv":
-                    self.request.Cancel()  # the buffer may be reused: never fill it late
-                raise PeerTimeout(self.transport.rank, self.peer, self.kind, now - start)
-            time.sleep(pause)
-            pause = min(2 * pause, MAX_SLEEP)
+        waited = poll(self.test, self.transport.timeout)
+        if waited is not None:
+            if self.kind == "recv":
+                self.request.Cancel()  # the buffer may be reused: never fill it late
+            raise PeerTimeout(self.transport.rank, self.peer, self.kind, waited)
 
     def cancel(self) -> None:
         """Cancel a receive that has not completed (``MPI_Cancel``), so it never fills its buffer late."""
@@ -90,6 +79,26 @@ class MPIRequest(Request):
             self.request.Cancel()
             self.request.Wait()  # completes at once: cancelled, or the message had just arrived
             self.done = True
+
+
+def poll(test, timeout: float) -> float | None:
+    """Call ``test()`` until it returns True, as the module docstring says: ``sched_yield`` between
+    polls for the first YIELD_SECONDS, then growing sleeps. Returns None once ``test()`` is True, or
+    the seconds waited when ``timeout`` passed first."""
+    if test():
+        return None
+    start = time.monotonic()
+    pause = FIRST_SLEEP
+    while not test():
+        now = time.monotonic()
+        if now - start < YIELD_SECONDS:
+            os.sched_yield()
+            continue
+        if now - start >= timeout:
+            return now - start
+        time.sleep(pause)
+        pause = min(2 * pause, MAX_SLEEP)
+    return None
 
 
 class MPITransport(Transport):
@@ -152,6 +161,29 @@ class MPITransport(Transport):
         request = self.comm.Irecv([buf if staging is None else staging, self.MPI.BYTE], source=peer, tag=tag)
         return MPIRequest(self, request, peer, "recv", buf.nbytes, staging=staging,
                           device=buf if staging is not None else None)
+
+    def sendrecv(self, sendbuf, dst: int, recvbuf, src: int, tag: int = 0) -> None:
+        """Send ``sendbuf`` to ``dst`` while receiving ``recvbuf`` from ``src``, the receive posted
+        first. Host buffers: the two requests are polled together (one ``Request.Testall`` per poll,
+        no request objects of ours): the collectives' inner step, so its fixed cost counts (about
+        8 us less than two waits on a 128 KiB exchange). GPU buffers go through :meth:`isend` /
+        :meth:`irecv`, which stage them."""
+        if is_cupy(sendbuf) or is_cupy(recvbuf):
+            return super().sendrecv(sendbuf, dst, recvbuf, src, tag)
+        MPI = self.MPI
+        requests = [self.comm.Irecv([recvbuf, MPI.BYTE], source=src, tag=tag),
+                    self.comm.Isend([sendbuf, MPI.BYTE], dest=dst, tag=tag)]
+        statuses = [MPI.Status(), MPI.Status()]
+        waited = poll(lambda: MPI.Request.Testall(requests, statuses), self.timeout)
+        if waited is not None:  # a Testall that says False leaves both requests as they were
+            if not requests[0].Test():
+                requests[0].Cancel()  # the buffer may be reused: never fill it late
+                raise PeerTimeout(self.rank, src, "recv", waited)
+            raise PeerTimeout(self.rank, dst, "send", waited)
+        got = statuses[0].Get_count(MPI.BYTE)
+        if got != recvbuf.nbytes:
+            raise ValueError(f"rank {self.rank}: received {got} bytes from rank {src} into a buffer of "
+                             f"{recvbuf.nbytes} bytes")
 
     def split(self, color: int, key: int) -> "MPITransport | None":
         """``MPI_Comm_split``: a collective over this communicator. Negative ``color`` -> ``None``."""
