@@ -114,13 +114,15 @@ def gather_blocks(t, buf, starts, me, ranks, mask=1) -> None:
         other = lo ^ mask
         send = buf[starts[lo]:starts[lo + mask]]
         recv = buf[starts[other]:starts[other + mask]]
-        _exchange(t, send, recv, ranks[me ^ mask], TAG_DOUBLING_GATHER)
+        swap(t, send, recv, ranks[me ^ mask], TAG_DOUBLING_GATHER)
         mask <<= 1
 
 
-def _exchange(t, send, recv, peer, tag) -> None:
-    """Swap ``send`` for ``recv`` with ``peer``; a direction with nothing to carry sends no message
-    (both sides agree, since one's send is the other's receive)."""
+def swap(t, send, recv, peer, tag) -> None:
+    """Swap ``send`` for ``recv`` with ``peer`` (halving.py's rounds use it too); a direction with
+    nothing to carry sends no message (both sides agree, since one's send is the other's receive).
+
+    Sends: ``send`` to ``peer``, if it holds anything."""
     if send.size and recv.size:
         t.sendrecv(send, peer, recv, peer, tag)
     elif send.size:

@@ -90,7 +90,7 @@ def halve_blocks(t, buf, starts, out, ufunc, me, ranks, scratch, *, last=1) -> i
         send = buf[starts[give]:starts[give + mask]]
         incoming = scratch[:acc.size]
         partner = me ^ mask
-        doubling._exchange(t, send, incoming, ranks[partner], TAG)
+        doubling.swap(t, send, incoming, ranks[partner], TAG)
         dst = out if mask == 1 else acc  # the last round writes the finished block straight to ``out``
         if partner < me:
             ufunc(incoming, acc, out=dst)
@@ -135,7 +135,7 @@ def all_reduce(t, buf, op, *, workspace=None) -> None:
         pair = buf[starts[lo]:starts[lo + 2]]
         partner = me ^ 1
         incoming = scratch[:pair.size]
-        doubling._exchange(t, pair, incoming, ranks[partner], TAG)
+        doubling.swap(t, pair, incoming, ranks[partner], TAG)
         if partner < me:
             ufunc(incoming, pair, out=pair)
         else:
