@@ -15,6 +15,15 @@ SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[Healt
 @given(st.lists(st.integers(0, 40), min_size=1, max_size=8), st.sampled_from([1, 8, 24, 256]),
        st.sampled_from(["sum", "max"]), st.integers(0, 2**32 - 1))
 def test_ring_reduce_scatter_and_all_gather_take_any_counts_and_segment_size(counts, segment_bytes, op, seed):
+    check_reduce_scatter_then_all_gather(
+        counts, op, seed, lambda t, buf, shard: ring.reduce_scatter(t, buf, counts, op, shard, segment_bytes=segment_bytes),
+        lambda t, shard, full: ring.all_gather(t, shard, counts, full, segment_bytes=segment_bytes))
+
+
+def check_reduce_scatter_then_all_gather(counts, op, seed, reduce_scatter, all_gather):
+    """On len(counts) ranks: ``reduce_scatter(t, buf, shard)`` leaves rank r's chunk of the
+    reduction (counts[r] elements) in ``shard``, then ``all_gather(t, shard, full)`` the whole
+    reduction in ``full`` on every rank, both equal to NumPy's."""
     n, total = len(counts), sum(counts)
     rng = np.random.default_rng(seed)
     inputs = [rng.integers(-9, 10, total).astype(np.float64) for _ in range(n)]
@@ -24,9 +33,9 @@ def test_ring_reduce_scatter_and_all_gather_take_any_counts_and_segment_size(cou
     def fn(g):
         t = g.transport
         shard = np.empty(counts[t.rank])
-        ring.reduce_scatter(t, inputs[t.rank].copy(), counts, op, shard, segment_bytes=segment_bytes)
+        reduce_scatter(t, inputs[t.rank].copy(), shard)
         full = np.empty(total)
-        ring.all_gather(t, shard, counts, full, segment_bytes=segment_bytes)
+        all_gather(t, shard, full)
         return shard, full
 
     for r, (shard, full) in enumerate(run_local(fn, n)):
@@ -53,25 +62,10 @@ def test_ring_all_reduce_with_many_double_buffered_segments(n, length, segment_b
 @given(st.integers(0, 3), st.lists(st.integers(0, 40), min_size=8, max_size=8), st.sampled_from(["sum", "max"]),
        st.integers(0, 2**32 - 1))
 def test_halving_reduce_scatter_and_doubling_all_gather_take_any_counts(log_n, counts, op, seed):
-    n = 1 << log_n  # both need a power of two
-    counts = counts[:n]
-    total = sum(counts)
-    rng = np.random.default_rng(seed)
-    inputs = [rng.integers(-9, 10, total).astype(np.float64) for _ in range(n)]
-    want = np.add.reduce(inputs) if op == "sum" else np.maximum.reduce(inputs)
-    starts = np.cumsum([0] + counts)
-
-    def fn(g):
-        t = g.transport
-        shard = np.empty(counts[t.rank])
-        halving.reduce_scatter(t, inputs[t.rank].copy(), counts, op, shard)
-        full = np.empty(total)
-        doubling.all_gather(t, shard, counts, full)
-        return shard, full
-
-    for r, (shard, full) in enumerate(run_local(fn, n)):
-        np.testing.assert_array_equal(shard, want[starts[r]:starts[r + 1]])
-        np.testing.assert_array_equal(full, want)
+    counts = counts[:1 << log_n]  # both need a power of two
+    check_reduce_scatter_then_all_gather(
+        counts, op, seed, lambda t, buf, shard: halving.reduce_scatter(t, buf, counts, op, shard),
+        lambda t, shard, full: doubling.all_gather(t, shard, counts, full))
 
 
 def test_halving_and_doubling_gather_refuse_other_than_a_power_of_two():
