@@ -34,22 +34,38 @@ def unique_nbytes(arrays) -> int:
     return sum(b.nbytes for b in buffers.values())
 
 
-def activation_bytes(loss, exclude=()) -> int:
-    """Bytes of the arrays that the graph behind ``loss`` keeps for backward (saved on its Function
-    nodes, directly or in tuples), not counting buffers behind the arrays in ``exclude`` (weights)."""
-    excluded = {id(_buffer(a)) for a in exclude}
-    saved, seen, stack = [], set(), [loss._node] if loss._node is not None else []
+def buffer_ids(arrays) -> set[int]:
+    """The ids of the memory buffers behind ``arrays`` (entries that are not arrays skipped)."""
+    return {id(_buffer(a)) for a in arrays if _is_array(a)}
+
+
+def saved_buffers(t, excluded=frozenset(), seen=None, stop=None) -> dict[int, int]:
+    """{buffer id: bytes} of the memory behind the arrays that the graph behind tensor ``t`` keeps
+    for backward (saved on its Function nodes, directly or in tuples), leaving out the buffers in
+    ``excluded`` (:func:`buffer_ids` of the weights) and the nodes in ``seen`` (a set it fills: a
+    later walk then counts only what is new). A node for which ``stop(node)`` holds is neither
+    counted nor walked past."""
+    seen = set() if seen is None else seen
+    found, stack = {}, [t._node] if t._node is not None else []
     while stack:
         node = stack.pop()
         if id(node) in seen:
             continue
         seen.add(id(node))
+        if stop is not None and stop(node):
+            continue
         for v in vars(node).values():
             for a in v if isinstance(v, tuple) else (v,):
                 if _is_array(a) and id(_buffer(a)) not in excluded:
-                    saved.append(a)
-        stack.extend(t._node for t in node.inputs if t is not None and t._node is not None)
-    return unique_nbytes(saved)
+                    found[id(_buffer(a))] = _buffer(a).nbytes
+        stack.extend(i._node for i in node.inputs if i is not None and i._node is not None)
+    return found
+
+
+def activation_bytes(loss, exclude=()) -> int:
+    """Bytes of the arrays that the graph behind ``loss`` keeps for backward (:func:`saved_buffers`),
+    not counting buffers behind the arrays in ``exclude`` (weights)."""
+    return sum(saved_buffers(loss, buffer_ids(exclude)).values())
 
 
 def zero_formula(stage: int, param_bytes: int, optimizer_bytes: int, n: int) -> dict:

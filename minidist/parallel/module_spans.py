@@ -32,7 +32,7 @@ from contextlib import contextmanager
 
 from minidist.autograd import Function, Tensor, is_grad_enabled
 from minidist.comm.trace import Event
-from minidist.parallel.accounting import _buffer, _is_array, unique_nbytes
+from minidist.parallel.accounting import buffer_ids, saved_buffers, unique_nbytes
 
 MODULE = "module"  # the group of a module span's event
 
@@ -75,7 +75,7 @@ class Tape:
     def __init__(self, spans, model, seq: int, first: bool, last: bool):
         self.spans, self.seq, self.first, self.last = spans, seq, first, last
         self.params = list(model.parameters())
-        self.excluded = {id(_buffer(p.data)) for p in self.params if _is_array(p.data)}  # weights
+        self.excluded = buffer_ids(p.data for p in self.params)  # weights
         self.saved: dict[str, dict[int, int]] = {}  # module -> {buffer id: bytes} kept for backward
         self.seen: set[int] = set()  # graph nodes already counted
         self.blocks: list[str] = []  # in forward order
@@ -84,21 +84,11 @@ class Tape:
         self.crossings = 0  # backward: block outputs the gradient has crossed
 
     def count(self, name: str, t) -> None:
-        """Attribute to ``name`` the arrays saved by the graph nodes behind tensor ``t`` not yet counted."""
-        stack = [t._node] if isinstance(t, Tensor) and t._node is not None else []
-        found = self.saved.setdefault(name, {})
-        while stack:
-            node = stack.pop()
-            if id(node) in self.seen:
-                continue
-            self.seen.add(id(node))
-            if isinstance(node, Boundary):  # an earlier module's edge: counted already
-                continue
-            for v in vars(node).values():
-                for a in v if isinstance(v, tuple) else (v,):
-                    if _is_array(a) and id(_buffer(a)) not in self.excluded:
-                        found[id(_buffer(a))] = _buffer(a).nbytes
-            stack.extend(i._node for i in node.inputs or () if i is not None and i._node is not None)
+        """Attribute to ``name`` the arrays saved by the graph nodes behind tensor ``t`` not yet counted
+        (a Boundary is an earlier module's edge: counted already)."""
+        if isinstance(t, Tensor):
+            self.saved.setdefault(name, {}).update(
+                saved_buffers(t, self.excluded, self.seen, stop=lambda node: isinstance(node, Boundary)))
 
     def output(self, out) -> None:
         """The forward's output (the loss, or the activation a stage sends): the head's saved arrays
