@@ -15,10 +15,10 @@ from minidist.checkpoint import Checkpoint, CheckpointWriter, step_dir
 from minidist.checkpoint.layout import load_training_state, training_meta, training_pieces
 from minidist.optim import lr_at
 from minidist.parallel.mesh import DeviceMesh
-from minidist.parallel.sampler import DistributedSampler
-from minidist.parallel.step import train_step
-from minidist.train_build import build_model, build_optimizer, load_data, world_of_one
-from minidist.train_config import TrainConfig
+from minidist.parallel.data.sampler import DistributedSampler
+from minidist.parallel.compose.step import train_step
+from minidist.train.build import build_model, build_optimizer, load_data, world_of_one
+from minidist.train.config import TrainConfig
 
 SIZES = [(2, 64), (4, 128), (6, 256), (8, 384)]  # (n_layer, n_embd)
 

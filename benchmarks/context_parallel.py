@@ -39,13 +39,13 @@ from pathlib import Path
 import numpy as np
 
 import minidist
-import minidist.parallel.ring_attention as ring_module
+import minidist.parallel.context.ring_attention as ring_module
 from minidist.autograd import Tensor
 from minidist.comm.ops import bus_factor
 from minidist.model import GPT, GPTConfig
-from minidist.parallel.accounting import activation_bytes
-from minidist.parallel.context_parallel import ContextParallel, context_parallel
-from minidist.parallel.ring_attention import block_plan, causal_work, sequence_chunks
+from minidist.inspect.accounting import activation_bytes
+from minidist.parallel.context.context_parallel import ContextParallel, context_parallel
+from minidist.parallel.context.ring_attention import block_plan, causal_work, sequence_chunks
 
 HERE = Path(__file__).resolve().parent
 CONFIG = GPTConfig(vocab_size=256, block_size=1024, n_layer=2, n_head=4, n_embd=64)

@@ -51,13 +51,13 @@ import minidist
 from minidist.comm import ProcessGroup
 from minidist.comm.tags import TAG_ALL_TO_ALL
 from minidist.comm.transport import Transport
-from minidist.parallel.experts import moe_layers
+from minidist.parallel.expert.experts import moe_layers
 from minidist.parallel.mesh import DeviceMesh
-from minidist.parallel.sampler import DistributedSampler
-from minidist.parallel.step import train_step
-from minidist.parallel.zero import SLOTS
-from minidist.train_build import build_parallel, load_data
-from minidist.train_config import TrainConfig
+from minidist.parallel.data.sampler import DistributedSampler
+from minidist.parallel.compose.step import train_step
+from minidist.parallel.zero.optimizer import SLOTS
+from minidist.train.build import build_parallel, load_data
+from minidist.train.config import TrainConfig
 
 HERE = Path(__file__).resolve().parent
 PARTS = ("traffic", "memory")

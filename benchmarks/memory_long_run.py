@@ -50,7 +50,7 @@ def worker(variant: str, steps: int, out: str, data_dir: str, model: str) -> Non
     from minidist.comm.trace import KEEP_RECENT
     from minidist.comm.work import CommStream
     from minidist.train import train
-    from minidist.train_config import TrainConfig
+    from minidist.train.config import TrainConfig
 
     if variant != "system malloc":
         keep_freed_memory()  # as python -m minidist.train does by default
@@ -148,8 +148,8 @@ def main():
     mpiexec = shutil.which("mpiexec")
     if mpiexec is None and max(args.ranks) > 1:
         sys.exit("mpiexec not found (the 2-rank runs need it); --ranks 1 runs one process only")
-    from minidist.train_build import load_data
-    from minidist.train_config import TrainConfig
+    from minidist.train.build import load_data
+    from minidist.train.config import TrainConfig
     data_dir = tempfile.mkdtemp(prefix="memory_data_")
     load_data(TrainConfig(data_dir=data_dir))  # the corpus once, before any run times or samples
     rows = []

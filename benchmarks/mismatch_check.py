@@ -28,7 +28,7 @@ import minidist
 from minidist.comm.group import ProcessGroup
 from minidist.comm.trace import Trace
 from minidist.train import train
-from minidist.train_config import TrainConfig
+from minidist.train.config import TrainConfig
 
 MODES = {"unchecked": dict(check_calls=False), "checked": dict(check_calls=True), "debug": dict(debug=True)}
 

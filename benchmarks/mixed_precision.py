@@ -17,7 +17,7 @@ import numpy as np
 
 import minidist
 from minidist.train import train
-from minidist.train_config import TrainConfig
+from minidist.train.config import TrainConfig
 
 HERE = Path(__file__).resolve().parent
 

@@ -5,8 +5,8 @@
 
 One process per configuration (a subprocess, so its peak RSS is its own), one rank (dp = 1: ZeRO's
 stage still applies with a group of one, and the offload code path is the same), built as
-``python -m minidist.train`` builds it (``minidist.train_build.build_parallel``) and stepped with
-``minidist.parallel.step.train_step``. Model: an 8-layer, 256-wide GPT (T = 64, batch 4, AdamW, grad
+``python -m minidist.train`` builds it (``minidist.train.build.build_parallel``) and stepped with
+``minidist.parallel.compose.step.train_step``. Model: an 8-layer, 256-wide GPT (T = 64, batch 4, AdamW, grad
 clip 1), in float32 and in bfloat16 mixed precision (emulated: 4-byte storage, float32 masters and
 moments). Configurations, per dtype:
 
@@ -91,9 +91,9 @@ def worker(spec: dict) -> dict:
     """Build and train ``spec``'s configuration for spec["steps"] steps; what it measured."""
     from minidist.data import get_batch
     from minidist.parallel.mesh import DeviceMesh
-    from minidist.parallel.step import train_step
-    from minidist.train_build import build_parallel, world_of_one
-    from minidist.train_config import TrainConfig, check_config
+    from minidist.parallel.compose.step import train_step
+    from minidist.train.build import build_parallel, world_of_one
+    from minidist.train.config import TrainConfig, check_config
 
     rss_imports = vm_rss()
     cfg = TrainConfig(n_layer=spec["n_layer"], n_embd=spec["n_embd"], n_head=spec["n_head"],

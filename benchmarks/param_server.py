@@ -22,10 +22,10 @@ import numpy as np
 
 import minidist
 from minidist.comm import ProcessGroup, Transport
-from minidist.parallel.param_server import train_parameter_server
-from minidist.train_build import build_model, load_data
-from minidist.train_config import TrainConfig
-from minidist.train_outputs import estimate_val_loss
+from minidist.parallel.ps.param_server import train_parameter_server
+from minidist.train.build import build_model, load_data
+from minidist.train.config import TrainConfig
+from minidist.train.outputs import estimate_val_loss
 
 HERE = Path(__file__).resolve().parent
 CFG = TrainConfig(steps=150, batch_size=12, warmup=10, eval_iters=4)  # the default 2-layer, 64-wide GPT

@@ -63,7 +63,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from minidist.parallel.accounting import zero_formula  # noqa: E402
+from minidist.inspect.accounting import zero_formula  # noqa: E402
 from minidist.plan import RunSpec, from_gpt_config, predict, preset  # noqa: E402
 from minidist.plan import comm, timing  # noqa: E402
 from minidist.plan.comm import comm_bytes_per_step  # noqa: E402
@@ -71,7 +71,7 @@ from minidist.plan.hardware import GIB, PROFILES  # noqa: E402
 from minidist.plan.memory import activation_bytes_per_layer, layer_activation_terms, model_state_bytes  # noqa: E402
 from minidist.plan.models import ModelSpec, layers_per_stage, parameter_count  # noqa: E402
 from minidist.plan.predict import hardware_profile  # noqa: E402
-from minidist.train_config import TrainConfig  # noqa: E402
+from minidist.train.config import TrainConfig  # noqa: E402
 
 PARTS = ("timing", "exact", "scale", "search")
 SKIP = 5  # warm-up steps left out of the median (and the last step: it evaluates after)

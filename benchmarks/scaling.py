@@ -44,7 +44,7 @@ import numpy as np
 
 from minidist.inspect.load import load_run
 from minidist.inspect.timeline import busy_seconds, step_window
-from minidist.parallel.accounting import axis_of
+from minidist.inspect.accounting import axis_of
 
 HERE = Path(__file__).resolve().parent
 RESULTS, FIGURE = HERE / "results" / "scaling.json", HERE / "figures" / "scaling.png"

@@ -28,8 +28,8 @@ import numpy as np
 
 import minidist
 from minidist.model import GPT, GPTConfig
-from minidist.parallel.tensor_parallel import sync_sequence_parallel_grads
-from minidist.parallel.tp_model import build_tp_gpt
+from minidist.parallel.tensor.tensor_parallel import sync_sequence_parallel_grads
+from minidist.parallel.tensor.model import build_tp_gpt
 
 HERE = Path(__file__).resolve().parent
 CONFIG = GPTConfig(vocab_size=256, block_size=128, n_layer=2, n_head=8, n_embd=256)

@@ -40,9 +40,9 @@ import numpy as np
 from minidist.allocator import keep_freed_memory
 from minidist.data import default_corpus, get_batch, load_tokens, train_val_split
 from minidist.device import to_device
-from minidist.parallel.step import train_step
-from minidist.train_build import build_model, build_optimizer
-from minidist.train_config import TrainConfig
+from minidist.parallel.compose.step import train_step
+from minidist.train.build import build_model, build_optimizer
+from minidist.train.config import TrainConfig
 
 HERE = Path(__file__).resolve().parent
 SIZES = {   # name: (n_layer, n_head, n_embd, block_size, batch_size); "default" = the CLI's defaults

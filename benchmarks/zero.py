@@ -35,13 +35,13 @@ import minidist
 from minidist.amp import DynamicLossScaler
 from minidist.data import get_batch, inputs_and_targets
 from minidist.model import GPT, GPTConfig
-from minidist.parallel.accounting import bus_bytes, unique_nbytes
+from minidist.inspect.accounting import bus_bytes, unique_nbytes
 from minidist.parallel.mesh import DeviceMesh
-from minidist.parallel.recompute import recompute_blocks
-from minidist.parallel.step import train_step
-from minidist.parallel.zero import ZeroOptimizer
-from minidist.train_build import build_parallel
-from minidist.train_config import TrainConfig
+from minidist.nn.recompute import recompute_blocks
+from minidist.parallel.compose.step import train_step
+from minidist.parallel.zero.optimizer import ZeroOptimizer
+from minidist.train.build import build_parallel
+from minidist.train.config import TrainConfig
 
 CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
 BATCH, STEPS = 8, 6

@@ -49,7 +49,7 @@ class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention. The number of heads is read from c_attn's width, so a
     tensor-parallel shard holding some of the heads runs this same code. :meth:`attend` is the
     attention itself; context parallelism replaces it with one that reaches the other ranks' tokens
-    (minidist/parallel/context_parallel.py)."""
+    (minidist/parallel/context/context_parallel.py)."""
 
     def __init__(self, config: GPTConfig, dtype="float32"):
         super().__init__()
@@ -110,7 +110,7 @@ class GPT(nn.Module):
 
     ``GPT(config, seed, dtype)`` initialises every parameter with :func:`gpt2_init`. Under context
     parallelism ``context_parallel`` says which tokens of each sequence this rank holds (embed and
-    head keep only those; minidist/parallel/context_parallel.py); None: all of them.
+    head keep only those; minidist/parallel/context/context_parallel.py); None: all of them.
     """
     context_parallel = None
 
@@ -158,7 +158,7 @@ class GPT(nn.Module):
         by ``temperature``, keeps the ``top_k`` largest, and samples with one ``rng.random((B, 1))``
         per token (``rng``: a NumPy Generator; a fresh unseeded one if None): :func:`sample_token`.
         The model runs where its parameters are; sampling runs on the host, on a copy of the last
-        position's (B, V) logits. The one-process reference of minidist/parallel/generate.py."""
+        position's (B, V) logits. The one-process reference of minidist/parallel/whole_model/generate.py."""
         rng = np.random.default_rng() if rng is None else rng
         idx = to_numpy(idx)
         xp = get_array_module(self.transformer.wte.weight.data)  # the model's memory: feed it there

@@ -27,12 +27,12 @@ It is 1 * coef when the load is even. f is a count (no gradient); P carries it. 
 returns is the cross-entropy alone; each MoE layer adds its aux gradient to its router's in backward
 (Megatron's way, so a pipeline stage needs no loss of its own): ``aux_loss_seed`` times the
 gradient of ``aux``, the seed being what the cross-entropy's backward starts from
-(minidist/parallel/loss_scaling.py sets it: loss scale / micro-batches).
+(minidist/parallel/compose/loss_scaling.py sets it: loss scale / micro-batches).
 
 Hooks for the parallel versions: :meth:`MoE.run_experts` (expert parallelism sends the tokens to the
-ranks holding their experts, minidist/parallel/experts.py), ``context_parallel`` (a sequence's
+ranks holding their experts, minidist/parallel/expert/experts.py), ``context_parallel`` (a sequence's
 statistics are summed, and its choices gathered for a capacity, over the cp ranks holding its
-parts: minidist/parallel/context_parallel.py) and ``Experts.reduce_partial``
+parts: minidist/parallel/context/context_parallel.py) and ``Experts.reduce_partial``
 (tensor parallelism: the experts' MLPs are split like the dense MLP's).
 """
 from __future__ import annotations
@@ -123,7 +123,7 @@ class Experts(nn.Module):
 
     def reduce_partial(self, y):
         """The experts' outputs before their bias: whole here; partial sums to add over the tensor-
-        parallel group when tp splits the experts (minidist/parallel/tp_model.py)."""
+        parallel group when tp splits the experts (minidist/parallel/tensor/model.py)."""
         return y
 
 
@@ -133,7 +133,7 @@ class MoE(nn.Module):
     mode ``load`` (E,) holds the assignments each expert got (summed over the forwards since
     :meth:`reset_stats`, before any drop), ``dropped`` the dropped ones, ``aux_loss`` the summed
     values of the balance loss and ``experts.rows`` the rows this rank's experts computed."""
-    expert_parallel = None  # or an ExpertParallel (minidist/parallel/experts.py): where the experts run
+    expert_parallel = None  # or an ExpertParallel (minidist/parallel/expert/experts.py): where the experts run
     context_parallel = None  # or a ContextParallel: the ranks holding the other parts of each sequence
 
     def __init__(self, config, dtype="float32"):

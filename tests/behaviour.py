@@ -27,7 +27,7 @@ import numpy as np
 
 from minidist import run_local
 from minidist.checkpoint import step_dir
-from minidist.support_matrix import Cell, config_for
+from minidist.train.support_matrix import Cell, config_for
 from minidist.train import train
 
 GOLDEN = Path(__file__).parent / "golden" / "behaviour.json"
@@ -124,8 +124,8 @@ def snapshot(cell: Cell, optimizer: str, data_dir: str) -> dict:
 
 
 def data_folder() -> str:
-    from minidist.train_build import load_data
-    from minidist.train_config import TrainConfig
+    from minidist.train.build import load_data
+    from minidist.train.config import TrainConfig
     path = tempfile.mkdtemp(prefix="minidist-behaviour-data-")
     load_data(TrainConfig(data_dir=path))
     return path

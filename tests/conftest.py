@@ -30,8 +30,8 @@ def pytest_collection_modifyitems(config, items):
 def data_dir(tmp_path_factory):
     """A folder holding the generated default corpus (``--data-dir``), made once per session, before
     any thread ranks read it. Tests write their own files under ``tmp_path``, not here."""
-    from minidist.train_build import load_data
-    from minidist.train_config import TrainConfig
+    from minidist.train.build import load_data
+    from minidist.train.config import TrainConfig
     path = str(tmp_path_factory.mktemp("data"))
     load_data(TrainConfig(data_dir=path))
     return path

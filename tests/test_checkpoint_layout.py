@@ -16,13 +16,13 @@ from minidist import run_local
 from minidist.checkpoint import Checkpoint, CheckpointWriter, step_dir
 from minidist.checkpoint.layout import load_training_state, tp_regions, training_meta, training_pieces
 from minidist.optim import lr_at
-from minidist.parallel.data_parallel import DataParallel
+from minidist.parallel.data.data_parallel import DataParallel
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.pipeline.stages import PipelineStage
-from minidist.parallel.sampler import DistributedSampler
-from minidist.parallel.step import train_step
-from minidist.train_build import build_model, build_optimizer, load_data
-from minidist.train_config import TrainConfig
+from minidist.parallel.data.sampler import DistributedSampler
+from minidist.parallel.compose.step import train_step
+from minidist.train.build import build_model, build_optimizer, load_data
+from minidist.train.config import TrainConfig
 
 TINY = dict(n_layer=2, n_head=6, n_embd=24, block_size=16, batch_size=8, steps=6, eval_every=100, eval_iters=1,
             dtype="float64", sample_tokens=0, warmup=2, lr=1e-2)

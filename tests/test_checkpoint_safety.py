@@ -29,7 +29,7 @@ import minidist
 from minidist.checkpoint import Checkpoint, CheckpointError, CheckpointWriter, Piece, latest_valid, step_dir, verify
 from minidist.checkpoint.format import MANIFEST, manifest_digest, rank_file, rank_meta_file, sha256_bytes
 from minidist.checkpoint.paths import ckpt_dir_problems
-from minidist.train_config import ConfigError, TrainConfig, check_config
+from minidist.train.config import ConfigError, TrainConfig, check_config
 
 W = np.arange(12, dtype=np.float64)
 

@@ -2,7 +2,7 @@
 parallelism (cp 1 or 2, ring, zig-zag or Ulysses), ZeRO stage, sequence parallelism, pipeline
 schedule, recompute, precision, checkpointing, experts (none, a mixture of experts on every rank,
 or split over 2 dp ranks) and offload (none, the optimizer shards to host memory, with ZeRO-3's
-parameter shards to files) trains like one process on the full batch (minidist/support_matrix.py
+parameter shards to files) trains like one process on the full batch (minidist/train/support_matrix.py
 lists the 207,360 cells; the meaningless ones name a schedule without a pipeline, sequence
 parallelism without tensor parallelism, a cp algorithm without cp, expert parallelism without dp, or
 offloaded parameters below ZeRO-3).
@@ -57,9 +57,9 @@ import pytest
 
 from minidist import run_local
 from minidist.checkpoint import step_dir
-from minidist.support_matrix import AXES, Cell, config_for, grid, meaningless, refusals
+from minidist.train.support_matrix import AXES, Cell, config_for, grid, meaningless, refusals
 from minidist.train import train
-from minidist.train_config import TrainConfig
+from minidist.train.config import TrainConfig
 
 SIZES = dict(n_layer=4, n_head=4, n_embd=16, block_size=16, batch_size=8)
 TRAIN = dict(steps=4, eval_every=100, eval_iters=1, sample_tokens=0, warmup=1, lr=1e-2, grad_clip=0.5,

@@ -8,10 +8,10 @@ from hypothesis import strategies as st
 
 import minidist
 from minidist.autograd import Tensor, scaled_dot_product_attention
-from minidist.parallel.context_parallel import ContextParallel
-from minidist.parallel.ring_attention import (attention_block, block_plan, causal_work, merge_partial, ring_attention,
+from minidist.parallel.context.context_parallel import ContextParallel
+from minidist.parallel.context.ring_attention import (attention_block, block_plan, causal_work, merge_partial, ring_attention,
                                               sequence_chunks)
-from minidist.parallel.ulysses import ulysses_attention
+from minidist.parallel.context.ulysses import ulysses_attention
 
 
 def softmax_attention(q, k, v, mask):

@@ -1,4 +1,4 @@
-"""Mixture of experts and expert parallelism (minidist/moe.py, minidist/parallel/experts.py).
+"""Mixture of experts and expert parallelism (minidist/moe.py, minidist/parallel/expert/experts.py).
 
 The rules, each proven here:
 - the ops: grouped linear, grouped bias, take_rows, combine and softmax have the gradients of their
@@ -26,10 +26,10 @@ from minidist.checkpoint import step_dir
 from minidist.inspect.tables import format_expert_load
 from minidist.model import GPT, GPTConfig
 from minidist.moe import capacity, capacity_keep, route
-from minidist.parallel.experts import expert_parallel, moe_layers, regroup_by_expert
+from minidist.parallel.expert.experts import expert_parallel, moe_layers, regroup_by_expert
 from minidist.parallel.mesh import DeviceMesh
 from minidist.train import main, train
-from minidist.train_config import ConfigError, TrainConfig, check_config
+from minidist.train.config import ConfigError, TrainConfig, check_config
 
 MOE = dict(n_layer=2, n_head=4, n_embd=16, block_size=16, batch_size=8, n_experts=4, top_k=2, dtype="float64",
            eval_every=100, eval_iters=1, sample_tokens=0)

@@ -12,15 +12,15 @@ import re
 import numpy as np
 
 import minidist
-from minidist.explain import differences, explaining, format_stories, gather_lines
+from minidist.train.explain import differences, explaining, format_stories, gather_lines
 from minidist.model import GPT, GPTConfig
 from minidist.optim import SGD
-from minidist.parallel.data_parallel import DataParallel
+from minidist.parallel.data.data_parallel import DataParallel
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.pipeline import PipelineEngine, PipelineStage, split_micro_batches
-from minidist.parallel.step import train_step
-from minidist.train_build import build_model, build_optimizer
-from minidist.train_config import TrainConfig
+from minidist.parallel.compose.step import train_step
+from minidist.train.build import build_model, build_optimizer
+from minidist.train.config import TrainConfig
 
 
 def test_lines_of_any_length_reach_rank_0():
@@ -154,7 +154,7 @@ def test_pipeline_step_names_the_activations_sent_between_stages():
 
 
 def test_holdings_name_a_pipelines_tied_copy_of_the_embedding():
-    from minidist.explain import holdings
+    from minidist.train.explain import holdings
     config = GPTConfig(n_layer=4, n_head=2, n_embd=16, block_size=8)
     for rank, placement in ((1, "loop"), (0, "v")):  # 1F1B's last stage; ZB-V's rank 0 holds both ends
         stage = PipelineStage(GPT(config, seed=1), rank, 2, 1 if placement == "loop" else 2, placement=placement)

@@ -163,8 +163,8 @@ def test_a_sleeping_rank_is_named_by_every_rank_that_waited_not_just_the_neighbo
 
 
 def test_comm_timeout_flag_reaches_init_and_a_bad_value_exits_2_before_it(monkeypatch, capsys):
-    import minidist.train as train_module
-    from minidist.train_config import ConfigError, TrainConfig, check_config, parse_args
+    import minidist.train.loop as train_module
+    from minidist.train.config import ConfigError, TrainConfig, check_config, parse_args
 
     class Started(Exception):
         pass

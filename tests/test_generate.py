@@ -1,4 +1,4 @@
-"""Generation in every layout (minidist/parallel/generate.py): after the same training, every rank of
+"""Generation in every layout (minidist/parallel/whole_model/generate.py): after the same training, every rank of
 dp, tp, tp + sequence parallelism, ZeRO-3, pp (1F1B and interleaved), 3D (dp2 x pp2 x tp2) and
 context parallelism (ring, zig-zag with tp + sequence parallelism, Ulysses under a pipeline) and
 expert parallelism (with tp, sp, ZeRO-3, pp and cp) writes
@@ -13,13 +13,13 @@ import pytest
 from minidist import run_local
 from minidist.data import ByteTokenizer
 from minidist.model import GPT, GPTConfig, sample_token
-from minidist.parallel.generate import generate
+from minidist.parallel.whole_model.generate import generate
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.pipeline import PipelineStage
-from minidist.parallel.tp_model import build_tp_gpt
+from minidist.parallel.tensor.model import build_tp_gpt
 from minidist.train import train
-from minidist.train_config import TrainConfig
-from minidist.train_outputs import sample
+from minidist.train.config import TrainConfig
+from minidist.train.outputs import sample
 
 TINY = dict(n_layer=2, n_head=4, n_embd=16, block_size=16, batch_size=8, steps=3, eval_every=100, eval_iters=1,
             dtype="float64", sample_tokens=0, warmup=1, lr=3e-2, optimizer="adamw")

@@ -1,4 +1,4 @@
-"""Who owns which gradient element (minidist/parallel/grad_ownership.py): the tags declared on
+"""Who owns which gradient element (minidist/parallel/compose/grad_ownership.py): the tags declared on
 Parameter, the one rule, and the two ways the global gradient norm applies it: per parameter
 (clip.py: each tp rank adds what it counts) and per flat element (ZeRO: a "sharded" sum all-reduced
 over tp plus a "replicated" sum taken once) giving the same number."""
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from minidist.nn import Parameter
-from minidist.parallel.clip import local_grad_norm_sq
-from minidist.parallel.flat_buffer import FlatUnit
-from minidist.parallel.grad_ownership import counted_in_norm, norm_bucket, summed_over_tp
+from minidist.parallel.compose.clip import local_grad_norm_sq
+from minidist.parallel.zero.flat_buffer import FlatUnit
+from minidist.parallel.compose.grad_ownership import counted_in_norm, norm_bucket, summed_over_tp
 
 TAGS = ("tensor_parallel", "sequence_parallel", "tied_copy")
 

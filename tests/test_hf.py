@@ -23,9 +23,9 @@ from minidist.data import get_batch, grammar_text, inputs_and_targets
 from minidist.model import GPT
 from minidist.parallel.mesh import DeviceMesh
 from minidist.train import train
-from minidist.train_build import build_parallel, load_data, load_full_state, with_hf_model
-from minidist.train_config import ConfigError, TrainConfig, check_config
-from minidist.train_outputs import write_outputs
+from minidist.train.build import build_parallel, load_data, load_full_state, with_hf_model
+from minidist.train.config import ConfigError, TrainConfig, check_config
+from minidist.train.outputs import write_outputs
 
 L, H, C, T, V = 2, 4, 16, 16, 259  # V: bytes fit, and 259 is not a multiple of tp = 2 (padding)
 RUN = dict(steps=1, batch_size=4, eval_every=100, eval_iters=1, sample_tokens=0, warmup=0, seed=3,

@@ -16,11 +16,11 @@ from minidist.comm import Event, Trace
 from minidist.inspect import (busy_seconds, comm_table, load_run, model_state_bytes, step_window,
                               write_memory_report, write_trace)
 from minidist.inspect.__main__ import main as inspect_main
-from minidist.parallel.data_parallel import DataParallel
+from minidist.parallel.data.data_parallel import DataParallel
 from minidist.parallel.mesh import DeviceMesh
-from minidist.parallel.step import train_step
-from minidist.train_build import build_model, build_optimizer
-from minidist.train_config import TrainConfig
+from minidist.parallel.compose.step import train_step
+from minidist.train.build import build_model, build_optimizer
+from minidist.train.config import TrainConfig
 
 
 def event(op, group, nbytes, start, end, rank, kind="collective", seq=0, peer=None):
@@ -146,7 +146,7 @@ def test_module_spans_nest_inside_forward_and_backward_and_change_no_number():
     ring of recent events) gets none."""
     from minidist.model import GPT, GPTConfig
     from minidist.optim import SGD
-    from minidist.parallel.module_spans import is_module_span
+    from minidist.inspect.spans import is_module_span
     config = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8)
     batch = np.random.default_rng(0).integers(0, 256, (4, 9))  # (B, T+1)
     weights, traces = [], []

@@ -9,8 +9,8 @@ from minidist.amp import DynamicLossScaler, MixedPrecision
 from minidist.data import ByteTokenizer, get_batch, grammar_text, inputs_and_targets
 from minidist.model import GPT, GPTConfig
 from minidist.optim import AdamW, clip_grad_norm, lr_at
-from minidist.parallel.data_parallel import DataParallel
-from minidist.parallel.sampler import dp_rows
+from minidist.parallel.data.data_parallel import DataParallel
+from minidist.parallel.data.sampler import dp_rows
 
 MODEL = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64)  # train.py's default
 # NumPy float16 arithmetic is scalar code (~50x slower than float32), so the 150-step curves use a

@@ -24,7 +24,7 @@ from minidist.comm.transport import CommTimeoutError
 from minidist.parallel.pipeline.actions import stage_rank
 from minidist.parallel.pipeline.schedules import build_schedule, placement_of
 from minidist.train import train
-from minidist.train_config import TrainConfig
+from minidist.train.config import TrainConfig
 from tests.doubles import fake_nccl
 from tests.test_device_training import TINY, run
 from tests.test_collectives import SETTINGS, assert_all_equal, dtypes, expected, ops, rank_inputs, seeds

@@ -1,4 +1,4 @@
-"""ZeRO-Offload and ZeRO-Infinity (minidist/parallel/offload.py): the specification.
+"""ZeRO-Offload and ZeRO-Infinity (minidist/parallel/zero/offload.py): the specification.
 
 1. An offloaded ZeroOptimizer equals the same one without offload BITWISE (every stage, host
    memory or files, optimizer states alone or with ZeRO-3's parameters, float64, float16 and
@@ -28,10 +28,10 @@ from minidist import run_local
 from minidist.amp import DynamicLossScaler
 from minidist.checkpoint import step_dir
 from minidist.model import GPT
-from minidist.parallel.offload import Offload
-from minidist.parallel.zero import ZeroOptimizer
+from minidist.parallel.zero.offload import Offload
+from minidist.parallel.zero.optimizer import ZeroOptimizer
 from minidist.train import train
-from minidist.train_config import ConfigError, TrainConfig, check_config
+from minidist.train.config import ConfigError, TrainConfig, check_config
 from tests.mpi import zero_reference as zr
 
 STEPS = 4
@@ -218,7 +218,7 @@ RSS_SCRIPT = """
 import json, sys
 from pathlib import Path
 from minidist.train import train
-from minidist.train_config import TrainConfig
+from minidist.train.config import TrainConfig
 cfg = TrainConfig(**json.loads(sys.argv[1]))
 model, _ = train(cfg, progress=False)
 peak = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM:"))

@@ -13,10 +13,10 @@ import pytest
 import minidist
 from minidist.data import get_batch, inputs_and_targets
 from minidist.optim import clip_grad_norm, lr_at
-from minidist.parallel.param_server import check_parameter_server, staleness_bound, train_parameter_server
+from minidist.parallel.ps.param_server import check_parameter_server, staleness_bound, train_parameter_server
 from minidist.train import train
-from minidist.train_build import build_model, build_optimizer, load_data
-from minidist.train_config import TrainConfig
+from minidist.train.build import build_model, build_optimizer, load_data
+from minidist.train.config import TrainConfig
 
 STEPS = 10
 

@@ -7,12 +7,12 @@ import pytest
 import minidist
 from minidist.data import get_batch
 from minidist.model import GPT
-from minidist.parallel.consolidate import consolidated_state_dict
-from minidist.parallel.data_parallel import DataParallel
+from minidist.parallel.whole_model.consolidate import consolidated_state_dict
+from minidist.parallel.data.data_parallel import DataParallel
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.pipeline import PipelineEngine, PipelineStage, placement_of, split_micro_batches
-from minidist.parallel.tensor_parallel import sync_sequence_parallel_grads
-from minidist.parallel.tp_model import build_tp_gpt
+from minidist.parallel.tensor.tensor_parallel import sync_sequence_parallel_grads
+from minidist.parallel.tensor.model import build_tp_gpt
 from tests.test_pipeline_engine import B, STEPS, TOKENS, config, make_optimizer, one_process
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from minidist.parallel.accounting import zero_formula
+from minidist.inspect.accounting import zero_formula
 from minidist.plan import PROFILES, ModelSpec, RunSpec, parameter_count, predict, preset, search
 from minidist.plan.memory import activation_bytes_per_layer, model_state_bytes
 from minidist.plan.models import active_parameters
@@ -204,7 +204,7 @@ def test_the_local_profile_is_measured_here_and_predicts_a_step():
     """``--hardware local`` measures this machine (matmul, memory, overheads, the all-reduce over MPI
     or threads); the numbers are only checked to be sane, never timed against a target."""
     from minidist.plan import from_gpt_config, hardware_profile
-    from minidist.train_config import TrainConfig
+    from minidist.train.config import TrainConfig
     cfg = TrainConfig(dp=2, tp=2)
     model, run = from_gpt_config(cfg), RunSpec(seq=64, micro_batch_size=8, dp=2, tp=2, dtype="float32")
     hw = hardware_profile("local", model, run)

@@ -22,7 +22,7 @@ from minidist.plan import from_gpt_config
 from minidist.plan.comm import comm_bytes_per_step
 from minidist.plan.measure import measure, run_spec_of
 from minidist.plan.memory import activation_bytes, model_state_bytes
-from minidist.train_config import TrainConfig
+from minidist.train.config import TrainConfig
 
 TINY = dict(n_layer=4, n_head=4, n_embd=32, block_size=16, batch_size=8)
 LAYOUTS = {

@@ -1,7 +1,7 @@
 """The README says what the code does: its support matrix is the one the code generates."""
 from pathlib import Path
 
-from minidist.support_matrix import markdown
+from minidist.train.support_matrix import markdown
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -8,8 +8,8 @@ import pytest
 
 from minidist.autograd import no_grad
 from minidist.model import GPT, GPTConfig
-from minidist.parallel.accounting import activation_bytes
-from minidist.parallel.recompute import checkpoint, recompute_blocks
+from minidist.inspect.accounting import activation_bytes
+from minidist.nn.recompute import checkpoint, recompute_blocks
 from tests.mpi.zero_reference import CONFIG, batch
 
 

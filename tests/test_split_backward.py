@@ -8,7 +8,7 @@ from minidist.autograd import (Tensor, cat, combine, cross_entropy, embedding, g
                                layer_norm, linear, mean, scaled_dot_product_attention, softmax, split, take_rows,
                                weight_grads_later)
 from minidist.model import GPT, GPTConfig
-from minidist.parallel.recompute import checkpoint, recompute_blocks
+from minidist.nn.recompute import checkpoint, recompute_blocks
 
 RNG = np.random.default_rng(0)
 X = RNG.standard_normal((2, 3, 4))  # the activation every op gets: a leaf that is not a parameter

@@ -13,8 +13,8 @@ import minidist
 from minidist.model import GPT, GPTConfig
 from minidist.optim import SGD, AdamW
 from minidist.parallel.mesh import DeviceMesh
-from minidist.parallel.tensor_parallel import sync_sequence_parallel_grads, unshard
-from minidist.parallel.tp_model import build_tp_gpt
+from minidist.parallel.tensor.tensor_parallel import sync_sequence_parallel_grads, unshard
+from minidist.parallel.tensor.model import build_tp_gpt
 
 # 12 heads and T = 12 split over tp = 1, 2, 3, 4; vocab 11 divisible by none of 2, 3, 4 (padded)
 CONFIG = GPTConfig(vocab_size=11, block_size=12, n_layer=2, n_head=12, n_embd=24)

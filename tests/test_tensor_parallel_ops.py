@@ -8,13 +8,13 @@ import pytest
 import minidist
 from minidist.autograd import Tensor, cross_entropy
 from minidist.model import GPT, GPTConfig
-from minidist.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+from minidist.parallel.tensor.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                                copy_to_tensor_parallel_region,
                                                gather_from_sequence_parallel_region,
                                                reduce_from_tensor_parallel_region,
                                                reduce_scatter_to_sequence_parallel_region, shard_for, tp_layout,
                                                unshard)
-from minidist.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy, vocab_range
+from minidist.parallel.tensor.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy, vocab_range
 
 N = 3  # ranks
 B, T, C = 2, 6, 4

@@ -1,4 +1,4 @@
-"""The one table of how tensor parallelism splits each GPT-2 parameter (minidist/parallel/tp_layout.py)
+"""The one table of how tensor parallelism splits each GPT-2 parameter (minidist/parallel/tensor/layout.py)
 and everything that reads it: shard_for / unshard, the shapes both ways, the checkpoint regions, the
 tensor-parallel model's real parameters and ``--explain``'s holdings, all agreeing, with a vocabulary
 (11) that neither tp = 2 nor tp = 3 divides."""
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import minidist
-from minidist.explain import holdings
+from minidist.train.explain import holdings
 from minidist.model import GPT, GPTConfig
-from minidist.parallel.tp_layout import (global_shape, local_shape, regions, shard_for, split_of, tp_layout,
+from minidist.parallel.tensor.layout import (global_shape, local_shape, regions, shard_for, split_of, tp_layout,
                                          unshard)
-from minidist.parallel.tp_model import build_tp_gpt, full_shape
+from minidist.parallel.tensor.model import build_tp_gpt, full_shape
 
 CONFIG = GPTConfig(vocab_size=11, block_size=4, n_layer=2, n_head=6, n_embd=12, tie_embeddings=False)
 FULL = {name: value.shape for name, value in GPT(CONFIG, dtype="float64").state_dict().items()}

@@ -21,8 +21,8 @@ from minidist.comm.trace import KEEP_RECENT, Event, Trace
 from minidist.inspect import load_run
 from minidist.inspect.__main__ import main as inspect_main
 from minidist.train import train
-from minidist.train_build import world_of_one
-from minidist.train_config import TrainConfig
+from minidist.train.build import world_of_one
+from minidist.train.config import TrainConfig
 
 TINY = dict(n_layer=1, n_head=2, n_embd=16, block_size=8, batch_size=4, eval_iters=1, sample_tokens=0)
 

@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from minidist.train_config import ConfigError, TrainConfig, check_config
+from minidist.train.config import ConfigError, TrainConfig, check_config
 from tests.mpi.harness import find_mpiexec, run_mpi
 from tests.test_mixed_precision_training import GAP
 

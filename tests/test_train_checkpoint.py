@@ -23,10 +23,10 @@ from minidist.checkpoint import Checkpoint, CheckpointWriter, Flat, step_dir
 from minidist.checkpoint.layout import load_training_state, training_meta, training_pieces, zero_regions
 from minidist.checkpoint.training import ResumeRefused
 from minidist.parallel.mesh import DeviceMesh
-from minidist.parallel.step import loss_scaler
+from minidist.parallel.compose.step import loss_scaler
 from minidist.train import train
-from minidist.train_build import build_parallel
-from minidist.train_config import ConfigError, TrainConfig, check_config
+from minidist.train.build import build_parallel
+from minidist.train.config import ConfigError, TrainConfig, check_config
 
 TINY = dict(n_layer=2, n_head=4, n_embd=16, block_size=16, batch_size=8, steps=6, eval_every=100, eval_iters=1,
             dtype="float64", sample_tokens=0, warmup=2, lr=1e-2, grad_clip=0.5, bucket_mb=0.01)

@@ -17,7 +17,7 @@ import pytest
 from minidist import run_local
 from minidist.checkpoint import Checkpoint, step_dir
 from minidist.train import train
-from minidist.train_config import TrainConfig
+from minidist.train.config import TrainConfig
 from tests.test_train_checkpoint import assert_same_checkpoint, crash_before_the_last_save, resave
 
 TINY = dict(n_layer=2, n_head=4, n_embd=16, block_size=16, batch_size=8, steps=6, eval_every=100, eval_iters=1,

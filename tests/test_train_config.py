@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from minidist.train import train
-from minidist.train_build import load_data
-from minidist.train_config import RANGES, ConfigError, TrainConfig, check_config, parse_args
+from minidist.train.build import load_data
+from minidist.train.config import RANGES, ConfigError, TrainConfig, check_config, parse_args
 from tests.mpi.harness import REPO, run_mpi
 
 TINY = ["--steps", "2", "--batch-size", "2", "--n-layer", "1", "--n-head", "2", "--n-embd", "8",

@@ -11,10 +11,10 @@ import pytest
 
 from minidist import run_local
 from minidist.model import GPT, GPTConfig
-from minidist.parallel.accounting import activation_bytes
-from minidist.parallel.context_parallel import context_parallel
+from minidist.inspect.accounting import activation_bytes
+from minidist.parallel.context.context_parallel import context_parallel
 from minidist.train import train
-from minidist.train_config import ConfigError, TrainConfig, check_config
+from minidist.train.config import ConfigError, TrainConfig, check_config
 
 BASE = TrainConfig(n_layer=2, n_head=8, n_embd=16, block_size=16, batch_size=4, steps=2, eval_every=100,
                    eval_iters=1, sample_tokens=0, warmup=0, lr=1.0, min_lr=1.0, optimizer="sgd", momentum=0.0,

@@ -9,10 +9,10 @@ import pytest
 from minidist import run_local
 from minidist.nn import Parameter
 from minidist.optim import clip_grad_norm
-from minidist.parallel.clip import clip_grad_norm_parallel
+from minidist.parallel.compose.clip import clip_grad_norm_parallel
 from minidist.parallel.mesh import DeviceMesh
 from minidist.train import train
-from minidist.train_config import ConfigError, TrainConfig, check_config
+from minidist.train.config import ConfigError, TrainConfig, check_config
 
 TINY = dict(n_layer=2, n_head=4, n_embd=16, block_size=16, batch_size=8, steps=10, eval_every=100,
             eval_iters=1, dtype="float64", sample_tokens=0, warmup=2)

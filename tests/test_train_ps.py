@@ -11,8 +11,8 @@ import json
 import numpy as np
 import pytest
 
-from minidist.parallel.param_server import staleness_bound
-from minidist.train_config import ConfigError, TrainConfig, check_config
+from minidist.parallel.ps.param_server import staleness_bound
+from minidist.train.config import ConfigError, TrainConfig, check_config
 from tests.mpi.harness import find_mpiexec, run_mpi
 
 needs_mpi = pytest.mark.skipif(find_mpiexec() is None, reason="needs mpiexec")

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from minidist.data import get_batch, inputs_and_targets
-from minidist.parallel.step import train_step
-from minidist.train_build import build_model, build_optimizer
-from minidist.train_config import TrainConfig
+from minidist.parallel.compose.step import train_step
+from minidist.train.build import build_model, build_optimizer
+from minidist.train.config import TrainConfig
 
 torch = pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

@@ -11,8 +11,8 @@ import pytest
 
 from minidist import run_local
 from minidist.train import train
-from minidist.train_config import ConfigError, TrainConfig, check_config, parse_args
-from minidist.train_outputs import sample
+from minidist.train.config import ConfigError, TrainConfig, check_config, parse_args
+from minidist.train.outputs import sample
 from tests.mpi.harness import find_mpiexec, run_mpi
 
 needs_mpi = pytest.mark.skipif(find_mpiexec() is None, reason="mpiexec not found")
@@ -127,10 +127,10 @@ def test_zero_2_and_3_under_a_pipeline_send_one_reduce_scatter_and_one_all_gathe
     # micro-batches and are reduce-scattered once, after the last backward; ZeRO-3 keeps the stage's
     # units gathered from their first forward to their last backward. So per step each dp rank sends
     # (N-1)/N (G + P) on the dp group, whatever the number of micro-batches: ZeRO-1's traffic.
-    from minidist.parallel.accounting import bus_bytes
+    from minidist.inspect.accounting import bus_bytes
     from minidist.parallel.mesh import DeviceMesh
-    from minidist.parallel.step import train_step
-    from minidist.train_build import build_parallel
+    from minidist.parallel.compose.step import train_step
+    from minidist.train.build import build_parallel
 
     def sent(micro_batches):
         cfg = TrainConfig(**{**TINY, "n_layer": 2}, data_dir=data_dir, dp=2, pp=2, zero=stage, optimizer="sgd",

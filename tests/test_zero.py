@@ -16,8 +16,8 @@ import pytest
 
 import minidist
 from minidist.model import GPTConfig
-from minidist.parallel import accounting
-from minidist.parallel.zero import ZeroOptimizer
+from minidist.inspect import accounting
+from minidist.parallel.zero.optimizer import ZeroOptimizer
 from tests.mpi.zero_reference import CLIP, CONFIG, batch, max_relative_error, reference, zero_rank
 
 REFERENCE = {opt: reference(opt) for opt in ("sgd", "adamw")}
@@ -163,7 +163,7 @@ def count_forwards(stage, recompute=False, micro_batches=1):
     """(Linear forwards run in one step on rank 0, bytes its graph keeps for backward after forward)."""
     from minidist.autograd import ops_nn
     from minidist.model import GPT
-    from minidist.parallel.recompute import recompute_blocks
+    from minidist.nn.recompute import recompute_blocks
     calls = []
     original = ops_nn.Linear.forward
 

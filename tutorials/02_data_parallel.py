@@ -6,7 +6,7 @@
 
 Every rank holds the whole GPT and trains on its own rows of the global batch; before the optimizer
 step the ranks AVERAGE their gradients with an all-reduce, so every replica takes the same step as
-one process on the full batch would (minidist/parallel/data_parallel.py, PyTorch's DDP written out).
+one process on the full batch would (minidist/parallel/data/data_parallel.py, PyTorch's DDP written out).
 
   1. The buckets. Gradients live in a few flat buffers, filled in REVERSE parameter order (the order
      backward finishes them): one all-reduce per bucket, not one per parameter.
@@ -45,9 +45,9 @@ import minidist
 from minidist.data import ByteTokenizer, get_batch, grammar_text
 from minidist.model import GPT, GPTConfig
 from minidist.optim import SGD
-from minidist.parallel.data_parallel import DataParallel
-from minidist.parallel.sampler import dp_rows, micro_batches
-from minidist.parallel.step import forward_backward, train_step
+from minidist.parallel.data.data_parallel import DataParallel
+from minidist.parallel.data.sampler import dp_rows, micro_batches
+from minidist.parallel.compose.step import forward_backward, train_step
 
 CONFIG = GPTConfig(block_size=32, n_layer=2, n_head=4, n_embd=64)
 B = 8                       # rows of the global batch; dp rank r trains on dp_rows(B, r, n)

@@ -31,10 +31,10 @@ import numpy as np
 
 import minidist
 from minidist.model import GPT, GPTConfig
-from minidist.parallel.accounting import activation_bytes
-from minidist.parallel.module_spans import ModuleSpans, is_module_span
-from minidist.parallel.tensor_parallel import sync_sequence_parallel_grads, tp_layout, unshard
-from minidist.parallel.tp_model import build_tp_gpt
+from minidist.inspect.accounting import activation_bytes
+from minidist.inspect.spans import ModuleSpans, is_module_span
+from minidist.parallel.tensor.tensor_parallel import sync_sequence_parallel_grads, tp_layout, unshard
+from minidist.parallel.tensor.model import build_tp_gpt
 from minidist.plan.layout import RunSpec
 from minidist.plan.memory import activation_bytes as planned_activation_bytes, layer_activation_terms
 from minidist.plan.models import from_gpt_config
@@ -81,7 +81,7 @@ def holdings(group, model):
 
 def one_step(group, model):
     """Forward and backward of one batch, with the trace watched so that it records a span per
-    module (embedding, each block, head) inside each pass (minidist/parallel/module_spans.py).
+    module (embedding, each block, head) inside each pass (minidist/inspect/spans.py).
     Returns the loss, the activation bytes the graph keeps, and per (module, "forward" |
     "backward") the collectives that started inside that module's span, in order."""
     idx, targets = batch()

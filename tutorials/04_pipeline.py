@@ -33,7 +33,7 @@ import numpy as np
 
 import minidist
 from minidist.data import ByteTokenizer, get_batch, grammar_text, inputs_and_targets
-from minidist.explain import explaining
+from minidist.train.explain import explaining
 from minidist.model import GPT, GPTConfig
 from minidist.optim import AdamW
 from minidist.parallel.mesh import DeviceMesh

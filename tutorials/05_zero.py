@@ -7,7 +7,7 @@ like one process.
     python tutorials/05_zero.py --png zero.png                (and draw the bytes per rank per stage)
 
 Plain data parallelism keeps on each of N ranks the full parameters P, gradients G and optimizer
-state O. ZeRO cuts them by offset into N shards (minidist/parallel/flat_buffer.py):
+state O. ZeRO cuts them by offset into N shards (minidist/parallel/zero/flat_buffer.py):
 
     stage 1: P + G + O/N        optimizer state sharded; gradients reduce-scattered, shards updated,
                                 parameters all-gathered
@@ -51,8 +51,8 @@ from minidist.comm.ops import bus_factor
 from minidist.data import get_batch, inputs_and_targets
 from minidist.model import GPT, GPTConfig
 from minidist.optim import AdamW, clip_grad_norm
-from minidist.parallel.loss_scaling import backward_micro_batch
-from minidist.parallel.zero import ZeroOptimizer
+from minidist.parallel.compose.loss_scaling import backward_micro_batch
+from minidist.parallel.zero.optimizer import ZeroOptimizer
 
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, tie_embeddings=False)
 BATCH, STEPS, LR = 8, 5, 1e-2

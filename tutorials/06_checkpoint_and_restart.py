@@ -47,14 +47,14 @@ from minidist.checkpoint.layout import load_training_state, training_meta, train
 from minidist.checkpoint.regions import intersect
 from minidist.checkpoint.training import ResumeRefused, TrainingCheckpoints
 from minidist.optim import lr_at
-from minidist.parallel.data_parallel import DataParallel
+from minidist.parallel.data.data_parallel import DataParallel
 from minidist.parallel.mesh import DeviceMesh
-from minidist.parallel.sampler import DistributedSampler
-from minidist.parallel.step import train_step
-from minidist.parallel.tp_layout import regions, unshard
-from minidist.train_build import build_model, build_optimizer, load_data
+from minidist.parallel.data.sampler import DistributedSampler
+from minidist.parallel.compose.step import train_step
+from minidist.parallel.tensor.layout import regions, unshard
+from minidist.train.build import build_model, build_optimizer, load_data
 from minidist.run import find_mpiexec
-from minidist.train_config import TrainConfig
+from minidist.train.config import TrainConfig
 
 CFG = TrainConfig(n_layer=2, n_head=6, n_embd=24, block_size=16, batch_size=8, steps=6, warmup=2, lr=1e-2,
                   dtype="float64", dp=2, tp=2)

@@ -20,7 +20,7 @@ new .data".
    its newest parameters. Worker 0 sleeps STRAGGLER seconds every step (a slow machine). Both modes
    get the same work: B = W x steps gradients of B_global / W rows each (36 gradients, 72 sequences).
 
-   The staleness rule (minidist/parallel/ps_server.py, run_async). The server counts each worker's
+   The staleness rule (minidist/parallel/ps/server.py, run_async). The server counts each worker's
    pushes, its "clock". After worker w pushes its c-th gradient the server HOLDS its answer (the
    next parameters) until every worker has pushed at least c - s: no worker starts a step more than s
    steps ahead of the slowest.
@@ -65,10 +65,10 @@ import numpy as np
 
 import minidist
 from minidist.comm import gather_traces
-from minidist.parallel.param_server import staleness_bound, train_parameter_server
+from minidist.parallel.ps.param_server import staleness_bound, train_parameter_server
 from minidist.train import train
-from minidist.train_build import build_model, load_data
-from minidist.train_config import TrainConfig
+from minidist.train.build import build_model, load_data
+from minidist.train.config import TrainConfig
 
 CFG = TrainConfig(steps=12, batch_size=6, dtype="float64", optimizer="adamw", n_layer=1, n_embd=32, n_head=2,
                   block_size=32, eval_iters=1, sample_tokens=0)

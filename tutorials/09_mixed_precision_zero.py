@@ -58,9 +58,9 @@ from minidist.amp import DynamicLossScaler, MixedPrecision
 from minidist.data import get_batch, inputs_and_targets
 from minidist.model import GPT, GPTConfig
 from minidist.optim import AdamW
-from minidist.parallel.accounting import unique_nbytes
-from minidist.parallel.loss_scaling import backward_micro_batch
-from minidist.parallel.zero import ZeroOptimizer
+from minidist.inspect.accounting import unique_nbytes
+from minidist.parallel.compose.loss_scaling import backward_micro_batch
+from minidist.parallel.zero.optimizer import ZeroOptimizer
 
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, tie_embeddings=False)
 BATCH, STEPS, LR, MAX_NORM = 8, 6, 1e-3, 1.0

@@ -40,10 +40,10 @@ import numpy as np
 import minidist
 from minidist.autograd import Tensor, scaled_dot_product_attention
 from minidist.model import GPT, GPTConfig
-from minidist.parallel.context_parallel import ALGORITHMS, ContextParallel, context_parallel
-from minidist.parallel.ring_attention import block_plan, causal_work, ring_attention, sequence_chunks
-from minidist.parallel.ulysses import heads_to_sequence, sequence_to_heads
-from minidist.train_config import ConfigError, TrainConfig, check_config
+from minidist.parallel.context.context_parallel import ALGORITHMS, ContextParallel, context_parallel
+from minidist.parallel.context.ring_attention import block_plan, causal_work, ring_attention, sequence_chunks
+from minidist.parallel.context.ulysses import heads_to_sequence, sequence_to_heads
+from minidist.train.config import ConfigError, TrainConfig, check_config
 
 CONFIG = GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=4, n_embd=16)
 B, NH, HS = 2, 4, 8  # the small attention: (B, nh, T, hs) with T = 4 cp tokens (zig-zag: 2 per chunk)

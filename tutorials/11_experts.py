@@ -15,7 +15,7 @@ parameters for k times the MLP compute. For the N = B T tokens of a batch (minid
 Expert parallelism (ep) gives each of the ep ranks E/ep of every MoE layer's experts (rank r holds
 experts r E/ep .. (r+1) E/ep - 1) and keeps everything else replicated: the ep ranks are data-
 parallel ranks, each with its own rows of the batch. Each routes ITS tokens, then
-(minidist/parallel/experts.py):
+(minidist/parallel/expert/experts.py):
 
     counts    all_to_all of (ep, E/ep) int64: how many rows I send to each of your experts
     dispatch  all_to_all of the token rows, uneven splits: each row to the rank of its expert
@@ -66,8 +66,8 @@ from minidist.model import GPT, GPTConfig
 from minidist.moe import MoE, capacity, capacity_keep, route
 from minidist.nn.init import normal
 from minidist.optim import AdamW
-from minidist.parallel.experts import expert_parallel, moe_layers
-from minidist.parallel.tp_layout import ep_block
+from minidist.parallel.expert.experts import expert_parallel, moe_layers
+from minidist.parallel.tensor.layout import ep_block
 
 # parts 1, 3 and 4: C = 8, E = 4 experts, top-2, T = 8 tokens per sequence
 CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=8, n_experts=4, top_k=2,

@@ -6,7 +6,7 @@
 Read lessons 5 (ZeRO) and 9 (ZeRO in float16) first. ZeRO cuts the model states over the N dp ranks,
 but each rank keeps its shards in DEVICE memory. The largest is the optimizer's: in mixed-precision
 AdamW, 12 of the paper's 16 bytes per parameter (float32 master, exp_avg, exp_avg_sq), and it is
-touched once per step, by an element-wise update that needs no GPU. So (minidist/parallel/offload.py):
+touched once per step, by an element-wise update that needs no GPU. So (minidist/parallel/zero/offload.py):
 
     ZeRO-Offload    the optimizer shard lives in host memory and the update runs there: each gradient
                     shard goes down (device -> host) once it is final, the updated parameter shard up
@@ -40,8 +40,8 @@ import minidist
 from minidist.amp import DynamicLossScaler
 from minidist.data import get_batch, inputs_and_targets
 from minidist.model import GPT, GPTConfig
-from minidist.parallel.offload import Offload
-from minidist.parallel.zero import ZeroOptimizer
+from minidist.parallel.zero.offload import Offload
+from minidist.parallel.zero.optimizer import ZeroOptimizer
 
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)  # units: multiples of 8 elements
 BATCH, STEPS, LR, CLIP = 8, 4, 1e-2, 1.0

@@ -63,7 +63,7 @@ from minidist.plan.memory import (activation_bytes, embedding_activation_bytes, 
                                   layer_activation_terms, model_state_bytes, optimizer_numel, stage_weights)
 from minidist.plan.models import layers_per_stage
 from minidist.plan.report import describe_run, human
-from minidist.train_config import TrainConfig
+from minidist.train.config import TrainConfig
 
 SHAPE = dict(n_layer=4, n_head=4, n_embd=32, block_size=16, batch_size=8)  # minidist's GPT, 256-byte vocabulary
 RECIPE = dict(micro_batches=2, zero=1, dtype="float16")  # float16 + float32 masters and AdamW moments

@@ -8,7 +8,7 @@ LayerNorms' normalised inputs, every Linear's input, q, k, v, the attention prob
 (B, nh, T, T), the MLP's (B, T, 4C) hidden activations... (memory.layer_activation_terms lists them).
 For a long sequence that is far more than the weights. Recomputation (Chen et al. 2016; PyTorch's
 ``torch.utils.checkpoint``, Megatron's ``--recompute-granularity full``) keeps only each block's
-INPUT (B, T, C): minidist/parallel/recompute.py runs the block's forward under ``no_grad`` (nothing
+INPUT (B, T, C): minidist/nn/recompute.py runs the block's forward under ``no_grad`` (nothing
 saved), and when backward reaches the block it runs the forward again, this time building the graph,
 and back-propagates through it. Same operations on the same values: the same gradients, bit for bit.
 
@@ -40,16 +40,16 @@ import minidist
 from minidist.allocator import keep_freed_memory
 from minidist.autograd import Tensor, is_grad_enabled
 from minidist.model import GPT, GPTConfig
-from minidist.parallel.accounting import activation_bytes
-from minidist.parallel.consolidate import consolidated_state_dict
+from minidist.inspect.accounting import activation_bytes
+from minidist.parallel.whole_model.consolidate import consolidated_state_dict
 from minidist.parallel.mesh import DeviceMesh
-from minidist.parallel.recompute import checkpoint, recompute_blocks
-from minidist.parallel.step import train_step
+from minidist.nn.recompute import checkpoint, recompute_blocks
+from minidist.parallel.compose.step import train_step
 from minidist.plan.layout import RunSpec
 from minidist.plan.memory import layer_activation_terms
 from minidist.plan.models import from_gpt_config
-from minidist.train_build import build_parallel, world_of_one
-from minidist.train_config import TrainConfig
+from minidist.train.build import build_parallel, world_of_one
+from minidist.train.config import TrainConfig
 
 CONFIG = GPTConfig(n_layer=4, n_head=4, n_embd=64, block_size=64)
 BATCH, DTYPE, REPEATS = 8, "float64", 7

@@ -33,7 +33,7 @@ from minidist.amp.bfloat16 import round_to_bfloat16
 from minidist.device import get_array_module
 from minidist.nn.parameter import Parameter
 from minidist.optim import clip_grad_norm
-from minidist.parallel.clip import clip_grad_norm_parallel
+from minidist.parallel.compose.clip import clip_grad_norm_parallel
 
 COMPUTE_DTYPES = {"float16": np.float16, "bfloat16": np.float32}  # name -> storage dtype of the model
 SHARDING_TAGS = ("tensor_parallel", "sequence_parallel", "tied_copy", "expert")  # who owns which gradient element

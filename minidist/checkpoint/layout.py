@@ -3,7 +3,7 @@
 A checkpoint holds GLOBAL tensors under single-process names: the GPT-2 parameters and, per
 optimizer slot, ``slot/name`` (``exp_avg/transformer.h.0.attn.c_attn.weight``). This file says which
 part of them this rank holds, as boxes (regions.py), using the tensor-parallel layout by name
-(:func:`~minidist.parallel.tensor_parallel.tp_layout`):
+(:func:`~minidist.parallel.tensor.tensor_parallel.tp_layout`):
 
     replicated   the whole tensor               written by tp rank 0 only
     column/row   one block along axis 0 / 1
@@ -13,7 +13,7 @@ part of them this rank holds, as boxes (regions.py), using the tensor-parallel l
 
 Data-parallel replicas (and context-parallel ranks, which hold the same parameters) hold the same
 values, so only rank 0 of the dp x cp group writes (of an expert parameter: rank 0 of the ranks
-holding the same experts, :func:`~minidist.parallel.grad_ownership.replica_group`; under expert
+holding the same experts, :func:`~minidist.parallel.compose.grad_ownership.replica_group`; under expert
 parallelism each ep rank holds a block of the experts, written as its box along axis 0). Under ZeRO each dp x cp rank holds
 elements ``lo:hi`` of every unit's flat vector (flat_buffer.py), so each writes its own flat pieces:
 where the shard crosses a parameter (or one box of its tp shard), a
@@ -28,10 +28,10 @@ import math
 
 from minidist.autograd import get_array_module, to_numpy
 from minidist.checkpoint.regions import Flat, Piece
-from minidist.parallel.grad_ownership import counted_in_norm, replica_group
-from minidist.parallel.tp_layout import regions as tp_regions  # where a tp shard's rows sit in the global tensor
-from minidist.parallel.tp_model import full_shape
-from minidist.parallel.zero import ZeroOptimizer
+from minidist.parallel.compose.grad_ownership import counted_in_norm, replica_group
+from minidist.parallel.tensor.layout import regions as tp_regions  # where a tp shard's rows sit in the global tensor
+from minidist.parallel.tensor.model import full_shape
+from minidist.parallel.zero.optimizer import ZeroOptimizer
 
 
 def _stored_name(name: str, p) -> str:
@@ -51,7 +51,7 @@ def _held(model, mesh, amp=None):
 
 def _written_here(p, mesh) -> bool:
     """Whether this rank writes its part of ``p``: the rank that owns its
-    gradient elements in the norm (:func:`~minidist.parallel.grad_ownership.counted_in_norm`), so
+    gradient elements in the norm (:func:`~minidist.parallel.compose.grad_ownership.counted_in_norm`), so
     a tied copy never, a tp-replicated tensor on tp rank 0 only, a tp shard on every tp rank."""
     return counted_in_norm(p, mesh.tp_rank)
 

@@ -106,7 +106,7 @@ class ProcessGroup:
 
     # ---- collectives -------------------------------------------------------------------------------
 
-    def all_reduce(self, x, op: str = "sum", algorithm: str = "auto", async_op: bool = False):
+    def all_reduce(self, x, op: str = "sum", algorithm: str = "auto", async_op: bool = False, *, label: str = ""):
         """Every rank's ``x`` becomes the elementwise ``op`` over all ranks, in place; returns ``x``
         (with ``async_op``: a Work whose ``wait()`` returns ``x``; leave ``x`` alone until then).
 
@@ -137,9 +137,9 @@ class ProcessGroup:
                 divide_by_size(flat, self.size)
             return x
         return self._dispatch("all_reduce", run, algorithm, x.nbytes, async_op=async_op, like=x, op=op,
-                              dtype=x.dtype, count=x.size)
+                              dtype=x.dtype, count=x.size, label=label)
 
-    def reduce_scatter(self, x, op: str = "sum", out=None, async_op: bool = False):
+    def reduce_scatter(self, x, op: str = "sum", out=None, async_op: bool = False, *, label: str = ""):
         """Reduce ``x`` over all ranks and return this rank's part along axis 0, cut by
         ``numpy.array_split``: shape ``(counts[rank],) + x.shape[1:]``. ``x`` is not modified.
         With ``async_op``: a Work whose ``wait()`` returns that part; ``x`` is read when the
@@ -171,9 +171,9 @@ class ProcessGroup:
                 divide_by_size(out, self.size)
             return out
         return self._dispatch("reduce_scatter", run, algorithm, x.nbytes, async_op=async_op,
-                              like=x, op=op, dtype=x.dtype, count=x.size)
+                              like=x, op=op, dtype=x.dtype, count=x.size, label=label)
 
-    def all_gather(self, shard, count: int | None = None, out=None, async_op: bool = False):
+    def all_gather(self, shard, count: int | None = None, out=None, async_op: bool = False, *, label: str = ""):
         """Every rank's ``shard`` concatenated along axis 0, in rank order, on every rank.
 
         With ``count`` (the total length along axis 0), rank r's shard must have the r-th length of
@@ -196,9 +196,10 @@ class ProcessGroup:
                 ring.all_gather(self.transport, shard.reshape(-1), counts, out.reshape(-1))
             return out
         return self._dispatch("all_gather", run, algorithm, out.nbytes, async_op=async_op,
-                              like=shard, dtype=shard.dtype, count=out.size)
+                              like=shard, dtype=shard.dtype, count=out.size, label=label)
 
-    def all_to_all(self, x, send_counts=None, recv_counts=None, out=None, async_op: bool = False):
+    def all_to_all(self, x, send_counts=None, recv_counts=None, out=None, async_op: bool = False, *,
+                   label: str = ""):
         """Rank r sends chunk j of ``x`` (along axis 0) to rank j and returns the chunks it receives
         from ranks 0..n-1, concatenated along axis 0 in rank order (torch.distributed's
         ``all_to_all_single``, with counts in rows). The trailing axes and the dtype must be the same
@@ -272,7 +273,7 @@ class ProcessGroup:
         return self._dispatch("all_to_all", run, self._algorithm(algorithm, x), x.nbytes, async_op=async_op,
                               like=x, dtype=x.dtype, count=row, recv_counts=how)
 
-    def broadcast(self, x, src: int = 0):
+    def broadcast(self, x, src: int = 0, *, label: str = ""):
         """Every rank's ``x`` becomes ``src``'s ``x``, in place; returns ``x``."""
         checks.check_array(self, x, "x")
         checks.check_rank(self, src, "src")
@@ -287,7 +288,7 @@ class ProcessGroup:
         return self._dispatch("broadcast", run, self._algorithm("binomial", x), x.nbytes, dtype=x.dtype,
                               count=x.size, root=src)
 
-    def reduce(self, x, dst: int = 0, op: str = "sum"):
+    def reduce(self, x, dst: int = 0, op: str = "sum", *, label: str = ""):
         """``dst``'s ``x`` becomes the elementwise ``op`` over all ranks; other ranks' ``x`` is
         unchanged. Returns ``x``."""
         checks.check_array(self, x, "x")
@@ -307,12 +308,12 @@ class ProcessGroup:
         return self._dispatch("reduce", run, self._algorithm("binomial", x), x.nbytes, op=op, dtype=x.dtype,
                               count=x.size, root=dst)
 
-    def barrier(self) -> None:
+    def barrier(self, *, label: str = "") -> None:
         """Return only once every rank of the group has called ``barrier``."""
         run = self._native.barrier if self._native else partial(rooted.barrier, self.transport)
-        self._dispatch("barrier", run, self.backend if self._native else "binomial", 0)
+        self._dispatch("barrier", run, self.backend if self._native else "binomial", 0, label=label)
 
-    def gather_bytes(self, data: bytes, dst: int = 0) -> list[bytes] | None:
+    def gather_bytes(self, data: bytes, dst: int = 0, *, label: str = "") -> list[bytes] | None:
         """Every rank's ``data`` (any length, 0 included) on rank ``dst``, as a list in rank order;
         None on the other ranks. For results whose size differs between ranks (JSON, text, raw array
         bytes) without pickling.
@@ -351,7 +352,8 @@ class ProcessGroup:
         checks.check_int(self, color, "color")
         checks.check_int(self, key, "key")
         self._splits += 1
-        sub = self._dispatch("split", partial(self.transport.split, int(color), int(key)), "allgather", 0)
+        sub = self._dispatch("split", partial(self.transport.split, int(color), int(key)), "allgather", 0,
+                             label="setup: split the group")
         if sub is None:
             return None
         return ProcessGroup(sub, backend=self.backend, trace=self.trace, debug=self.debug,
@@ -362,54 +364,54 @@ class ProcessGroup:
 
     # ---- point to point -----------------------------------------------------------------------------
 
-    def send(self, x, dst: int, tag: int = 0) -> None:
+    def send(self, x, dst: int, tag: int = 0, *, label: str = "") -> None:
         """Send ``x`` to rank ``dst``; returns once ``x`` may be reused."""
         checks.check_p2p(self, x, dst, tag, writeable=False)
-        with self._p2p("send", dst, x.nbytes):
+        with self._p2p("send", dst, x.nbytes, label):
             self._links_for(x).send(x, dst, tag)
 
-    def recv(self, x, src: int, tag: int = 0):
+    def recv(self, x, src: int, tag: int = 0, *, label: str = ""):
         """Receive ``src``'s message (same dtype and size as ``x``) into ``x``; returns ``x``."""
         checks.check_p2p(self, x, src, tag)
-        with self._p2p("recv", src, x.nbytes):
+        with self._p2p("recv", src, x.nbytes, label):
             self._links_for(x).recv(x, src, tag)
         return x
 
-    def isend(self, x, dst: int, tag: int = 0) -> Request:
+    def isend(self, x, dst: int, tag: int = 0, *, label: str = "") -> Request:
         """Start sending ``x`` to ``dst``; don't touch ``x`` until the request's ``wait()`` returns.
         (The trace times the posting; the transfer overlaps whatever runs until ``wait``.)"""
         checks.check_p2p(self, x, dst, tag, writeable=False)
-        with self._p2p("isend", dst, x.nbytes) as seq:
+        with self._p2p("isend", dst, x.nbytes, label) as seq:
             return _GroupRequest(self._links_for(x).isend(x, dst, tag), self, "isend", seq)
 
-    def irecv(self, x, src: int, tag: int = 0) -> Request:
+    def irecv(self, x, src: int, tag: int = 0, *, label: str = "") -> Request:
         """Start receiving ``src``'s message into ``x``; it is there once ``wait()`` returns."""
         checks.check_p2p(self, x, src, tag)
-        with self._p2p("irecv", src, x.nbytes) as seq:
+        with self._p2p("irecv", src, x.nbytes, label) as seq:
             return _GroupRequest(self._links_for(x).irecv(x, src, tag), self, "irecv", seq)
 
-    def sendrecv(self, sendbuf, dst: int, recvbuf, src: int, tag: int = 0):
+    def sendrecv(self, sendbuf, dst: int, recvbuf, src: int, tag: int = 0, *, label: str = ""):
         """Send ``sendbuf`` to ``dst`` while receiving ``recvbuf`` from ``src`` (deadlock-free even
         when two ranks exchange with each other). Returns ``recvbuf``."""
         checks.check_p2p(self, sendbuf, dst, tag, writeable=False)
         checks.check_p2p(self, recvbuf, src, tag, like=sendbuf)
-        with self._p2p("sendrecv", dst, sendbuf.nbytes + recvbuf.nbytes):
+        with self._p2p("sendrecv", dst, sendbuf.nbytes + recvbuf.nbytes, label):
             self._links_for(sendbuf).sendrecv(sendbuf, dst, recvbuf, src, tag)
         return recvbuf
 
     # ---- bookkeeping ------------------------------------------------------------------------------
 
     def _dispatch(self, name, run, algorithm, nbytes, *, async_op=False, like=None, op=None, dtype=None, count=0,
-                  root=-1, recv_counts=None):
+                  root=-1, recv_counts=None, label=""):
         """The one path of every collective, once its arguments are checked: after the collectives
         queued before it, number it, check its fingerprint, record it in the trace and ``run()`` it,
         now or (``async_op``) on the group's communication thread, returning its Work. ``op``,
         ``dtype``, ``count``, ``root`` and ``recv_counts`` describe the call for the fingerprint. A GPU
         array's kernels must run on its own GPU, so the communication thread makes ``like``'s GPU
-        current for the call."""
+        current for the call. ``label`` is the call site's purpose, recorded in the trace."""
         def collective():
             with self._collective(name, algorithm, nbytes, op=op, dtype=dtype, count=count, root=root,
-                                  recv_counts=recv_counts):
+                                  recv_counts=recv_counts, label=label):
                 return run()
         if async_op:
             def on_its_gpu():
@@ -453,24 +455,25 @@ class ProcessGroup:
         return self.backend if self._native_for(x) else hand_written
 
     @contextmanager
-    def _collective(self, name, algorithm, nbytes, *, op=None, dtype=None, count=0, root=-1, recv_counts=None):
+    def _collective(self, name, algorithm, nbytes, *, op=None, dtype=None, count=0, root=-1, recv_counts=None,
+                    label=""):
         """Number a collective, record it in the trace, check that the ranks called the same one
         (``fingerprint.py``: with the ring neighbours, or in debug mode with everyone), and report a
         peer that never answers as CommTimeoutError naming the ranks that never arrived."""
         self.seq += 1
         with self._timeouts(name, self.seq, collective=True), self.trace.record(
-                name, group=self.name, algorithm=algorithm, nbytes=nbytes, seq=self.seq):
+                name, group=self.name, algorithm=algorithm, nbytes=nbytes, seq=self.seq, label=label):
             if self.debug or self.check_calls:
                 check_call(self.transport, self.name, name, op, dtype, count, root, self.seq, everyone=self.debug,
                            recv_counts=recv_counts)
             yield
 
     @contextmanager
-    def _p2p(self, name, peer, nbytes):
-        """Number and record a point-to-point call; yields its number."""
+    def _p2p(self, name, peer, nbytes, label=""):
+        """Number and record a point-to-point call (with the call site's ``label``); yields its number."""
         self.p2p_seq += 1
         with self._timeouts(name, self.p2p_seq), self.trace.record(
-                name, group=self.name, nbytes=nbytes, seq=self.p2p_seq, peer=peer, kind="p2p"):
+                name, group=self.name, nbytes=nbytes, seq=self.p2p_seq, peer=peer, kind="p2p", label=label):
             yield self.p2p_seq
 
     @contextmanager

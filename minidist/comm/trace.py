@@ -22,6 +22,13 @@ from dataclasses import dataclass, fields
 
 
 KINDS = ("compute", "collective", "p2p", "wait")  # "wait": blocked on a peer (parameter server)
+PURPOSES = {  # the first word of every call site's label: why it sent what it sent
+    "gradient": "gradients: reduced over replicas, completed over tp or tied copies, moved for the update",
+    "parameter": "parameters or optimizer state: made the same on every replica, gathered for use, published",
+    "activation": "activations and their gradients, in forward and backward",
+    "metric": "a number about the step: a loss, a norm, an overflow flag, an expert's load",
+    "setup": "building groups, agreeing on the run, checkpoints and exports",
+}
 KEEP_RECENT = 4096  # events a long run keeps in memory (init(), the trainer): a few hundred KiB per rank
 
 
@@ -39,6 +46,7 @@ class Event:
     peer: int | None = None
     kind: str = "collective"  # one of KINDS
     thread: int | None = None  # the recording thread's ident: a call on the thread of a compute span blocked it
+    label: str = ""  # why the call site sent it, "<purpose>: <what>" (PURPOSES); "" when the caller gave none
 
     @property
     def duration(self) -> float:
@@ -46,6 +54,13 @@ class Event:
 
 
 FIELDS = tuple(f.name for f in fields(Event))
+
+
+def purpose_of(label: str) -> str:
+    """The purpose a call site's ``label`` gives ("gradient: ZeRO reduce-scatter" -> "gradient"),
+    one of :data:`PURPOSES`, or "" for a call without a label."""
+    head = label.split(":", 1)[0]
+    return head if head in PURPOSES else ""
 
 
 def event_dict(e: Event) -> dict:
@@ -107,8 +122,8 @@ class Trace:
 
     @contextmanager
     def record(self, op: str, *, group: str = "world", algorithm: str = "", nbytes: int = 0,
-               seq: int = 0, peer: int | None = None, kind: str = "collective"):
-        """Time the body of the ``with`` block as one event."""
+               seq: int = 0, peer: int | None = None, kind: str = "collective", label: str = ""):
+        """Time the body of the ``with`` block as one event (``label``: its call site's purpose)."""
         if not self.enabled:
             yield
             return
@@ -117,7 +132,7 @@ class Trace:
             yield
         finally:
             self.add(Event(op, group, algorithm, nbytes, start, time.perf_counter(), seq, self.rank, peer, kind,
-                           threading.get_ident()))
+                           threading.get_ident(), label))
 
     @contextmanager
     def _sink(self, sink):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from minidist.comm.ops import bus_factor
-from minidist.parallel.accounting import format_memory_table
+from minidist.inspect.accounting import format_memory_table
 
 
 def human_bytes(n: float) -> str:

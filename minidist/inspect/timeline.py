@@ -14,8 +14,8 @@ end of the optimizer of step k. (For the executed-vs-ideal picture of a pipeline
 """
 from __future__ import annotations
 
-from minidist.parallel.accounting import axis_of
-from minidist.parallel.module_spans import is_module_span
+from minidist.inspect.accounting import axis_of
+from minidist.inspect.spans import is_module_span
 
 COMPUTE_COLORS = {"forward": "#4e79a7", "backward": "#f28e2b", "weight": "#e15759", "optimizer": "#59a14f"}
 AXIS_COLORS = {"tp": "#b07aa1", "dp": "#76b7b2", "pp": "#edc948", "cp": "#ff9da7", "ep": "#9c755f",

@@ -11,8 +11,8 @@ from contextlib import contextmanager
 
 from minidist.inspect.load import memory_path, trace_path
 from minidist.inspect.timeline import step_window
-from minidist.parallel.accounting import unique_nbytes
-from minidist.parallel.module_spans import is_module_span, peak_held_bytes
+from minidist.inspect.accounting import unique_nbytes
+from minidist.inspect.spans import is_module_span, peak_held_bytes
 
 
 def write_trace(run_dir, trace) -> None:

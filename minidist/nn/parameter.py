@@ -10,7 +10,7 @@ class Parameter(Tensor):
     seeing all of the batch it is given); parallel code sets them to True on its instances:
 
     - ``tensor_parallel``: a distinct shard on each tensor-parallel rank (which part: the table in
-      minidist.parallel.tp_layout), so its gradient is this rank's alone;
+      minidist.parallel.tensor.layout), so its gradient is this rank's alone;
     - ``sequence_parallel``: replicated over the tensor-parallel ranks but sees only this rank's
       tokens, so its gradient is a partial sum that must be all-reduced over tp;
     - ``tied_copy``: a pipeline stage's copy of a parameter another stage holds too (the last
@@ -18,7 +18,7 @@ class Parameter(Tensor):
       group and it is counted once, by the stage holding the original;
     - ``expert``: experts stacked along axis 0 (minidist/moe.py): under expert parallelism each ep
       rank holds a distinct block of them, its gradient reduced only over the ranks holding the
-      same experts (minidist/parallel/grad_ownership.py).
+      same experts (minidist/parallel/compose/grad_ownership.py).
 
     Unlike a plain Tensor it has a ``__dict__``, so the tags are set per instance.
     """

@@ -18,7 +18,7 @@ import dataclasses
 import json
 import sys
 
-from minidist.parallel.offload import CHOICES as OFFLOAD_CHOICES
+from minidist.parallel.zero.offload import CHOICES as OFFLOAD_CHOICES
 from minidist.parallel.pipeline import SCHEDULES
 from minidist.plan.hardware import GIB, PROFILES
 from minidist.plan.layout import ITEMSIZE, RECOMPUTE, RunSpec, layout_problems

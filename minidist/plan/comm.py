@@ -36,7 +36,7 @@ gradient sync to the last one (``no_sync``); ZeRO-3 then also re-gathers per mic
 from __future__ import annotations
 
 from minidist.parallel.pipeline import placement_of, rank_stages, stage_rank
-from minidist.parallel.tp_layout import padded_vocab_size
+from minidist.parallel.tensor.layout import padded_vocab_size
 from minidist.plan.layout import RunSpec
 from minidist.plan.memory import rank_layers, rank_units, shard, zero_group
 from minidist.plan.models import ModelSpec

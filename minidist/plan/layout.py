@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minidist.parallel.offload import CHOICES as OFFLOAD_CHOICES
+from minidist.parallel.zero.offload import CHOICES as OFFLOAD_CHOICES
 from minidist.parallel.pipeline import SCHEDULES
 from minidist.parallel.pipeline.schedules import CHUNKS
 

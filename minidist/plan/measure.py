@@ -16,12 +16,12 @@ import numpy as np
 
 from minidist.comm.launch import run_local
 from minidist.inspect.write import model_state_bytes as plain_state_bytes
-from minidist.parallel.accounting import activation_bytes, sent_bytes, unique_nbytes
+from minidist.inspect.accounting import activation_bytes, sent_bytes, unique_nbytes
 from minidist.parallel.mesh import DeviceMesh
-from minidist.parallel.step import train_step
+from minidist.parallel.compose.step import train_step
 from minidist.plan.layout import RunSpec
-from minidist.train_build import build_parallel
-from minidist.train_config import check_config, runs_zero_optimizer
+from minidist.train.build import build_parallel
+from minidist.train.config import check_config, runs_zero_optimizer
 
 
 def run_spec_of(cfg) -> RunSpec:

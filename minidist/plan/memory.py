@@ -37,9 +37,9 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from minidist.parallel import accounting
+from minidist.inspect import accounting
 from minidist.parallel.pipeline import build_schedule, placement_of, rank_stages, simulate
-from minidist.parallel.tp_layout import padded_vocab_size
+from minidist.parallel.tensor.layout import padded_vocab_size
 from minidist.plan.layout import SLOTS, RunSpec
 from minidist.plan.models import ModelSpec, layers_per_stage, stage_units
 

@@ -3,9 +3,9 @@
 One :class:`ModelSpec` covers minidist's own GPT-2 (LayerNorm, GELU MLP of 4C, biases, learned
 positions, tied embeddings) and Llama-3 (RMSNorm, SwiGLU MLP of three matrices, no biases, rotary
 positions, grouped-query attention, untied embeddings). Its parameters are counted tensor by tensor
-and grouped into ZeRO's units, as ``minidist/parallel/flat_buffer.py`` groups them: each block one
+and grouped into ZeRO's units, as ``minidist/parallel/zero/flat_buffer.py`` groups them: each block one
 unit, each other module one unit (the embeddings, the position embeddings, the final norm, the LM
-head). Tensor parallelism cuts them as ``minidist/parallel/tp_layout.py``'s table says: q, k, v and
+head). Tensor parallelism cuts them as ``minidist/parallel/tensor/layout.py``'s table says: q, k, v and
 the MLP's input matrices by output rows (column parallel), the attention output and MLP output
 matrices by input columns (row parallel), the vocabulary (padded to a multiple of t) by rows;
 norms, position embeddings and the row-parallel biases stay whole on every rank.
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from minidist.parallel.pipeline.stages import partition_layers
-from minidist.parallel.tp_layout import padded_vocab_size
+from minidist.parallel.tensor.layout import padded_vocab_size
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import minidist  # noqa: E402
-from minidist.parallel.param_server import staleness_bound, train_parameter_server  # noqa: E402
+from minidist.parallel.ps.param_server import staleness_bound, train_parameter_server  # noqa: E402
 from minidist.train import train  # noqa: E402
-from minidist.train_build import build_model, load_data  # noqa: E402
-from minidist.train_config import TrainConfig  # noqa: E402
+from minidist.train.build import build_model, load_data  # noqa: E402
+from minidist.train.config import TrainConfig  # noqa: E402
 
 
 def config(optimizer):

@@ -13,8 +13,8 @@ import numpy as np
 import minidist
 from minidist.model import GPT, GPTConfig
 from minidist.parallel.mesh import DeviceMesh
-from minidist.parallel.tensor_parallel import shard_for, sync_sequence_parallel_grads
-from minidist.parallel.tp_model import build_tp_gpt
+from minidist.parallel.tensor.tensor_parallel import shard_for, sync_sequence_parallel_grads
+from minidist.parallel.tensor.model import build_tp_gpt
 
 CONFIG = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=4, n_embd=16)  # vocab padded to 12
 

@@ -17,7 +17,7 @@ import numpy as np
 
 import minidist
 from minidist.train import train
-from minidist.train_config import TrainConfig
+from minidist.train.config import TrainConfig
 
 TINY = dict(n_layer=2, n_head=4, n_embd=16, block_size=16, batch_size=8, steps=10, eval_every=100,
             eval_iters=1, sample_tokens=0, warmup=2, lr=1e-2, grad_clip=0.5, bucket_mb=0.01)

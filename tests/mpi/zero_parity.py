@@ -10,9 +10,9 @@ import numpy as np
 
 import minidist
 from minidist.model import GPT, GPTConfig
-from minidist.parallel import accounting
+from minidist.inspect import accounting
 from minidist.parallel.mesh import DeviceMesh
-from minidist.parallel.zero import ZeroOptimizer
+from minidist.parallel.zero.optimizer import ZeroOptimizer
 from zero_reference import CONFIG, batch, max_relative_error, reference, zero_rank
 
 world = minidist.init(timeout=60.0)

@@ -9,10 +9,10 @@ import numpy as np
 from minidist.data import get_batch, inputs_and_targets
 from minidist.model import GPT, GPTConfig
 from minidist.optim import SGD, AdamW, clip_grad_norm, lr_at
-from minidist.parallel.consolidate import consolidated_state_dict
-from minidist.parallel.recompute import recompute_blocks
-from minidist.parallel.tp_model import build_tp_gpt
-from minidist.parallel.zero import ZeroOptimizer
+from minidist.parallel.whole_model.consolidate import consolidated_state_dict
+from minidist.nn.recompute import recompute_blocks
+from minidist.parallel.tensor.model import build_tp_gpt
+from minidist.parallel.zero.optimizer import ZeroOptimizer
 
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 BATCH, STEPS, SEED, CLIP = 8, 10, 3, 0.5

@@ -12,7 +12,7 @@ What a step sends, per micro-batch and stage boundary: one (mb, T, C) activation
 the pp group, so every rank can report it.
 
 The loss convention matches one process on the whole batch, and the plain step's: the last stage
-starts each micro-batch's backward with ``loss_scale / m`` (minidist/parallel/loss_scaling.py), so
+starts each micro-batch's backward with ``loss_scale / m`` (minidist/parallel/compose/loss_scaling.py), so
 the gradients accumulated over the m micro-batches are those of the mean over all the rank's rows,
 times mixed precision's loss scale.
 """
@@ -22,8 +22,8 @@ import contextlib
 
 from minidist.autograd import Tensor, get_array_module, no_grad, weight_grads_later
 from minidist.data import inputs_and_targets
-from minidist.parallel.loss_scaling import backward_micro_batch
-from minidist.parallel.module_spans import ModuleSpans
+from minidist.parallel.compose.loss_scaling import backward_micro_batch
+from minidist.inspect.spans import ModuleSpans
 from minidist.parallel.pipeline.actions import RECVS, stage_rank
 from minidist.parallel.pipeline.p2p import StageLink
 from minidist.parallel.pipeline.schedules import build_schedule, placement_of, splits_backward

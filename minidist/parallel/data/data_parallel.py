@@ -25,7 +25,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from minidist.device import get_array_module
-from minidist.parallel.grad_ownership import replica_group
+from minidist.parallel.compose.grad_ownership import replica_group
 
 DEFAULT_BUCKET_BYTES = 1 << 20  # 1 MiB; PyTorch DDP uses 25 MiB for models a thousand times larger
 
@@ -68,7 +68,7 @@ class DataParallel:
 
     ``expert_group`` (expert parallelism): the group the expert parameters (``p.expert``) are
     broadcast from and averaged over instead, the ranks holding the same experts
-    (:func:`~minidist.parallel.grad_ownership.replica_group`); their buckets hold experts only.
+    (:func:`~minidist.parallel.compose.grad_ownership.replica_group`); their buckets hold experts only.
     """
 
     def __init__(self, model, dp_group, bucket_bytes: int = DEFAULT_BUCKET_BYTES, replicas: int | None = None,

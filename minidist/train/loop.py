@@ -4,13 +4,13 @@ The script reads top to bottom as parse -> validate -> build -> loop -> outputs,
 named after it, so later lessons can swap one of them (data-parallel batches, a tensor-parallel
 model, a ZeRO optimizer) and keep the rest:
 
-    parse_args -> TrainConfig       the command line as one dataclass        (train_config.py)
+    parse_args -> TrainConfig       the command line as one dataclass        (train/config.py)
     check_config(cfg, world_size)   every rank rejects a bad layout before anything is sent
-    load_data(cfg)                  train / validation tokens (memmapped uint8 files)  (train_build.py)
+    load_data(cfg)                  train / validation tokens (memmapped uint8 files)  (train/build.py)
     build_parallel(cfg, mesh)       this rank's model part, optimizer, gradient sync, pipeline engine
     train(cfg)                      the loop: batch -> forward -> backward -> clip -> lr -> step
-                                    (one step under any layout: minidist/parallel/step.py)
-    write_outputs, sample           export, trace files, generated text       (train_outputs.py)
+                                    (one step under any layout: minidist/parallel/compose/step.py)
+    write_outputs, sample           export, trace files, generated text       (train/outputs.py)
 
 Parallel runs start the same script under MPI, e.g. 4 ranks as 2 data-parallel replicas of a 2-way
 tensor-parallel model, each step's batch cut into 2 micro-batches:
@@ -31,7 +31,7 @@ one GPU per rank); everything else, and every number, stays as it is (tests/test
 Also: ``--ckpt-dir D --save-every N`` saves sharded checkpoints and ``--resume`` continues from the
 newest valid one in any layout (minidist/checkpoint/training.py; ``python -m minidist.run`` restarts
 a failed job with it); ``--mode ps --servers K`` trains with parameter servers instead of
-collectives (train_ps.py); ``--dtype float16 | bfloat16`` trains in mixed precision (float32 masters, loss
+collectives (train/ps.py); ``--dtype float16 | bfloat16`` trains in mixed precision (float32 masters, loss
 scaling); ``--explain`` prints what every rank holds and sends in its first step; ``--trace DIR``
 leaves a run directory for ``python -m minidist.inspect DIR``.
 
@@ -54,16 +54,16 @@ from minidist.checkpoint.training import ResumeRefused, TrainingCheckpoints, cra
 from minidist.comm import init
 from minidist.device import to_device
 from minidist.optim import lr_at
-from minidist.parallel.experts import expert_load
+from minidist.parallel.expert.experts import expert_load
 from minidist.parallel.mesh import DeviceMesh
-from minidist.parallel.sampler import DistributedSampler
-from minidist.parallel.step import loss_scaler, train_step
-from minidist.train_build import (build_parallel, describe_layout, load_data, memory_table, select_device,
+from minidist.parallel.data.sampler import DistributedSampler
+from minidist.parallel.compose.step import loss_scaler, train_step
+from minidist.train.build import (build_parallel, describe_layout, load_data, memory_table, select_device,
                                   tokenizer_for, with_hf_model, world_of_one)
-from minidist.train_config import (ConfigError, check_config, comm_timeout_problems, fault_injection_armed, parse_args,
+from minidist.train.config import (ConfigError, check_config, comm_timeout_problems, fault_injection_armed, parse_args,
                                    runs_zero_optimizer)
-from minidist.train_outputs import estimate_val_loss, explain_step, open_metrics, sample, trace_file, write_outputs
-from minidist.train_ps import train_ps
+from minidist.train.outputs import estimate_val_loss, explain_step, open_metrics, sample, trace_file, write_outputs
+from minidist.train.ps import train_ps
 
 
 def train(cfg, progress=True, world=None, keep_history=True):
@@ -166,7 +166,7 @@ def main(argv=None):
     if world.rank == 0 and history:
         print(f"\nfinal: train loss {history[-1]['loss']:.4f}, val loss {history[-1]['val_loss']:.4f}")
     # the sample: in a collective run every rank generates with its part of the model (the same text
-    # on all; minidist/parallel/generate.py); with parameter servers rank 0 holds the whole model
+    # on all; minidist/parallel/whole_model/generate.py); with parameter servers rank 0 holds the whole model
     if cfg.sample_tokens > 0 and history and (cfg.mode != "ps" or world.rank == 0):
         pipeline = cfg.mode != "ps" and cfg.pp > 1  # the stages pass activations over the mesh's pp group
         pp_group = DeviceMesh(world, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp, ep=cfg.ep).pp_group if pipeline else None
@@ -175,6 +175,3 @@ def main(argv=None):
         if world.rank == 0:
             print("sample:\n" + text)
 
-
-if __name__ == "__main__":
-    main()

@@ -21,13 +21,13 @@ import numpy as np
 
 from minidist.device import get_array_module
 from minidist.optim import clip_coef, grad_norm_sq
-from minidist.parallel.grad_ownership import counted_in_norm, summed_over_ep
+from minidist.parallel.compose.grad_ownership import counted_in_norm, summed_over_ep
 
 
 def local_grad_norm_sq(params, tp_rank: int) -> float:
     """The squares of the gradient elements this rank owns: its tensor-parallel shards, plus the
     replicated parameters if it is tp rank 0; never a pipeline stage's tied copy of a parameter
-    another stage holds too (:func:`~minidist.parallel.grad_ownership.counted_in_norm`)."""
+    another stage holds too (:func:`~minidist.parallel.compose.grad_ownership.counted_in_norm`)."""
     return grad_norm_sq([p.grad for p in params if counted_in_norm(p, tp_rank)])
 
 

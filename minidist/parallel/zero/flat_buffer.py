@@ -24,7 +24,7 @@ import numpy as np
 from minidist.comm.ops import offsets, split_counts
 from minidist.device import get_array_module
 from minidist.optim import decays
-from minidist.parallel.grad_ownership import norm_bucket, summed_over_tp
+from minidist.parallel.compose.grad_ownership import norm_bucket, summed_over_tp
 
 
 class FlatUnit:

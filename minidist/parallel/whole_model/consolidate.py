@@ -15,7 +15,7 @@ import math
 import numpy as np
 
 from minidist.autograd import get_array_module, to_numpy
-from minidist.parallel.tp_layout import unshard
+from minidist.parallel.tensor.layout import unshard
 
 
 def consolidated_state_dict(model, mesh) -> dict:

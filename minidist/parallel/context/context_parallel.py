@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from minidist.autograd import Function, get_array_module
 from minidist.moe import MoE
-from minidist.parallel.ring_attention import ring_attention, sequence_chunks
-from minidist.parallel.ulysses import ulysses_attention
+from minidist.parallel.context.ring_attention import ring_attention, sequence_chunks
+from minidist.parallel.context.ulysses import ulysses_attention
 
 ALGORITHMS = ("ring", "zigzag", "ulysses")
 

@@ -11,9 +11,9 @@ from pathlib import Path
 from minidist.amp import COMPUTE_DTYPES
 from minidist.checkpoint.paths import ckpt_dir_problems
 from minidist.device import DEVICES
-from minidist.parallel.context_parallel import ALGORITHMS, tokens_multiple
-from minidist.parallel.offload import CHOICES as OFFLOAD_CHOICES
-from minidist.parallel.param_server import check_parameter_server
+from minidist.parallel.context.context_parallel import ALGORITHMS, tokens_multiple
+from minidist.parallel.zero.offload import CHOICES as OFFLOAD_CHOICES
+from minidist.parallel.ps.param_server import check_parameter_server
 from minidist.parallel.pipeline import SCHEDULES
 
 
@@ -91,7 +91,7 @@ class TrainConfig:
 
 
 def runs_zero_optimizer(cfg) -> bool:
-    """Whether ``cfg`` trains with ZeRO's optimizer (minidist/parallel/zero.py): a ZeRO stage, or
+    """Whether ``cfg`` trains with ZeRO's optimizer (minidist/parallel/zero/optimizer.py): a ZeRO stage, or
     offload, which moves ZeRO's shards (with ``--zero 0`` every rank offloads the whole state)."""
     return cfg.zero > 0 or cfg.offload != "none"
 
@@ -229,7 +229,7 @@ def context_parallel_problems(cfg) -> list[str]:
 def expert_problems(cfg) -> list[str]:
     """What the mixture of experts (--n-experts, --top-k, --moe-every, --capacity-factor) and expert
     parallelism (--ep) cannot run: ep cuts the dp axis and the experts, tp cuts the router's experts
-    (every rank routes every token, minidist/parallel/tp_model.py), and Hugging Face's GPT-2 has no
+    (every rank routes every token, minidist/parallel/tensor/model.py), and Hugging Face's GPT-2 has no
     experts."""
     if cfg.n_experts == 0:
         return ["--ep needs experts to split: add --n-experts"] if cfg.ep > 1 else []
@@ -317,7 +317,7 @@ def mixed_precision_problems(cfg) -> list[str]:
 
 def device_problems(cfg) -> list[str]:
     """What --device and --backend cannot be combined with. (Whether CuPy and a GPU are there is
-    asked when the run starts: :func:`minidist.train_build.select_device`.)"""
+    asked when the run starts: :func:`minidist.train.build.select_device`.)"""
     problems = []
     if cfg.backend == "nccl" and cfg.device != "cuda":
         problems.append("--backend nccl moves GPU buffers only: it needs --device cuda")

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 
 from minidist.autograd import Function, Tensor, is_grad_enabled
 from minidist.comm.trace import Event
-from minidist.parallel.accounting import buffer_ids, saved_buffers, unique_nbytes
+from minidist.inspect.accounting import buffer_ids, saved_buffers, unique_nbytes
 
 MODULE = "module"  # the group of a module span's event
 

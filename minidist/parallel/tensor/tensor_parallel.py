@@ -23,15 +23,15 @@ all tokens before the column-parallel layer); their backwards swap: all-gather <
 An all-reduce *is* a reduce-scatter plus an all-gather, so the bytes sent stay the same while the
 activations between layers shrink n times.
 
-Which rank holds what, by GPT-2 parameter name, is the table in :mod:`minidist.parallel.tp_layout`
+Which rank holds what, by GPT-2 parameter name, is the table in :mod:`minidist.parallel.tensor.layout`
 (:func:`tp_layout`, :func:`shard_for`, :func:`unshard`, imported here under their old home).
 """
 import numpy as np
 
 from minidist import nn
 from minidist.autograd import Function, get_array_module, linear
-from minidist.parallel.grad_ownership import summed_over_tp
-from minidist.parallel.tp_layout import divide, padded_vocab_size, shard_for, tp_layout, unshard
+from minidist.parallel.compose.grad_ownership import summed_over_tp
+from minidist.parallel.tensor.layout import divide, padded_vocab_size, shard_for, tp_layout, unshard
 
 __all__ = ["CopyToTensorParallelRegion", "ReduceFromTensorParallelRegion", "GatherFromSequenceParallelRegion",
            "ReduceScatterToSequenceParallelRegion", "GatherFromTensorParallelRegion", "ScatterToSequenceParallelRegion",

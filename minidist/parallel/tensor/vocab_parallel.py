@@ -10,8 +10,8 @@ import numpy as np
 
 from minidist import nn
 from minidist.autograd import Function, embedding, get_array_module
-from minidist.parallel.tensor_parallel import exit_tensor_parallel_region
-from minidist.parallel.tp_layout import padded_vocab_size
+from minidist.parallel.tensor.tensor_parallel import exit_tensor_parallel_region
+from minidist.parallel.tensor.layout import padded_vocab_size
 
 
 def vocab_range(vocab_size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:

@@ -22,7 +22,7 @@ import numpy as np
 
 from minidist.data import get_batch, inputs_and_targets
 from minidist.optim import clip_coef
-from minidist.parallel.ps_protocol import DONE, PULL, PULL_HEADER, PUSH, PUSH_HEADER
+from minidist.parallel.ps.protocol import DONE, PULL, PULL_HEADER, PUSH, PUSH_HEADER
 
 
 class Worker:

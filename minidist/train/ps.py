@@ -1,18 +1,18 @@
 """``python -m minidist.train --mode ps``: the same model, data and outputs as the collective
-trainer, trained by parameter servers (minidist/parallel/param_server.py) instead of all-reduce.
+trainer, trained by parameter servers (minidist/parallel/ps/param_server.py) instead of all-reduce.
 """
 import json
 
-from minidist.parallel.consolidate import consolidated_state_dict
+from minidist.parallel.whole_model.consolidate import consolidated_state_dict
 from minidist.parallel.mesh import DeviceMesh
-from minidist.parallel.param_server import train_parameter_server
-from minidist.train_build import build_model, load_data, world_of_one
-from minidist.train_config import check_config
-from minidist.train_outputs import estimate_val_loss, export, open_metrics
+from minidist.parallel.ps.param_server import train_parameter_server
+from minidist.train.build import build_model, load_data, world_of_one
+from minidist.train.config import check_config
+from minidist.train.outputs import estimate_val_loss, export, open_metrics
 
 
 def train_ps(cfg, world):
-    """``--mode ps``: train with parameter servers (minidist/parallel/param_server.py) on ``world``.
+    """``--mode ps``: train with parameter servers (minidist/parallel/ps/param_server.py) on ``world``.
     Returns (model, history); on rank 0 the model holds the final weights and history one row per
     step (synchronous) or per applied update (asynchronous: with worker and staleness), the last
     row with val_loss; rank 0 writes ``cfg.out`` and ``cfg.export``."""

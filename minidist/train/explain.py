@@ -23,11 +23,11 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from minidist.parallel.accounting import axis_of
-from minidist.parallel.module_spans import is_module_span
-from minidist.parallel.ring_attention import token_ranges
-from minidist.parallel.tp_layout import ep_block, is_expert, tp_layout
-from minidist.parallel.tp_model import full_shape
+from minidist.inspect.accounting import axis_of
+from minidist.inspect.spans import is_module_span
+from minidist.parallel.context.ring_attention import token_ranges
+from minidist.parallel.tensor.layout import ep_block, is_expert, tp_layout
+from minidist.parallel.tensor.model import full_shape
 
 
 def _bytes(n: int) -> str:

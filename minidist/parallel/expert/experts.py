@@ -28,7 +28,7 @@ import numpy as np
 
 from minidist.autograd import Function, get_array_module, take_rows, to_numpy
 from minidist.moe import MoE
-from minidist.parallel.tp_layout import ep_block
+from minidist.parallel.tensor.layout import ep_block
 
 
 class AllToAll(Function):

@@ -27,9 +27,9 @@ import time
 import numpy as np
 
 from minidist.optim import adamw_update, clip_coef, lr_at, sgd_update
-from minidist.parallel.ps_protocol import DONE, GATHER, PULL, PULL_HEADER, PUSH, PUSH_HEADER, wait_any
+from minidist.parallel.ps.protocol import DONE, GATHER, PULL, PULL_HEADER, PUSH, PUSH_HEADER, wait_any
 
-ADAMW_BETAS, ADAMW_EPS = (0.9, 0.95), 1e-8  # as minidist.train_build.build_optimizer
+ADAMW_BETAS, ADAMW_EPS = (0.9, 0.95), 1e-8  # as minidist.train.build.build_optimizer
 
 
 class ParameterServer:

@@ -1,4 +1,4 @@
-"""Build what a training run needs, from its :class:`~minidist.train_config.TrainConfig`: the
+"""Build what a training run needs, from its :class:`~minidist.train.config.TrainConfig`: the
 device, the data, the model (or this rank's shard / pipeline stage of it), the optimizer, the
 gradient sync, the pipeline engine and mixed precision; and describe the layout that results.
 """
@@ -17,19 +17,19 @@ from minidist.data import ByteTokenizer, HFTokenizer, default_corpus, load_token
 from minidist.device import require_cupy, use_gpu
 from minidist.model import GPT, GPTConfig
 from minidist.optim import SGD, AdamW
-from minidist.parallel.accounting import format_memory_table
-from minidist.parallel.context_parallel import context_parallel
-from minidist.parallel.data_parallel import DataParallel
-from minidist.parallel.experts import expert_parallel
-from minidist.parallel.offload import Offload
+from minidist.inspect.accounting import format_memory_table
+from minidist.parallel.context.context_parallel import context_parallel
+from minidist.parallel.data.data_parallel import DataParallel
+from minidist.parallel.expert.experts import expert_parallel
+from minidist.parallel.zero.offload import Offload
 from minidist.parallel.pipeline import PipelineEngine, PipelineStage, placement_of, rank_stages
-from minidist.parallel.recompute import recompute_blocks
-from minidist.parallel.ring_attention import sequence_chunks, token_ranges
-from minidist.parallel.tensor_parallel import shard_for
-from minidist.parallel.tp_layout import ep_block
-from minidist.parallel.tp_model import build_tp_gpt
-from minidist.parallel.zero import ZeroOptimizer
-from minidist.train_config import ConfigError, TrainConfig, offloaded, runs_zero_optimizer
+from minidist.nn.recompute import recompute_blocks
+from minidist.parallel.context.ring_attention import sequence_chunks, token_ranges
+from minidist.parallel.tensor.tensor_parallel import shard_for
+from minidist.parallel.tensor.layout import ep_block
+from minidist.parallel.tensor.model import build_tp_gpt
+from minidist.parallel.zero.optimizer import ZeroOptimizer
+from minidist.train.config import ConfigError, TrainConfig, offloaded, runs_zero_optimizer
 
 ADAMW_BETAS = (0.9, 0.95)
 
@@ -156,7 +156,7 @@ def build_model(cfg, tp_group=None, cp_group=None, ep_group=None):
     ``cfg.tp > 1`` this rank's tensor-parallel shard of it over ``tp_group``; with ``cfg.cp > 1``
     running on this rank's tokens of every sequence, attention over ``cp_group`` (context_parallel.py);
     with ``cfg.n_experts`` a mixture of experts (minidist/moe.py), and with ``cfg.ep > 1`` holding its
-    block of the experts, tokens sent over ``ep_group`` (minidist/parallel/experts.py). Initialised on the host
+    block of the experts, tokens sent over ``ep_group`` (minidist/parallel/expert/experts.py). Initialised on the host
     (the same values on any device), then moved to ``cfg.device``. With ``cfg.init_from_hf`` the
     GPT of that Hugging Face folder (its vocabulary, tied or untied head) holding its weights:
     every rank reads the whole file and keeps its :func:`shard_for` part (the checkpoints' split
@@ -224,7 +224,7 @@ def build_parallel(cfg, mesh):
     group, and under context parallelism the cp ranks too: they hold the same parameters), which then
     syncs the gradients itself (``dp`` None), under mixed precision holds the sharded float32 masters
     and the loss scaler (``amp`` None), and with offload keeps its shards on the host or in
-    ``cfg.offload_dir`` (minidist/parallel/offload.py); else SGD / AdamW and ``dp`` a DataParallel, and with ``--dtype
+    ``cfg.offload_dir`` (minidist/parallel/zero/offload.py); else SGD / AdamW and ``dp`` a DataParallel, and with ``--dtype
     float16 / bfloat16`` ``amp`` the MixedPrecision whose float32 masters the optimizer updates.
     ``engine``: the PipelineEngine running ``cfg.schedule`` (None without pipeline parallelism)."""
     model = build_model(cfg, mesh.tp_group, mesh.cp_group, mesh.ep_group)

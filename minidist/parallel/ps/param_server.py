@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import time
 
-from minidist.parallel.ps_protocol import FlatLayout
-from minidist.parallel.ps_server import ParameterServer
-from minidist.parallel.ps_worker import Worker
+from minidist.parallel.ps.protocol import FlatLayout
+from minidist.parallel.ps.server import ParameterServer
+from minidist.parallel.ps.worker import Worker
 
 
 def train_parameter_server(group, model, cfg, tokens, *, servers: int = 1, staleness: int | None = None,

@@ -31,7 +31,7 @@ import numpy as np
 
 from minidist.autograd import Tensor, get_array_module, no_grad, to_numpy
 from minidist.model import sample_token
-from minidist.parallel.context_parallel import tokens_multiple
+from minidist.parallel.context.context_parallel import tokens_multiple
 from minidist.parallel.pipeline.actions import Action, stage_rank
 from minidist.parallel.pipeline.p2p import StageLink
 from minidist.parallel.pipeline.stages import PipelineStage

@@ -1,7 +1,7 @@
 """The GPT with tensor parallelism (and optionally sequence parallelism) over one group of n ranks.
 
 Same modules, names and cut (``embed`` -> ``transformer.h`` -> ``head``) as :class:`minidist.model.GPT`;
-the big matrices are shards (which part of which: the table in :mod:`minidist.parallel.tp_layout`).
+the big matrices are shards (which part of which: the table in :mod:`minidist.parallel.tensor.layout`).
 Where each rank talks to the others, per transformer block:
 
     x ──ln_1──f──[c_attn: my heads' q,k,v]──attention(my heads)──[c_proj: my rows]──g──+ x
@@ -26,12 +26,12 @@ cross-entropy costs 3 small all-reduces.
 from minidist import nn
 from minidist.model import MLP, Block, CausalSelfAttention, GPTConfig, gpt2_init, local_tokens, sequence_loss
 from minidist.moe import Experts, MoE, is_moe_layer
-from minidist.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, enter_tensor_parallel_region,
+from minidist.parallel.tensor.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, enter_tensor_parallel_region,
                                                gather_from_tensor_parallel_region,
                                                reduce_from_tensor_parallel_region,
                                                scatter_to_sequence_parallel_region)
-from minidist.parallel.tp_layout import divide, global_shape, is_expert, padded_vocab_size, shard_for
-from minidist.parallel.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from minidist.parallel.tensor.layout import divide, global_shape, is_expert, padded_vocab_size, shard_for
+from minidist.parallel.tensor.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 
 class TensorParallelAttention(CausalSelfAttention):
@@ -183,7 +183,7 @@ class TensorParallelGPT(nn.Module):
 
 def full_shape(name: str, local_shape, config: GPTConfig, tp_size: int) -> tuple:
     """The single-process shape of parameter ``name`` whose shard on one of ``tp_size`` ranks has
-    ``local_shape`` (:func:`~minidist.parallel.tp_layout.global_shape` with ``config``'s vocabulary;
+    ``local_shape`` (:func:`~minidist.parallel.tensor.layout.global_shape` with ``config``'s vocabulary;
     a stacked expert parameter has all ``config.n_experts`` experts, whatever block of them it holds)."""
     shape = global_shape(name, local_shape, tp_size, config.vocab_size)
     return (config.n_experts,) + shape[1:] if is_expert(name) else shape
@@ -193,6 +193,6 @@ def build_tp_gpt(config: GPTConfig, seed: int, dtype, tp_group, sequence_paralle
     """This rank's part of the GPT: every parameter is :func:`shard_for` of ``gpt2_init``'s full value
     (so it starts from exactly the single-process weights); shards carry ``tensor_parallel = True``,
     replicated parameters ``False`` (and ``sequence_parallel = True`` under sequence parallelism: see
-    :func:`~minidist.parallel.tensor_parallel.sync_sequence_parallel_grads`). Collective over ``tp_group``
+    :func:`~minidist.parallel.tensor.tensor_parallel.sync_sequence_parallel_grads`). Collective over ``tp_group``
     only in that every rank must build the same configuration."""
     return TensorParallelGPT(config, seed, dtype, tp_group, sequence_parallel)

@@ -55,10 +55,11 @@ import numpy as np
 from minidist.amp import to_compute, unscale
 from minidist.autograd import Tensor, get_array_module, to_numpy
 from minidist.optim import adamw_update, clip_coef, sgd_update
-from minidist.parallel import accounting, zero3
-from minidist.parallel.data_parallel import average_over_replicas
-from minidist.parallel.flat_buffer import FlatUnit, units_by_module
-from minidist.parallel.grad_ownership import replica_group
+from minidist.inspect import accounting
+from minidist.parallel.zero import stage3 as zero3
+from minidist.parallel.data.data_parallel import average_over_replicas
+from minidist.parallel.zero.flat_buffer import FlatUnit, units_by_module
+from minidist.parallel.compose.grad_ownership import replica_group
 
 SLOTS = {"sgd": ("momentum_buf",), "adamw": ("exp_avg", "exp_avg_sq")}
 
@@ -118,7 +119,7 @@ class ZeroOptimizer:
     last stage). ``mixed_precision`` ("float16" / "bfloat16") with ``scaler`` (a DynamicLossScaler
     over the world): float32 masters and moments, as in the module docstring.
     ``reshard_after_forward`` (stage 3): False keeps a unit gathered from its first forward of a step
-    to its last backward (pipelines). ``offload``: an :class:`~minidist.parallel.offload.Offload`
+    to its last backward (pipelines). ``offload``: an :class:`~minidist.parallel.zero.offload.Offload`
     keeping the optimizer shards (and under stage 3 with its ``params`` the parameter shards) off
     the device, the step run where they live. ``expert_group`` / ``ep_group`` (expert parallelism): the
     group the experts' units (``p.expert``) are sharded and reduced over instead (the ranks holding the
@@ -185,7 +186,7 @@ class ZeroOptimizer:
 
     def _offloaded_shard(self, unit: FlatUnit, group, compute, flat, master, masks, grad_flat) -> Shard:
         """A Shard whose master and optimizer slots (and with parameter offload its parameter shard)
-        live in the offload store (:meth:`~minidist.parallel.offload.Offload.place`); the masks the
+        live in the offload store (:meth:`~minidist.parallel.zero.offload.Offload.place`); the masks the
         host update reads are host copies."""
         master, compute, state, stored, host_grad = self.offload.place(unit.name, master, compute,
                                                                         SLOTS[self.optimizer], self.mixed_precision)
@@ -526,7 +527,7 @@ class ZeroOptimizer:
 def reduce_scatter_grads(unit: FlatUnit, group, replicas: int | None = None, async_op: bool = False):
     """Flatten the unit's full parameter gradients, drop them, and reduce-scatter the flat vector
     (op "avg" over the dp group, in the gradients' dtype; over ``replicas`` of a dp x cp group:
-    :func:`~minidist.parallel.data_parallel.average_over_replicas`): returns this rank's averaged
+    :func:`~minidist.parallel.data.data_parallel.average_over_replicas`): returns this rank's averaged
     gradient shard (hi - lo,), or with ``async_op`` the Work whose ``wait()`` returns it."""
     flat = unit.flatten([p.grad for _, p in unit.params])  # (numel,)
     for _, p in unit.params:

@@ -26,12 +26,12 @@ from minidist.comm import Trace
 from minidist.data import inputs_and_targets
 from minidist.device import get_array_module
 from minidist.optim import clip_grad_norm
-from minidist.parallel.clip import clip_grad_norm_parallel
-from minidist.parallel.loss_scaling import backward_micro_batch, seed_aux_losses
-from minidist.parallel.module_spans import ModuleSpans
-from minidist.parallel.sampler import micro_batches
-from minidist.parallel.tensor_parallel import sync_sequence_parallel_grads
-from minidist.parallel.zero import ZeroOptimizer
+from minidist.parallel.compose.clip import clip_grad_norm_parallel
+from minidist.parallel.compose.loss_scaling import backward_micro_batch, seed_aux_losses
+from minidist.inspect.spans import ModuleSpans
+from minidist.parallel.data.sampler import micro_batches
+from minidist.parallel.tensor.tensor_parallel import sync_sequence_parallel_grads
+from minidist.parallel.zero.optimizer import ZeroOptimizer
 
 
 def forward_backward(model, batches, no_sync=contextlib.nullcontext, trace=None, loss_scale: float = 1.0):

@@ -1,0 +1,1 @@
+"""whole_model"""

@@ -1,0 +1,179 @@
+"""The support matrix: every combination of the trainer's features, and whether it runs.
+
+The grid is the product of eleven axes (a new user's first questions):
+
+    layout      dp, tp, pp each 1 or 2                              8
+    context parallelism    cp 1 or 2                                2
+    cp algorithm           ring, zigzag, ulysses                    3
+    ZeRO        stage 0, 1, 2, 3                                    4
+    sequence parallelism   off, on                                  2
+    schedule    gpipe, 1f1b, interleaved, zb-h1, zbv                5
+    recompute   off, on                                             2
+    precision   float32, bfloat16, float16                          3
+    checkpoints off, on (save, and resume from the newest)          2
+    experts     none (dense), MoE with experts on every dp rank     3
+                (ep 1), MoE with experts split over 2 (ep 2)
+    offload     none, optimizer (host memory), optimizer,params     3      = 207,360 cells
+                (in files under --offload-dir)
+
+A cell is MEANINGLESS when it asks for something its layout does not have (sequence parallelism
+without tensor parallelism: nothing to split the sequence over; a schedule other than the default
+without pipeline parallelism: with one stage every schedule is the same run, counted once, as 1f1b;
+likewise a cp algorithm other than ring with cp 1; expert parallelism with dp 1, as ep splits the
+experts over dp ranks; offloading parameters below ZeRO-3, whose stages 0-2 keep every parameter
+whole on each rank: the run that offloads the optimizer alone, counted once).
+Every other cell must be accepted by :func:`~minidist.train.config.check_config`: a refusal is a
+debt, and :func:`refusals` lists them (none today). tests/test_composition.py trains the cells
+against one process; the README's matrix is :func:`markdown`, checked against it by a test.
+
+    python -m minidist.support_matrix          # the README's table
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from minidist.train.config import ConfigError, TrainConfig, check_config
+
+LAYOUTS = [dict(dp=dp, tp=tp, pp=pp) for pp in (1, 2) for dp in (1, 2) for tp in (1, 2)]
+AXES = {
+    "layout": LAYOUTS,
+    "cp": [1, 2],
+    "cp_algorithm": ["ring", "zigzag", "ulysses"],
+    "zero": [0, 1, 2, 3],
+    "sequence_parallel": [False, True],
+    "schedule": ["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"],
+    "recompute": [False, True],
+    "dtype": ["float32", "bfloat16", "float16"],
+    "checkpoint": [False, True],
+    "moe": ["none", "ep1", "ep2"],
+    "offload": ["none", "optimizer", "optimizer,params"],
+}
+DEFAULT_SCHEDULE, DEFAULT_CP_ALGORITHM = "1f1b", "ring"
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """One combination: a layout (dp, tp, pp), context parallelism (cp and its algorithm), a ZeRO
+    stage, sequence parallelism, a schedule, recompute, a precision, whether it checkpoints, and
+    its experts ("none": a dense GPT; "ep1": 4 experts per MoE block, on every rank; "ep2": split
+    over 2 dp ranks) and what it offloads ("optimizer": the optimizer shards, to host memory;
+    "optimizer,params": with the parameter shards, to files)."""
+    dp: int
+    tp: int
+    pp: int
+    cp: int
+    cp_algorithm: str
+    zero: int
+    sequence_parallel: bool
+    schedule: str
+    recompute: bool
+    dtype: str
+    checkpoint: bool
+    moe: str = "none"
+    offload: str = "none"
+
+    def __str__(self) -> str:
+        parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"] + [f"cp{self.cp}-{self.cp_algorithm}"] * (self.cp > 1)
+        parts += [f"zero{self.zero}"]
+        parts += ["sp"] * self.sequence_parallel + [self.schedule] * (self.pp > 1) + ["recompute"] * self.recompute
+        parts += [self.dtype] + ["ckpt"] * self.checkpoint + [f"moe-{self.moe}"] * (self.moe != "none")
+        return "-".join(parts + [f"offload-{self.offload.replace(',', '+')}"] * (self.offload != "none"))
+
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+
+def grid() -> list[Cell]:
+    """All 207,360 cells, in a fixed order."""
+    return [Cell(**layout, cp=cp, cp_algorithm=a, zero=z, sequence_parallel=sp, schedule=s, recompute=r, dtype=d,
+                 checkpoint=c, moe=e, offload=o)
+            for layout, cp, a, z, sp, s, r, d, c, e, o in itertools.product(*AXES.values())]
+
+
+def meaningless(cell: Cell) -> str | None:
+    """Why ``cell`` names a combination that does not exist, or None."""
+    if cell.sequence_parallel and cell.tp == 1:
+        return "sequence parallelism splits the sequence over the tp ranks: with tp 1 there is nothing to split"
+    if cell.pp == 1 and cell.schedule != DEFAULT_SCHEDULE:
+        return "a schedule orders the micro-batches of pipeline stages: with pp 1 every schedule is the same run"
+    if cell.cp == 1 and cell.cp_algorithm != DEFAULT_CP_ALGORITHM:
+        return "a cp algorithm says how attention reaches the other cp ranks' tokens: with cp 1 every one is the same run"
+    if cell.moe == "ep2" and cell.dp == 1:
+        return "expert parallelism splits the experts over dp ranks: with dp 1 there is no one to split them with"
+    if cell.offload == "optimizer,params" and cell.zero != 3:
+        return ("offloading parameters moves ZeRO-3's parameter shards: stages 0-2 keep every parameter whole, so "
+                "it is the run that offloads the optimizer alone")
+    return None
+
+
+def config_for(cell: Cell, **sizes) -> TrainConfig:
+    """The TrainConfig of ``cell`` (two micro-batches per step, two virtual stages per rank under
+    the interleaved and zbv schedules; with experts, 4 per MoE block, top-2, in every second block; ``sizes``
+    override the model and batch). A checkpointing cell saves into ``ckpt``, and an offloading cell of
+    parameters keeps its files in ``offload`` (relative paths: only checked, never written here)."""
+    base = dict(n_layer=4, n_head=4, n_embd=16, block_size=16, batch_size=8, micro_batches=2)
+    base.update(sizes)
+    return TrainConfig(**base, dp=cell.dp, tp=cell.tp, pp=cell.pp, cp=cell.cp, cp_algorithm=cell.cp_algorithm,
+                       zero=cell.zero,
+                       sequence_parallel=cell.sequence_parallel, schedule=cell.schedule,
+                       virtual_stages=2 if cell.schedule in ("interleaved", "zbv") and cell.pp > 1 else 1,
+                       recompute=cell.recompute, dtype=cell.dtype,
+                       ckpt_dir="ckpt" if cell.checkpoint else None, save_every=2 if cell.checkpoint else 0,
+                       n_experts=0 if cell.moe == "none" else 4, moe_every=2, ep=2 if cell.moe == "ep2" else 1,
+                       offload=cell.offload, offload_dir="offload" if cell.offload == "optimizer,params" else None)
+
+
+def refusals() -> dict:
+    """{cell: the trainer's message} for every meaningful cell :func:`check_config` refuses."""
+    refused = {}
+    for cell in grid():
+        if meaningless(cell) is None:
+            try:
+                check_config(config_for(cell), cell.world)
+            except ConfigError as e:
+                refused[cell] = str(e)
+    return refused
+
+
+FEATURES = {  # a feature: the cells that have it
+    "dp 2": lambda c: c.dp == 2, "tp 2": lambda c: c.tp == 2, "pp 2": lambda c: c.pp == 2,
+    "cp ring": lambda c: c.cp == 2 and c.cp_algorithm == "ring",
+    "cp zigzag": lambda c: c.cp == 2 and c.cp_algorithm == "zigzag",
+    "Ulysses": lambda c: c.cp == 2 and c.cp_algorithm == "ulysses",
+    "SP": lambda c: c.sequence_parallel, "ZeRO-1": lambda c: c.zero == 1, "ZeRO-2": lambda c: c.zero == 2,
+    "ZeRO-3": lambda c: c.zero == 3, "GPipe": lambda c: c.pp == 2 and c.schedule == "gpipe",
+    "1F1B": lambda c: c.pp == 2 and c.schedule == "1f1b",
+    "interleaved": lambda c: c.pp == 2 and c.schedule == "interleaved",
+    "ZB-H1": lambda c: c.pp == 2 and c.schedule == "zb-h1", "ZB-V": lambda c: c.pp == 2 and c.schedule == "zbv",
+    "recompute": lambda c: c.recompute,
+    "bf16": lambda c: c.dtype == "bfloat16", "fp16": lambda c: c.dtype == "float16",
+    "checkpoints": lambda c: c.checkpoint,
+    "MoE": lambda c: c.moe != "none", "EP": lambda c: c.moe == "ep2",
+    "offload": lambda c: c.offload != "none", "offload params": lambda c: c.offload == "optimizer,params",
+}
+
+
+def markdown() -> str:
+    """The README's support matrix: for every pair of features, "✓" when every meaningful cell that
+    has both runs, "✗" when one is refused, "·" when no cell can have both (one axis, or a
+    meaningless pair); then the counts and the meaningless kinds."""
+    cells = grid()
+    valid = [c for c in cells if meaningless(c) is None]
+    refused = refusals()
+    names = list(FEATURES)
+    lines = ["| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for a in names:
+        row = []
+        for b in names:
+            both = [c for c in valid if FEATURES[a](c) and FEATURES[b](c)]
+            row.append("·" if not both or a == b else "✗" if any(c in refused for c in both) else "✓")
+        lines.append(f"| **{a}** | " + " | ".join(row) + " |")
+    kinds = sorted({meaningless(c) for c in cells} - {None})
+    lines += ["", f"{len(valid) - len(refused):,} of the {len(cells):,} cells run and {len(refused)} are refused; "
+              f"the other {len(cells) - len(valid):,} are meaningless:"]
+    lines += [f"- {kind}" for kind in kinds]
+    return "\n".join(lines)
+
