@@ -16,7 +16,7 @@ from minidist.checkpoint.layout import load_training_state, training_meta, train
 from minidist.optim import lr_at
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.data.sampler import DistributedSampler
-from minidist.parallel.compose.step import train_step
+from minidist.parallel.step import train_step
 from minidist.train.build import build_model, build_optimizer, load_data, world_of_one
 from minidist.train.config import TrainConfig
 

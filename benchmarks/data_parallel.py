@@ -7,7 +7,7 @@ all-reduce hides under backward, per bucket size.
 Weak scaling: every rank trains on a FIXED batch of 16 rows (the default model of ``python -m
 minidist.train``: 2 layers, 64 wide, T = 64, float32, AdamW, clipping), so 2 ranks process twice the
 tokens of 1 rank per step. efficiency = tokens/s(2 ranks) / (2 x tokens/s(1 rank)); 100% means the
-all-reduces cost nothing. One step is ``minidist.parallel.compose.step.train_step`` with a DataParallel (a 1-rank
+all-reduces cost nothing. One step is ``minidist.parallel.step.train_step`` with a DataParallel (a 1-rank
 job runs the same code over a group of one, whose all-reduces return at once).
 
 The script launches ``mpiexec -n 1`` and ``mpiexec -n 2`` jobs of itself (``--worker``)
@@ -65,7 +65,7 @@ def worker(buckets_kib, steps: int, warmup: int, out: str):
     from minidist.parallel.data.data_parallel import DataParallel
     from minidist.parallel.mesh import DeviceMesh
     from minidist.parallel.data.sampler import DistributedSampler
-    from minidist.parallel.compose.step import train_step
+    from minidist.parallel.step import train_step
     from minidist.train.build import build_model, build_optimizer, load_data
     from minidist.train.config import TrainConfig
 

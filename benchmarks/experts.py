@@ -33,7 +33,7 @@ Parts (``--parts``, default both):
            (``p.expert``), their gradients and their AdamW moments, measured from the live arrays
            after a step, against E/ep x (C 4C + 4C + 4C C + C) elements x 4 bytes per MoE layer
            (moments: 2 slots over the expert-data-parallel group of dp/ep ranks, numpy.array_split
-           sizes). Asserted equal to the byte; and the ZeRO total against ``ZeroOptimizer.formula()``.
+           sizes). Asserted equal to the byte; and the ZeRO total against ``zero_memory.formula(zero)``.
 The figure (figures/experts.png): step time, bytes on the wire and expert memory per rank against ep.
 """
 from __future__ import annotations
@@ -54,10 +54,11 @@ from minidist.comm.transport import Transport
 from minidist.parallel.expert.experts import moe_layers
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.data.sampler import DistributedSampler
-from minidist.parallel.compose.step import train_step
+from minidist.parallel.step import train_step
 from minidist.parallel.zero.optimizer import SLOTS
 from minidist.train.build import build_parallel, load_data
 from minidist.train.config import TrainConfig
+from minidist.inspect import zero_memory
 
 HERE = Path(__file__).resolve().parent
 PARTS = ("traffic", "memory")
@@ -269,7 +270,7 @@ def part_memory(world, reps):
                        optimizer=n_moe * shard * len(SLOTS[cfg.optimizer]) * ITEMSIZE)
         for name, value in formula.items():
             assert measured[name] == value, (ep, world.rank, name, measured[name], value)
-        total, want = optimizer.model_state_bytes(), optimizer.formula()
+        total, want = zero_memory.model_state_bytes(optimizer), zero_memory.formula(optimizer)
         assert total == want, (ep, world.rank, total, want)
         mine = np.array([measured[n] for n in ("parameters", "gradients", "optimizer", "dense_parameters")]
                         + [sum(total.values())], dtype=np.float64)

@@ -6,7 +6,7 @@
 One process per configuration (a subprocess, so its peak RSS is its own), one rank (dp = 1: ZeRO's
 stage still applies with a group of one, and the offload code path is the same), built as
 ``python -m minidist.train`` builds it (``minidist.train.build.build_parallel``) and stepped with
-``minidist.parallel.compose.step.train_step``. Model: an 8-layer, 256-wide GPT (T = 64, batch 4, AdamW, grad
+``minidist.parallel.step.train_step``. Model: an 8-layer, 256-wide GPT (T = 64, batch 4, AdamW, grad
 clip 1), in float32 and in bfloat16 mixed precision (emulated: 4-byte storage, float32 masters and
 moments). Configurations, per dtype:
 
@@ -25,7 +25,7 @@ Per configuration:
   peak RSS      ``VmHWM`` of the subprocess, run with MALLOC_MMAP_THRESHOLD_=131072 (as
                 tests/test_offload.py: otherwise glibc keeps freed temporaries resident) and
                 OMP_NUM_THREADS=1; also its RSS after imports, before the model is built.
-  bytes         ZeroOptimizer.formula(): parameters + gradients + optimizer (the device), host, disk.
+  bytes         zero_memory.formula(zero): parameters + gradients + optimizer (the device), host, disk.
   moved         Offload.moved after the last step: down (gradient shards, device -> host), up
                 (parameter shards, host -> device), read and write (disk). On this CPU machine the
                 device and the host are both host memory: down / up are memcpys counted as what
@@ -90,8 +90,9 @@ def vm_rss(field: str = "VmRSS") -> int:
 def worker(spec: dict) -> dict:
     """Build and train ``spec``'s configuration for spec["steps"] steps; what it measured."""
     from minidist.data import get_batch
+    from minidist.inspect import zero_memory
     from minidist.parallel.mesh import DeviceMesh
-    from minidist.parallel.compose.step import train_step
+    from minidist.parallel.step import train_step
     from minidist.train.build import build_parallel, world_of_one
     from minidist.train.config import TrainConfig, check_config
 
@@ -114,8 +115,8 @@ def worker(spec: dict) -> dict:
         losses.append(loss)
     out = dict(seconds=seconds, losses=losses, rss_imports=rss_imports,
                peak_rss=vm_rss("VmHWM"),
-               formula={k: float(v) for k, v in optimizer.formula().items()},
-               measured={k: int(v) for k, v in optimizer.model_state_bytes().items()},
+               formula={k: float(v) for k, v in zero_memory.formula(optimizer).items()},
+               measured={k: int(v) for k, v in zero_memory.model_state_bytes(optimizer).items()},
                moved=dict(optimizer.offload.moved) if optimizer.offload is not None else {},
                numel=int(sum(s.unit.numel for s in optimizer.shards)),
                largest_unit_stored=max([sum(a.nbytes for a in s.stored) for s in optimizer.shards] + [0]))

@@ -28,8 +28,8 @@ import numpy as np
 
 import minidist
 from minidist.model import GPT, GPTConfig
-from minidist.parallel.tensor.tensor_parallel import sync_sequence_parallel_grads
-from minidist.parallel.tensor.model import build_tp_gpt
+from minidist.parallel.tensor.apply import tensor_parallel
+from minidist.parallel.compose.complete import sync_sequence_parallel_grads
 
 HERE = Path(__file__).resolve().parent
 CONFIG = GPTConfig(vocab_size=256, block_size=128, n_layer=2, n_head=8, n_embd=256)
@@ -51,8 +51,8 @@ def measure(world, repeats: int, warmup: int) -> dict:
     """Time every layout this world size offers, alternately; the slowest rank's time per step."""
     rng = np.random.default_rng(0)
     idx, targets = rng.integers(0, CONFIG.vocab_size, (B, T)), rng.integers(0, CONFIG.vocab_size, (B, T))
-    layouts = {f"tp={world.size}": (build_tp_gpt(CONFIG, 0, "float32", world), world),
-               f"tp={world.size}+sp": (build_tp_gpt(CONFIG, 0, "float32", world, sequence_parallel=True), world)}
+    layouts = {f"tp={world.size}": (tensor_parallel(GPT(CONFIG, 0, "float32"), world), world),
+               f"tp={world.size}+sp": (tensor_parallel(GPT(CONFIG, 0, "float32"), world, sequence_parallel=True), world)}
     if world.size == 1:
         layouts = {"one process (GPT)": (GPT(CONFIG, 0, "float32"), None), **layouts}
     times = {name: [] for name in layouts}

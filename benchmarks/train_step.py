@@ -1,6 +1,7 @@
 """Training-step benchmark: minidist vs the same GPT in PyTorch eager, one CPU thread each (or one GPU).
 
-    OMP_NUM_THREADS=1 python benchmarks/train_step.py [--repeats 15] [--quick]
+    OMP_NUM_THREADS=1 python benchmarks/train_step.py [--repeats 15] [--quick] [--sizes default,gpt2-124M]
+    OMP_NUM_THREADS=1 python benchmarks/train_step.py --sizes gpt2-124M     # GPT-2 124M and AdamW alone
     python benchmarks/train_step.py --device cuda      # both on the GPU: minidist on CuPy, PyTorch on CUDA
 
 A step is what ``python -m minidist.train`` does per step: zero_grad, forward, backward, global-norm
@@ -15,6 +16,13 @@ almost nothing (B = T = 1, n_embd = n_head, one element per head) runs the same 
 order, whose kernels take ~0 time. Kernel time ~= step time - that "overhead" step. The same split is
 made for PyTorch. cProfile's top functions (by own time) for the default size are saved for diagnosis.
 
+The ``gpt2-124M`` row is GPT-2 small with its real vocabulary (50257) and an untied head (162M
+parameters, T 128, B 1; the trainer's byte-level models are tied): there the step is also timed in
+its parts (forward, backward, clip, optimizer) for both frameworks, and :func:`adamw_alone` times
+the AdamW update by itself over that model's parameter shapes: minidist per tensor before and after
+cache blocking, one flat buffer, torch.optim.AdamW (for-loop, foreach, fused), against the
+memory-bandwidth floor (bytes the update must move / a STREAM-like copy's bandwidth).
+
 On ``--device cuda`` a step's time runs until the GPU has finished it (both step functions return the
 loss as a Python float, which waits for the GPU).
 
@@ -26,8 +34,10 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")   # before numpy is imported: one BLAS thread
 
 import argparse
+import contextlib
 import cProfile
 import dataclasses
+import math
 import json
 import platform
 import pstats
@@ -38,9 +48,11 @@ from pathlib import Path
 import numpy as np
 
 from minidist.allocator import keep_freed_memory
-from minidist.data import default_corpus, get_batch, load_tokens, train_val_split
+from minidist.data import default_corpus, get_batch, inputs_and_targets, load_tokens, train_val_split
 from minidist.device import to_device
-from minidist.parallel.compose.step import train_step
+from minidist.model import GPT, GPTConfig
+from minidist.optim import adamw_update, blocks, clip_grad_norm, decay_spans, decays
+from minidist.parallel.step import train_step
 from minidist.train.build import build_model, build_optimizer
 from minidist.train.config import TrainConfig
 
@@ -50,7 +62,10 @@ SIZES = {   # name: (n_layer, n_head, n_embd, block_size, batch_size); "default"
     "small": (4, 4, 128, 128, 8),
     "small-T64": (4, 4, 128, 64, 16),   # issue 22 measured 1.31x here
     "medium": (6, 8, 256, 128, 8),
+    "gpt2-124M": (12, 12, 768, 128, 1),
 }
+MODELS = {"gpt2-124M": dict(vocab_size=50257, tie_embeddings=False)}   # GPTConfig beyond the trainer's
+SLOW = {"gpt2-124M"}   # timed with a third of the repeats (a step takes seconds), and in its parts
 
 
 def config(size, **overrides):
@@ -64,17 +79,43 @@ def overhead_config(cfg):
     return dataclasses.replace(cfg, n_embd=cfg.n_head, block_size=1, batch_size=1)
 
 
+def build(cfg, model_overrides=None):
+    """minidist's GPT for ``cfg``: the trainer's (byte-level, tied), or with ``model_overrides`` of
+    its GPTConfig (e.g. GPT-2's vocabulary and untied head), initialised as the trainer does."""
+    if not model_overrides:
+        return build_model(cfg)
+    config = GPTConfig(block_size=cfg.block_size, n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd,
+                       **model_overrides)
+    return GPT(config, seed=cfg.seed, dtype=cfg.dtype).to(cfg.device)
+
+
 class MinidistStep:
     """One minidist training step on a fixed batch, as minidist.train runs it."""
 
-    def __init__(self, cfg, tokens):
-        self.cfg, self.model = cfg, build_model(cfg)
+    def __init__(self, cfg, tokens, model_overrides=None):
+        self.cfg, self.model = cfg, build(cfg, model_overrides)
         self.optimizer = build_optimizer(self.model, cfg)
         self.batch = get_batch(tokens, 0, cfg.batch_size, cfg.block_size, cfg.seed)   # (B, T+1), host
         self.device_batch = to_device(self.batch, cfg.device)
 
     def __call__(self):
         return float(train_step(self.model, self.optimizer, self.device_batch, self.cfg.lr, self.cfg.grad_clip)[0])
+
+    def phases(self):
+        """The step's parts, as the trainer runs them on one process, timed: seconds."""
+        idx, targets = inputs_and_targets(self.device_batch)        # (B, T), (B, T)
+        marks = [time.perf_counter()]
+        self.optimizer.zero_grad()
+        _, loss = self.model(idx, targets)
+        marks.append(time.perf_counter())
+        loss.backward(np.ones_like(loss.data))
+        marks.append(time.perf_counter())
+        clip_grad_norm(self.model.parameters(), self.cfg.grad_clip)
+        marks.append(time.perf_counter())
+        self.optimizer.lr = self.cfg.lr
+        self.optimizer.step()
+        marks.append(time.perf_counter())
+        return dict(zip(PHASES, np.diff(marks)))
 
 
 class TorchStep:
@@ -100,6 +141,23 @@ class TorchStep:
         self.optimizer.step()
         return loss.item()
 
+    def phases(self):
+        """The step's parts, timed: seconds (on the CPU: no GPU synchronisation needed)."""
+        marks = [time.perf_counter()]
+        self.optimizer.zero_grad(set_to_none=True)
+        _, loss = self.model(self.idx, self.targets)
+        marks.append(time.perf_counter())
+        loss.backward()
+        marks.append(time.perf_counter())
+        self.torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        marks.append(time.perf_counter())
+        self.optimizer.step()
+        marks.append(time.perf_counter())
+        return dict(zip(PHASES, np.diff(marks)))
+
+
+PHASES = ("forward", "backward", "clip", "optimizer")   # forward includes zero_grad
+
 
 def timed(fn):
     t0 = time.perf_counter()
@@ -119,11 +177,94 @@ def time_alternating(steps, repeats, warmup=2):
     return [statistics.median(ts) for ts in times]
 
 
-def first_losses(cfg, tokens):
-    """Forward both twins on one batch before any update; returns (minidist loss, torch loss)."""
-    ours = MinidistStep(cfg, tokens)
-    theirs = TorchStep(cfg, ours.model, ours.batch)
-    return ours(), theirs()
+def median_phases(steps, repeats):
+    """Median seconds of each phase per step object, calling them in turn ``repeats`` times."""
+    runs = [[step.phases() for step in steps] for _ in range(repeats)]
+    return [{k: statistics.median(run[i][k] for run in runs) for k in PHASES} for i in range(len(steps))]
+
+
+@contextlib.contextmanager
+def unblocked():
+    """AdamW as it was before cache blocking: a block longer than any array, so each operation runs
+    over the whole array, with whole-array temporaries."""
+    saved, blocks.BLOCK = blocks.BLOCK, 1 << 62
+    try:
+        yield
+    finally:
+        blocks.BLOCK = saved
+
+
+def copy_bandwidth(n, repeats=5):
+    """A STREAM-like copy of ``n`` float32 elements: bytes read + written per second (best of ``repeats``)."""
+    src, dst = np.ones(n, np.float32), np.ones(n, np.float32)
+    return 2 * src.nbytes / min(timed(lambda: np.copyto(dst, src)) for _ in range(repeats))
+
+
+def adamw_alone(shapes, repeats, lr=6e-4, weight_decay=0.1):
+    """The AdamW update by itself over float32 parameters of ``shapes`` (nanoGPT's decay rule, betas
+    0.9, 0.95), median seconds per update, all variants timed in turn: minidist per tensor before
+    blocking and blocked (what AdamW.step runs), one flat buffer with decay spans (bitwise the
+    per-tensor update) or a 0/1 mask (ZeRO's shards) and unblocked with the mask; torch.optim.AdamW
+    on tensors of the same shapes; and the floor: bytes moved / copy bandwidth."""
+    sizes = [math.prod(s) for s in shapes]
+    n, bounds = sum(sizes), np.cumsum([0] + sizes)
+    bandwidth = copy_bandwidth(n)
+    rng = np.random.default_rng(0)
+    p, g = 0.02 * rng.standard_normal(n, dtype=np.float32), 1e-3 * rng.standard_normal(n, dtype=np.float32)
+    m, v = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    tensors = [[a[lo:hi].reshape(s) for a in (p, g, m, v)] for lo, hi, s in zip(bounds, bounds[1:], shapes)]
+    spans = decay_spans(shapes, weight_decay)
+    mask = np.zeros(n, np.float32)
+    for lo, hi, _ in spans:
+        mask[lo:hi] = 1
+    mask *= weight_decay     # (n,) per-element rates, as ZeRO builds them
+    count = iter(range(1, 1 << 30))
+    hyper = dict(lr=lr, beta1=0.9, beta2=0.95, eps=1e-8)
+
+    def per_tensor():
+        step = next(count)
+        for (tp, tg, tm, tv), shape in zip(tensors, shapes):
+            adamw_update(tp, tg, tm, tv, step=step, **hyper, weight_decay=weight_decay if decays(shape) else 0.0)
+
+    def flat(decay, blocked=True):
+        def update():
+            with contextlib.nullcontext() if blocked else unblocked():
+                adamw_update(p, g, m, v, step=next(count), **hyper, weight_decay=decay)
+        return update
+
+    def before():
+        with unblocked():
+            per_tensor()
+
+    cases = {"minidist per tensor, before blocking": before, "minidist per tensor, blocked": per_tensor,
+             "minidist flat, blocked, decay spans": flat(spans), "minidist flat, blocked, 0/1 mask": flat(mask),
+             "minidist flat, unblocked, 0/1 mask": flat(mask, blocked=False)}
+    cases.update(torch_adamw(p, g, bounds, shapes, lr, weight_decay))
+    names = list(cases)
+    medians = time_alternating([cases[k] for k in names], repeats, warmup=1)
+    return {"n_params": int(n), "block": blocks.BLOCK, "copy_bandwidth_GBps": bandwidth / 1e9,
+            "bytes_per_update": 28 * n, "bytes_per_update_mask": 32 * n,
+            "floor_s": 28 * n / bandwidth, "floor_s_mask": 32 * n / bandwidth,
+            "seconds": dict(zip(names, medians))}
+
+
+def torch_adamw(p, g, bounds, shapes, lr, weight_decay):
+    """torch.optim.AdamW steps over tensors of ``shapes`` holding ``p`` with gradients ``g``: the
+    for-loop (the CPU default), foreach and fused implementations, each with its own state."""
+    try:
+        import torch
+    except ImportError:
+        return {}
+    params = [torch.from_numpy(p[lo:hi].reshape(s).copy()) for lo, hi, s in zip(bounds, bounds[1:], shapes)]
+    for t, lo, hi in zip(params, bounds, bounds[1:]):
+        t.grad = torch.from_numpy(g[lo:hi].reshape(t.shape).copy())
+    groups = [{"params": [t for t in params if t.ndim >= 2], "weight_decay": weight_decay},
+              {"params": [t for t in params if t.ndim < 2], "weight_decay": 0.0}]
+    cases = {}
+    for name, kind in (("for-loop", dict(foreach=False)), ("foreach", dict(foreach=True)), ("fused", dict(fused=True))):
+        opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, **kind)
+        cases[f"torch.optim.AdamW {name}"] = opt.step
+    return cases
 
 
 def profile_minidist(cfg, tokens, steps=10, top=15):
@@ -141,10 +282,43 @@ def profile_minidist(cfg, tokens, steps=10, top=15):
              "own_s_per_step": tt / steps} for (f, line, name), (_, nc, tt, _, _) in rows]
 
 
+def measure(name, cfg, tokens, torch, repeats):
+    """One row: minidist's step (and PyTorch's, when ``torch``) at the size ``name`` of ``cfg``, with
+    the per-op overhead of each; for the sizes in SLOW the step's parts too, and the parameter shapes
+    (``"shapes"``) for :func:`adamw_alone`."""
+    row = {"size": name, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd,
+           "block_size": cfg.block_size, "batch_size": cfg.batch_size, "dtype": cfg.dtype}
+    overrides = MODELS.get(name)
+    ours = MinidistStep(cfg, tokens, overrides)
+    row["n_params"] = int(sum(p.data.size for p in ours.model.parameters()))
+    row["vocab_size"], row["tied"] = ours.model.config.vocab_size, ours.model.config.tie_embeddings
+    tiny = MinidistStep(overhead_config(cfg), tokens, overrides and dict(overrides, vocab_size=256))
+    steps = [ours, tiny]
+    if torch is not None:   # twins of the untouched models; each first call returns its loss before any update
+        steps += [TorchStep(cfg, ours.model, ours.batch), TorchStep(overhead_config(cfg), tiny.model, tiny.batch)]
+        loss_ours, loss_torch = ours(), steps[2]()
+        row["first_loss"] = {"minidist": loss_ours, "torch": loss_torch}
+        assert abs(loss_ours - loss_torch) < 1e-4 * abs(loss_torch), row["first_loss"]
+    row["repeats"] = max(3, repeats // 3) if name in SLOW else repeats
+    medians = time_alternating(steps, row["repeats"])
+    tokens_per_step = cfg.batch_size * cfg.block_size
+    for framework, (step_s, overhead_s) in zip(("minidist", "torch"), zip(medians[::2], medians[1::2])):
+        row[framework] = {"step_s": step_s, "tokens_per_s": tokens_per_step / step_s, "overhead_s": overhead_s}
+    if torch is not None:
+        row["ratio"] = medians[0] / medians[2]
+    if name in SLOW:
+        row["phases"] = dict(zip(("minidist", "torch"), median_phases(steps[::2], row["repeats"])))
+    print(json.dumps(row))
+    if name in SLOW:
+        row["shapes"] = [p.data.shape for p in ours.model.parameters()]
+    return row
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--quick", action="store_true", help="default size only, 5 repeats")
+    p.add_argument("--sizes", help=f"comma-separated, of {', '.join(SIZES)} (default: all)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu: one thread each; cuda: minidist on CuPy and PyTorch on CUDA, same GPU")
     p.add_argument("--system-allocator", action="store_true",
@@ -156,7 +330,8 @@ def main():
     suffix = "_cuda" if args.device == "cuda" else ""
     args.out = args.out or str(HERE / "results" / f"train_step{suffix}.json")
     args.figure = args.figure or str(HERE / "figures" / f"train_step{suffix}.png")
-    sizes = {"default": SIZES["default"]} if args.quick else SIZES
+    names = ["default"] if args.quick else args.sizes.split(",") if args.sizes else list(SIZES)
+    sizes = {name: SIZES[name] for name in names}
     repeats = 5 if args.quick else args.repeats
     try:
         import torch
@@ -164,36 +339,15 @@ def main():
     except ImportError:
         torch = None
     tokens, _ = train_val_split(load_tokens(default_corpus()))
-    results = []
-    for name, size in sizes.items():
-        cfg = config(size, device=args.device)
-        row = {"size": name, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd,
-               "block_size": cfg.block_size, "batch_size": cfg.batch_size, "dtype": cfg.dtype}
-        ours = MinidistStep(cfg, tokens)
-        row["n_params"] = int(sum(p.data.size for p in ours.model.parameters()))
-        tiny = MinidistStep(overhead_config(cfg), tokens)
-        steps = [ours, tiny]
-        if torch is not None:
-            loss_ours, loss_torch = first_losses(cfg, tokens)
-            row["first_loss"] = {"minidist": loss_ours, "torch": loss_torch}
-            assert abs(loss_ours - loss_torch) < 1e-4 * abs(loss_torch), row["first_loss"]
-            theirs = TorchStep(cfg, ours.model, ours.batch)
-            tiny_torch = TorchStep(overhead_config(cfg), tiny.model, tiny.batch)
-            steps += [theirs, tiny_torch]
-        medians = time_alternating(steps, repeats)
-        tokens_per_step = cfg.batch_size * cfg.block_size
-        row["minidist"] = {"step_s": medians[0], "tokens_per_s": tokens_per_step / medians[0],
-                           "overhead_s": medians[1]}
-        if torch is not None:
-            row["torch"] = {"step_s": medians[2], "tokens_per_s": tokens_per_step / medians[2],
-                            "overhead_s": medians[3]}
-            row["ratio"] = medians[0] / medians[2]
-        print(json.dumps(row))
-        results.append(row)
+    results = [measure(name, config(size, device=args.device), tokens, torch, repeats) for name, size in sizes.items()]
+    shapes = next((r.pop("shapes") for r in results if "shapes" in r), None)
+    adamw = adamw_alone(shapes, repeats) if shapes and args.device == "cpu" else None
+    if adamw:
+        print(json.dumps(adamw))
     report = {"machine": machine(args.device), "numpy": np.__version__, "device": args.device,
               "torch": torch.__version__ if torch is not None else None, "threads": 1,
               "keep_freed_memory": kept,
-              "repeats": repeats, "results": results,
+              "repeats": repeats, "results": results, "adamw": adamw,
               "profile_default": profile_minidist(config(SIZES["default"], device=args.device), tokens)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))

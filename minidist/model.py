@@ -4,7 +4,8 @@ Parameter names are GPT-2's (``transformer.h.0.attn.c_attn.weight``) and layouts
 (out, in)), so a state_dict loads into nanoGPT / PyTorch code; Hugging Face's GPT-2 stores its Conv1D
 weights (in, out), which ``minidist/checkpoint/hf.py`` converts both ways. The model is cut where parallelism
 cuts it: ``embed`` -> the blocks -> ``head`` (pipeline stages), c_attn / c_fc / c_proj as separate
-Linears and attention sized by its weights (tensor parallelism).
+Linears, attention sized by its weights and the loss a swappable ``cross_entropy`` (tensor parallelism
+turns this same model into one rank's shard: minidist/parallel/tensor/apply.py).
 """
 import math
 from dataclasses import dataclass
@@ -111,8 +112,11 @@ class GPT(nn.Module):
     ``GPT(config, seed, dtype)`` initialises every parameter with :func:`gpt2_init`. Under context
     parallelism ``context_parallel`` says which tokens of each sequence this rank holds (embed and
     head keep only those; minidist/parallel/context/context_parallel.py); None: all of them.
+    ``cross_entropy(logits, targets)`` is the head's loss; tensor parallelism installs the
+    vocab-parallel one (minidist/parallel/tensor/apply.py).
     """
     context_parallel = None
+    cross_entropy = staticmethod(cross_entropy)
 
     def __init__(self, config: GPTConfig, seed: int = 0, dtype="float32"):
         super().__init__()
@@ -143,7 +147,7 @@ class GPT(nn.Module):
         logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, V)
         if targets is None:
             return logits, None
-        return logits, sequence_loss(self, cross_entropy, logits, targets)
+        return logits, sequence_loss(self, self.cross_entropy, logits, targets)
 
     def forward(self, idx, targets=None):
         """(logits (B, T, V), loss) for token ids ``idx`` (B, T); loss is None without ``targets``."""

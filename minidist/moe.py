@@ -29,11 +29,13 @@ returns is the cross-entropy alone; each MoE layer adds its aux gradient to its 
 gradient of ``aux``, the seed being what the cross-entropy's backward starts from
 (minidist/parallel/compose/loss_scaling.py sets it: loss scale / micro-batches).
 
-Hooks for the parallel versions: :meth:`MoE.run_experts` (expert parallelism sends the tokens to the
-ranks holding their experts, minidist/parallel/expert/experts.py), ``context_parallel`` (a sequence's
-statistics are summed, and its choices gathered for a capacity, over the cp ranks holding its
-parts: minidist/parallel/context/context_parallel.py) and ``Experts.reduce_partial``
-(tensor parallelism: the experts' MLPs are split like the dense MLP's).
+Hooks for the parallel versions, each the one-process rule here: :meth:`MoE.run_experts` (expert
+parallelism sends the tokens to the ranks holding their experts, minidist/parallel/expert/experts.py),
+:meth:`MoE.keep` and :meth:`MoE.sequence_statistics` (the rules that read whole sequences: context
+parallelism installs versions that gather a sequence's choices, and sum its statistics, over the cp
+ranks holding its parts, minidist/parallel/context/context_parallel.py) and
+:meth:`Experts.reduce_partial` (tensor parallelism splits the experts' MLPs like the dense MLP's and
+sums their partial outputs, minidist/parallel/tensor/apply.py).
 """
 from __future__ import annotations
 
@@ -123,7 +125,7 @@ class Experts(nn.Module):
 
     def reduce_partial(self, y):
         """The experts' outputs before their bias: whole here; partial sums to add over the tensor-
-        parallel group when tp splits the experts (minidist/parallel/tensor/model.py)."""
+        parallel group when tp splits the experts (minidist/parallel/tensor/apply.py)."""
         return y
 
 
@@ -134,7 +136,6 @@ class MoE(nn.Module):
     :meth:`reset_stats`, before any drop), ``dropped`` the dropped ones, ``aux_loss`` the summed
     values of the balance loss and ``experts.rows`` the rows this rank's experts computed."""
     expert_parallel = None  # or an ExpertParallel (minidist/parallel/expert/experts.py): where the experts run
-    context_parallel = None  # or a ContextParallel: the ranks holding the other parts of each sequence
 
     def __init__(self, config, dtype="float32"):
         super().__init__()
@@ -152,8 +153,8 @@ class MoE(nn.Module):
 
     def forward(self, x):  # (B, T, C)
         """Route, run the experts, combine (module docstring). Sends nothing itself: under expert
-        parallelism :meth:`run_experts` all-to-alls the rows, under context parallelism
-        :meth:`balance` all-reduces a sequence's statistics."""
+        parallelism :meth:`run_experts` all-to-alls the rows, under context parallelism :meth:`keep`
+        and :meth:`sequence_statistics` gather and sum over the cp ranks."""
         B, T, C = x.shape
         N, k = B * T, self.top_k
         flat = x.reshape(N, C)  # (N, C)
@@ -188,35 +189,35 @@ class MoE(nn.Module):
 
     def keep(self, experts):
         """Which assignments of ``experts`` (B, T, k) are computed: all of them (dropless), or with
-        a capacity factor the first ``capacity`` of each expert in each sequence. Under context
-        parallelism the cp ranks' choices are all-gathered into whole sequences first, and each
-        keeps its own tokens' verdicts."""
+        a capacity factor the first ``capacity`` of each expert in each sequence (whole sequences:
+        context parallelism gathers them first)."""
         if not self.capacity_factor:
             return get_array_module(experts).ones(experts.shape, dtype=bool)
-        cp = self.context_parallel
-        whole = experts if cp is None else cp.whole_sequences(experts)  # (B, T_all, k)
-        keep = capacity_keep(whole, capacity(self.capacity_factor, whole.shape[1], self.top_k, self.n_experts),
-                             self.n_experts)
-        return keep if cp is None else keep[:, cp.positions(whole.shape[1], get_array_module(keep))]
+        cap = capacity(self.capacity_factor, experts.shape[1], self.top_k, self.n_experts)
+        return capacity_keep(experts, cap, self.n_experts)
+
+    def sequence_statistics(self, experts, p):
+        """The balance loss's statistics per sequence and expert, float64 (2, B, E): [assignments,
+        sum of router probabilities] over the tokens of ``experts`` (B, T, k) and ``p`` (B, T, E),
+        and the number of tokens they count, T (context parallelism sums them over the cp ranks)."""
+        xp = get_array_module(p)
+        B, T, k = experts.shape
+        stats = xp.zeros((2, B, self.n_experts))
+        for j in range(k):
+            stats[0] += (experts[..., j, None] == xp.arange(self.n_experts)).sum(axis=1)
+        stats[1] = p.sum(axis=1)
+        return stats, T
 
     def balance(self, out, probs, experts):
         """``out`` unchanged; with a balance coefficient and a graph, the aux loss's gradient joins
-        the router's in backward. Its statistics per sequence are summed over the cp ranks (context
-        parallelism): one all-reduce of (2, B, E) in the activations' memory."""
+        the router's in backward, from each sequence's :meth:`sequence_statistics`."""
         if not self.aux_loss_coef or not probs.requires_grad:
             return out
         xp = get_array_module(probs.data)
         B, T, k = experts.shape
         E = self.n_experts
         p = probs.data.reshape(B, T, E)
-        stats = xp.zeros((2, B, E))  # float64: [assignments, sum of probs] per sequence and expert
-        for j in range(k):
-            stats[0] += (experts[..., j, None] == xp.arange(E)).sum(axis=1)
-        stats[1] = p.sum(axis=1)
-        T_all = T  # the whole sequence's tokens
-        if self.context_parallel is not None:
-            self.context_parallel.group.all_reduce(stats)
-            T_all *= self.context_parallel.size
+        stats, T_all = self.sequence_statistics(experts, p)  # (2, B, E), and the whole sequence's tokens
         f = stats[0] / (k * T_all)  # (B, E)
         self.aux_loss += float(self.aux_loss_coef * E * (f * stats[1] / T_all).sum() / B)
         grad = self.aux_loss_seed * self.aux_loss_coef * E * f / (B * T_all)  # d aux / d probs[b, t, e]

@@ -20,7 +20,7 @@ from minidist.parallel.data.data_parallel import DataParallel
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.pipeline.stages import PipelineStage
 from minidist.parallel.data.sampler import DistributedSampler
-from minidist.parallel.compose.step import train_step
+from minidist.parallel.step import train_step
 from minidist.train.build import build_model, build_optimizer, load_data
 from minidist.train.config import TrainConfig
 

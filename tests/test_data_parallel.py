@@ -9,7 +9,7 @@ from minidist.data import ByteTokenizer, get_batch, grammar_text, inputs_and_tar
 from minidist.model import GPT, GPTConfig
 from minidist.parallel.data.data_parallel import DataParallel
 from minidist.parallel.data.sampler import DistributedSampler, dp_rows, micro_batches
-from minidist.parallel.compose.step import forward_backward
+from minidist.parallel.step import forward_backward
 
 CONFIG = GPTConfig(block_size=8, n_layer=2, n_head=2, n_embd=16)
 B = 8

@@ -2,9 +2,10 @@
 
 The rules: text crosses ranks as bytes without pickling, whatever its length (empty too) and
 characters; the blocks come in rank order, one per rank; rank 0's story is told whole and every
-other rank's as what differs from it; a tensor-parallel shard names its full shape; every call names
-its group, the global ranks at the other end and its purpose (which block, which of the
-cross-entropy's three all-reduces, which gradient bucket); activations show their shape.
+other rank's as what differs from it; a tensor-parallel shard names its full shape, a ZeRO-3 shard
+the elements it keeps; every call names its group, the global ranks at the other end and why it was
+made: the label its call site gave, printed as given ("(unlabelled)" when it gave none), with the
+module spans it was made in; nothing is guessed from sizes.
 """
 import io
 import re
@@ -12,14 +13,16 @@ import re
 import numpy as np
 
 import minidist
-from minidist.train.explain import differences, explaining, format_stories, gather_lines
+from minidist.comm import Event
+from minidist.comm.trace import PURPOSES
+from minidist.train.explain import differences, explaining, format_stories, gather_lines, holdings, step_story
 from minidist.model import GPT, GPTConfig
 from minidist.optim import SGD
 from minidist.parallel.data.data_parallel import DataParallel
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.pipeline import PipelineEngine, PipelineStage, split_micro_batches
-from minidist.parallel.compose.step import train_step
-from minidist.train.build import build_model, build_optimizer
+from minidist.parallel.step import train_step
+from minidist.train.build import build_model, build_optimizer, build_parallel
 from minidist.train.config import TrainConfig
 
 
@@ -47,6 +50,25 @@ def calls(lines):
     return [line.strip() for line in lines if line.startswith("  ")]
 
 
+CALL = re.compile(r"(?:(\d+) x )?(\w+) [\d.]+ (?:B|KiB|MiB) .* — (.*?)(?: \[during ([^\]]*)\])?$")
+
+
+def told(line):
+    """(count, op, label, module spans) of a call line."""
+    count, op, label, places = CALL.fullmatch(line).groups()
+    return int(count or 1), op, label, places.split(", ") if places else []
+
+
+def assert_labels_as_recorded(lines, events):
+    """Every call line says its label as the trace recorded it, or "(unlabelled)" for a call
+    recorded without one; a label's purpose is one of PURPOSES."""
+    recorded = {e.label or "(unlabelled)" for e in events if e.kind in ("collective", "p2p")}
+    for line in calls(lines):
+        label = told(line)[2]
+        assert label in recorded, (line, recorded)
+        assert label == "(unlabelled)" or label.split(":")[0] in PURPOSES, line
+
+
 def test_data_and_tensor_parallel_step():
     def rank_main(world):
         mesh = DeviceMesh(world, dp=2, tp=2)
@@ -55,10 +77,10 @@ def test_data_and_tensor_parallel_step():
         optimizer = build_optimizer(model, CFG)
         batch = np.random.default_rng(mesh.dp_rank).integers(0, 256, (4, 17))  # (B/dp, T+1)
         out = io.StringIO()
-        with explaining(mesh, model, file=out, activation_shape=(4, 16, 32), batch_shape=batch.shape):
+        with world.trace.capture() as events, explaining(mesh, model, file=out, batch_shape=batch.shape):
             train_step(model, optimizer, batch, 1e-3, 1.0, dp=dp, mesh=mesh, trace=world.trace)
-        return out.getvalue(), sum(p.data.nbytes for p in model.parameters())
-    (text, param_bytes), *others = minidist.run_local(rank_main, 4)
+        return out.getvalue(), events
+    (text, events), *others = minidist.run_local(rank_main, 4)
     assert all(t == "" for t, _ in others)  # only rank 0 prints
     story = blocks(text)
     rank0 = "\n".join(story[0])
@@ -69,30 +91,78 @@ def test_data_and_tensor_parallel_step():
     for r in (1, 2, 3):
         assert story[r][1:] == ["the same step as rank 0, with its own groups and partners (above)"], story[r]
     assert story[3][0] == "groups: tp[dp1,pp0] = ranks [2, 3]; dp[pp0,tp1] = ranks [1, 3]"
-    # every call says why it was made
     lines = story[0]
-    assert all(" — " in line and line.split(" — ")[1] for line in calls(lines)), lines
+    assert_labels_as_recorded(lines, events)
     forward = lines.index(next(line for line in lines if line.startswith("forward")))
     backward = lines.index(next(line for line in lines if line.startswith("backward")))
-    act = "all_reduce 8.0 KiB (4, 16, 32) {} on tp[dp0,pp0] with rank 1 (doubling) — "
-    # Megatron: the vocab-parallel embedding's all-reduce, then per block g after attn and after mlp
-    assert lines[forward + 1].strip() == act.format("activation") + (
-        "vocab-parallel embedding: sum of the tp ranks' vocabulary-shard lookups")
-    assert lines[forward + 2].strip() == "4 x " + act.format("activation") + (
-        "TP g all-reduce: sum of the row-parallel c_proj's partial outputs [h.0 attn, h.0 mlp, h.1 attn, h.1 mlp]")
-    # the vocab-parallel cross-entropy's three all-reduces of (b, T) floats, each named
-    ce = [line.strip() for line in lines[forward + 3:forward + 6]]
-    assert ce == [f"all_reduce 256 B on tp[dp0,pp0] with rank 1 (doubling) — vocab-parallel cross-entropy {k}/3: {what}"
-                  for k, what in ((1, "max logit"), (2, "sum of exp(logit - max)"), (3, "target logit"))]
+    after = lines.index("after backward:")
+    tp = "all_reduce 8.0 KiB on tp[dp0,pp0] with rank 1 (doubling) — activation: "
+    # Megatron: the vocab-parallel embedding's g, then per block g after attn and after mlp
+    assert lines[forward + 1].strip() == tp + (
+        "the vocab-parallel embedding lookup, partial sums added over tp (g) [during embedding]")
+    g = [told(line) for line in calls(lines[forward + 2:backward]) if "(g)" in line]
+    assert [place for _, _, _, places in g for place in places] == ["h.0", "h.0", "h.1", "h.1"]
+    assert sum(count for count, *_ in g) == 4 and all(label.startswith("activation: ") for _, _, label, _ in g)
+    # the vocab-parallel cross-entropy's three all-reduces of (b, T) floats, each named, in the head
+    ce = calls(lines[forward + 2:backward])[-3:]
+    assert ce == [f"all_reduce 256 B on tp[dp0,pp0] with rank 1 (doubling) — activation: cross-entropy {k}/3, "
+                  f"each token's {what} [during head]" for k, what in ((1, "largest logit over the vocabulary shards"),
+                                                                 (2, "softmax denominator summed over the vocabulary "
+                                                                     "shards"),
+                                                                 (3, "target logit from the rank holding it"))]
     # backward: the head's f, then each block's f in reverse (mlp before attn)
-    assert lines[backward + 1].strip() == act.format("gradient") + (
-        "TP f all-reduce: gradient of the vocab-parallel lm_head's input")
-    assert lines[backward + 2].strip().endswith("[h.1 mlp, h.1 attn, h.0 mlp, h.0 attn]")
-    after = "\n".join(lines[lines.index("after backward:"):])
-    assert f"all_reduce {param_bytes / 1024:.1f} KiB on dp[pp0,tp0] with rank 2 (doubling) — DP gradient bucket" in after
-    assert "all_reduce 8 B on dp[pp0,tp0] with rank 2 (doubling) — loss average over dp" in after
-    assert "all_reduce 8 B on tp[dp0,pp0] with rank 1 (doubling) — grad-norm² sum over tp" in after
-    assert "all_reduce 8 B on pp[dp0,tp0] (this rank alone: nothing sent) (doubling) — grad-norm² sum over pp" in after
+    f = [told(line) for line in calls(lines[backward + 1:after])]
+    assert [place for *_, places in f for place in places] == ["head", "h.1", "h.1", "h.0", "h.0"]
+    assert all(op == "all_reduce" and label.startswith("activation: ") and label.endswith("summed over tp (f)")
+               for _, op, label, _ in f)
+    # after backward: the gradient pipeline, none of it an activation
+    assert all(told(line)[2].split(":")[0] in ("gradient", "metric", "(unlabelled)") for line in calls(lines[after:]))
+    assert any(line.startswith("all_reduce 68.6 KiB on dp[pp0,tp0] with rank 2 (doubling) — gradient: ")
+               for line in calls(lines[after:]))
+
+
+def test_a_call_without_a_label_says_so_and_folds_by_module():
+    def event(op, start, end, kind="collective", label="", group="tp[dp0]", algorithm="ring", nbytes=8):
+        return Event(op, group, algorithm, nbytes, start, end, 0, 0, kind=kind, label=label)
+    g = "activation: the row-parallel output, partial sums added over tp (g)"
+    events = [event("forward", 0, 10, "compute", group="world", algorithm="", nbytes=0),
+              event("h.0", 1, 3, "compute", group="module", algorithm="forward", nbytes=64),
+              event("all_reduce", 2, 2.5, label=g), event("h.1", 3, 5, "compute", group="module",
+                                                           algorithm="forward", nbytes=64),
+              event("all_reduce", 4, 4.5, label=g), event("all_reduce", 11, 12, group="dp[tp0]")]
+    members = {"tp[dp0]": [0, 1], "dp[tp0]": [0, 2]}
+    assert step_story(events, members, 0) == [
+        "forward  10000.0 ms", f"  2 x all_reduce 8 B on tp[dp0] with rank 1 (ring) — {g} [during h.0, h.1]",
+        "after forward:", "  all_reduce 8 B on dp[tp0] with rank 2 (ring) — (unlabelled)"]
+
+
+def test_holdings_under_zero_3_are_the_elements_each_rank_keeps(tmp_path):
+    """ZeRO-3 releases every parameter between uses: what a rank holds is its shard of each unit,
+    elements of some parameters; the dp ranks' shards tile every parameter once (with offload too:
+    the parameter shards are in files, the elements are the same)."""
+    cfg = TrainConfig(dp=2, tp=2, n_layer=2, n_head=4, n_embd=32, block_size=16, batch_size=8, zero=3,
+                      offload="optimizer,params", offload_dir=str(tmp_path))
+
+    def rank_main(world):
+        mesh = DeviceMesh(world, dp=2, tp=2)
+        model, optimizer, *_ = build_parallel(cfg, mesh)
+        return holdings(model, 2, shards=optimizer.shards)
+    ranks = minidist.run_local(rank_main, 4)
+    held = {}  # (name, full shape on this tp rank) -> element ranges of every dp rank
+    for lines in ranks[0], ranks[2]:  # tp rank 0 of dp replicas 0 and 1
+        for line in lines:
+            m = re.fullmatch(r"holds (\S+) +\((\d+),\) +ZeRO-3 shard: elements (\d+)-(\d+) of (\([\d, ]*\)).*", line)
+            assert m, line
+            name, n, first, last, shape = m.groups()
+            assert int(last) - int(first) + 1 == int(n)
+            held.setdefault((name, shape), []).append((int(first), int(last) + 1))
+    assert "holds transformer.h.{0,1}.attn.c_attn.weight" in "\n".join(ranks[0])
+    assert any("qkv shard of (96, 32)" in line for line in ranks[0])
+    for (name, shape), ranges in held.items():
+        ranges = sorted(ranges)
+        ends = [0] + [b for _, b in ranges]  # each range starts where the one before ends
+        numel = np.prod([int(d) for d in re.findall(r"\d+", shape)])
+        assert [a for a, _ in ranges] == ends[:-1] and ends[-1] == numel, (name, ranges)
 
 
 def test_other_ranks_print_what_differs_from_rank_0():
@@ -120,7 +190,7 @@ def test_other_ranks_print_what_differs_from_rank_0():
     assert printed[2].endswith("the same step as rank 1, with its own groups and partners (above)")
 
 
-def test_pipeline_step_names_the_activations_sent_between_stages():
+def test_pipeline_step_tells_the_messages_between_stages():
     config = GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8)
 
     def rank_main(world):
@@ -130,27 +200,26 @@ def test_pipeline_step_names_the_activations_sent_between_stages():
         optimizer = SGD(stage.named_parameters(), lr=0.1)
         batch = np.random.default_rng(0).integers(0, 256, (4, 9))  # (B, T+1)
         out = io.StringIO()
-        with explaining(mesh, stage, file=out, activation_shape=(2, 8, 16)):
+        with world.trace.capture() as events, explaining(mesh, stage, file=out):
             engine.forward_backward(split_micro_batches(batch, 2))
             engine.all_reduce_tied_grads()
             optimizer.step()
-        return out.getvalue()
-    story = blocks(minidist.run_local(rank_main, 2)[0])
+        return out.getvalue(), events
+    (text, first_events), (_, last_events) = minidist.run_local(rank_main, 2)
+    story = blocks(text)
     first, last = "\n".join(story[0]), "\n".join(story[1])  # another stage: a whole story of its own
     assert "holds transformer.wte.weight" in first and "transformer.ln_f" not in first
     assert "holds transformer.ln_f.weight" in last and "transformer.h.{1}" in last
-    for lines in story.values():  # every call of either stage says why
-        assert calls(lines) and all(line.split(" — ")[1] for line in calls(lines)), lines
-    assert "— pipeline: micro-batch 1's activation to the next stage" in first
-    assert "— pipeline: micro-batch 1's gradient from the next stage" in first
-    assert "— pipeline: micro-batch 0's gradient to the previous stage" in last
-    assert "— tied embedding grad sum" in first and "— tied embedding grad sum" in last
-    assert "— the mean loss, from the last stage to every stage" in first
-    assert re.search(r"forward micro-batch 0 of stage 0 .* ms, then:\n  isend 1.0 KiB \(2, 8, 16\) activation to rank 1 "
-                     r"\(pp\[dp0,tp0\] rank 1\)", first)
-    assert re.search(r"irecv 1.0 KiB \(2, 8, 16\) activation from rank 0", last)
-    assert re.search(r"isend 1.0 KiB \(2, 8, 16\) gradient to rank 0", last)  # backward flows upstream
-    assert re.search(r"irecv 1.0 KiB \(2, 8, 16\) gradient from rank 1", first)
+    assert_labels_as_recorded(story[0], first_events)
+    assert_labels_as_recorded(story[1], last_events)
+    # a micro-batch's activation goes up after its forward, its gradient comes down before its backward
+    assert re.search(r"forward micro-batch 0 of stage 0 .* ms, then:\n  isend 1.0 KiB to rank 1 "
+                     r"\(pp\[dp0,tp0\] rank 1\) — ", first)
+    assert re.search(r"irecv 1.0 KiB from rank 0 \(pp\[dp0,tp0\] rank 0\) — ", last)
+    assert re.search(r"isend 1.0 KiB to rank 0 \(pp\[dp0,tp0\] rank 0\) — ", last)  # backward flows upstream
+    assert re.search(r"irecv 1.0 KiB from rank 1 \(pp\[dp0,tp0\] rank 1\) — ", first)
+    for story in first, last:  # the tied embedding's gradients, after the step's passes
+        assert "  all_reduce 16.0 KiB on pp[dp0,tp0]/embedding (doubling) — " in story
 
 
 def test_holdings_name_a_pipelines_tied_copy_of_the_embedding():

@@ -16,7 +16,7 @@ from minidist.model import GPT, GPTConfig, sample_token
 from minidist.parallel.whole_model.generate import generate
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.pipeline import PipelineStage
-from minidist.parallel.tensor.model import build_tp_gpt
+from minidist.parallel.tensor.apply import tensor_parallel
 from minidist.train import train
 from minidist.train.config import TrainConfig
 from minidist.train.outputs import sample
@@ -120,8 +120,9 @@ def test_a_batch_of_prompts_generates_one_process_rows(pp, tp, sequence_parallel
 
     def rank(group):
         mesh = DeviceMesh(group, pp=pp, tp=tp)
-        model = (build_tp_gpt(config, 1, "float64", mesh.tp_group, sequence_parallel) if tp > 1
-                 else GPT(config, seed=1, dtype="float64"))
+        model = GPT(config, seed=1, dtype="float64")
+        if tp > 1:
+            tensor_parallel(model, mesh.tp_group, sequence_parallel)
         if pp > 1:
             model = PipelineStage(model, mesh.pp_rank, pp)
         return generate(model, prompts, 12, top_k=20, rng=np.random.default_rng(0), pp_group=mesh.pp_group)
@@ -141,7 +142,7 @@ def test_what_each_token_sends_under_pp_and_tp():
 
     def rank(group):
         mesh = DeviceMesh(group, pp=2, tp=2)
-        stage = PipelineStage(build_tp_gpt(config, 1, "float64", mesh.tp_group), mesh.pp_rank, 2)
+        stage = PipelineStage(tensor_parallel(GPT(config, 1, "float64"), mesh.tp_group), mesh.pp_rank, 2)
         with group.trace.capture() as events:
             generate(stage, prompts, k, rng=np.random.default_rng(0), pp_group=mesh.pp_group)
         return mesh.pp_rank, [(e.op, e.group.split("[")[0], e.nbytes) for e in events]

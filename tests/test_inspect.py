@@ -1,9 +1,11 @@
 """python -m minidist.inspect: reading a run directory, the communication table, the timeline.
 
 The rules: a run directory holds per-rank traces (trace/rank<r>.jsonl) that read back as the same
-events; a group's members are the ranks that call on
-it; busbw = algbw x nccl-tests' factor of the group's size; a step's timeline is cut at the
-optimizer spans and idle time is what no event covers.
+events (a trace written before calls had labels too: its calls are unlabelled); a group's members
+are the ranks that call on it; the communication table has a row per op, group and label (why the
+calls were made, as their call site said); busbw = algbw x nccl-tests' factor of the group's size;
+the merged Chrome trace carries each call's label; a step's timeline is cut at the optimizer spans
+and idle time is what no event covers.
 """
 import contextlib
 import json
@@ -13,18 +15,19 @@ import pytest
 
 import minidist
 from minidist.comm import Event, Trace
-from minidist.inspect import (busy_seconds, comm_table, load_run, model_state_bytes, step_window,
+from minidist.inspect import (busy_seconds, comm_table, format_comm_table, load_run, model_state_bytes, step_window,
                               write_memory_report, write_trace)
+from minidist.inspect.tables import format_purposes
 from minidist.inspect.__main__ import main as inspect_main
 from minidist.parallel.data.data_parallel import DataParallel
 from minidist.parallel.mesh import DeviceMesh
-from minidist.parallel.compose.step import train_step
+from minidist.parallel.step import train_step
 from minidist.train.build import build_model, build_optimizer
 from minidist.train.config import TrainConfig
 
 
-def event(op, group, nbytes, start, end, rank, kind="collective", seq=0, peer=None):
-    return Event(op, group, "ring", nbytes, start, end, seq, rank, peer, kind)
+def event(op, group, nbytes, start, end, rank, kind="collective", seq=0, peer=None, label=""):
+    return Event(op, group, "ring", nbytes, start, end, seq, rank, peer, kind, label=label)
 
 
 def trace_of(rank, events):
@@ -46,6 +49,32 @@ def test_a_run_dir_reads_back_the_same_events_on_their_raw_clocks(tmp_path):
         write_trace(tmp_path, t)
     for loaded, original in zip(load_run(tmp_path).traces, two_ranks()):
         assert loaded.events == original.events  # raw clocks kept
+
+
+def test_a_trace_from_before_labels_reads_as_unlabelled_calls(tmp_path):
+    path = tmp_path / "trace" / "rank0.jsonl"
+    path.parent.mkdir()
+    old = dict(op="all_reduce", group="g", algorithm="ring", nbytes=8, start=1.0, end=2.0, seq=1, rank=0, peer=None,
+               kind="collective", thread=7)  # no "label": written before calls had one
+    path.write_text(json.dumps(old) + "\n")
+    run = load_run(tmp_path)
+    assert run.traces[0].events[0].label == ""
+    rows = comm_table(run.traces, run.group_members())
+    assert rows[0]["label"] == rows[0]["purpose"] == "" and "(unlabelled)" in format_comm_table(rows)
+
+
+def test_the_table_has_a_row_per_label_and_sums_bytes_per_purpose():
+    labels = ["gradient: DDP bucket 0 average", "metric: mean loss over dp", "gradient: DDP bucket 0 average", ""]
+    traces = [trace_of(r, [event("all_reduce", "g", 1000 if "bucket" in label else 8, i, i + 0.5, r, label=label)
+                           for i, label in enumerate(labels)]) for r in range(2)]
+    rows = {r["label"]: r for r in comm_table(traces, {"g": [0, 1]})}
+    bucket = rows["gradient: DDP bucket 0 average"]
+    assert (bucket["calls"], bucket["bytes"]) == (2, 2000)
+    assert rows["metric: mean loss over dp"]["purpose"] == "metric" and rows[""]["purpose"] == ""
+    printed = format_comm_table(list(rows.values()))
+    assert "   gradient: DDP bucket 0 average" in printed and "   (unlabelled)" in printed
+    assert format_purposes(list(rows.values())) == (  # both ranks' calls
+        "gradient 3.9 KiB in 4 calls; metric 16 B in 2 calls; (unlabelled) 16 B in 2 calls")
 
 
 def test_no_trace_is_a_clear_error(tmp_path):
@@ -128,14 +157,18 @@ def test_inspect_a_real_run(tmp_path, capsys):
     run = load_run(tmp_path)
     members = run.group_members()
     assert members["dp[pp0,tp1]"] == [1, 3] and members["tp[dp1,pp0]"] == [2, 3]
-    rows = {(r["op"], r["group"]): r for r in comm_table(run.traces, members)}
+    rows = [r for r in comm_table(run.traces, members) if (r["op"], r["group"]) == ("all_reduce", "dp[pp0,tp0]")]
     # data parallelism all-reduces every gradient once per step, plus the loss (one float64) to average it
-    assert rows["all_reduce", "dp[pp0,tp0]"]["bytes"] == STEPS * (grad_bytes[0] + 8)
-    assert "dp[pp0,tp0]" in printed and "busbw" in printed
+    assert sum(r["bytes"] for r in rows) == STEPS * (grad_bytes[0] + 8)
+    assert sum(r["bytes"] for r in rows if r["purpose"] == "gradient") == STEPS * grad_bytes[0]
+    assert "dp[pp0,tp0]" in printed and "busbw" in printed and "by purpose, all ranks together: gradient " in printed
     assert "rank 3: after step" in printed  # the memory table, from memory/rank3.json
     assert run.memory[0][0]["parameters"] == grad_bytes[0]  # float64 parameters and gradients alike
     chrome = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     assert {e["pid"] for e in chrome if e["ph"] == "X"} == {0, 1, 2, 3}
+    labels = {e["args"]["label"] for e in chrome if e["ph"] == "X" and e["cat"] == "collective"}
+    assert {r["label"] for r in comm_table(run.traces, members)} == labels
+    assert any(label.startswith("activation: ") for label in labels)  # tensor parallelism's, in the args
     assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

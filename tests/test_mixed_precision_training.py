@@ -1,6 +1,9 @@
 """Mixed precision with data parallelism (dp = 2 ranks as threads): float16 gradients cross the wire
 (half the bytes of float32, measured from the trace), an overflow on one rank skips the step on
 every rank, and the float16 loss curve tracks float32's."""
+import math
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -11,6 +14,7 @@ from minidist.model import GPT, GPTConfig
 from minidist.optim import AdamW, clip_grad_norm, lr_at
 from minidist.parallel.data.data_parallel import DataParallel
 from minidist.parallel.data.sampler import dp_rows
+from minidist.parallel.compose.gradients import WholeGradients, apply_gradients
 
 MODEL = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64)  # train.py's default
 # NumPy float16 arithmetic is scalar code (~50x slower than float32), so the 150-step curves use a
@@ -18,6 +22,14 @@ MODEL = GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=64)
 CURVE_MODEL = GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32)
 B, STEPS = 16, 150
 TOKENS = ByteTokenizer().encode(grammar_text(200_000))
+
+def amp_step(model, amp, optimizer, max_norm=math.inf):
+    """The gradient pipeline on whole tensors (gradients.py) with ``amp``'s masters: (skipped, grad
+    norm (NaN when skipped), the loss scale the step used)."""
+    scale = amp.scaler.scale
+    norm = apply_gradients(WholeGradients(model, optimizer, amp=amp), optimizer.lr, max_norm, amp.scaler)
+    return SimpleNamespace(skipped=norm is None, grad_norm=math.nan if norm is None else norm, loss_scale=scale)
+
 
 
 def train_dp2(dtype, steps, inject_inf_at=None, growth_interval=2000, config=MODEL):
@@ -49,7 +61,7 @@ def train_dp2(dtype, steps, inject_inf_at=None, growth_interval=2000, config=MOD
                 model.transformer.h[1].mlp.c_proj.weight.grad[0, 0] = np.inf
             optimizer.lr = lr_at(step, 3e-3, 20, steps, 3e-4)
             if amp:
-                result = amp.step(optimizer, max_norm=1.0)
+                result = amp_step(model, amp, optimizer, 1.0)
                 out["scale"].append(result.loss_scale)
                 out["skipped"].append(result.skipped)
             else:

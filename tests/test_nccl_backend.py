@@ -21,8 +21,18 @@ from minidist.comm.group import ProcessGroup
 from minidist.comm.local_transport import LocalTransport
 from minidist.comm.nccl import select_device
 from minidist.comm.transport import CommTimeoutError
-from minidist.parallel.pipeline.actions import stage_rank
+from minidist.comm.group import P2POp
+from minidist.data import get_batch
+from minidist.model import GPT
+from minidist.optim import SGD
+from minidist.parallel.mesh import DeviceMesh
+from minidist.parallel.pipeline import PipelineEngine, PipelineStage, split_micro_batches
+from minidist.parallel.pipeline.actions import RECVS, SENDS, stage_rank
+from minidist.parallel.pipeline.interleaved import interleaved_1f1b
+from minidist.parallel.pipeline.lowering import add_communication
 from minidist.parallel.pipeline.schedules import build_schedule, placement_of
+from minidist.parallel.pipeline.validate import ScheduleError, check_rounds, matching, rounds_of
+from minidist.parallel.pipeline.zero_bubble import zbv
 from minidist.train import train
 from minidist.train.config import TrainConfig
 from tests.doubles import fake_nccl
@@ -229,45 +239,106 @@ def test_two_blocking_sends_at_each_other_time_out_as_on_real_nccl(cp):
         run_nccl(body, 2, timeout=0.3)
 
 
-INTERLEAVED_DEADLOCKS = pytest.mark.xfail(
-    raises=CommTimeoutError, strict=True,
-    reason="interleaved 1F1B with more micro-batches than ranks, and ZB-V: a wait launches the queued sends with its "
-           "receive and waits for all of them, and the peer receives one of those sends only after this "
-           "rank's next receive (see NCCLTransport)")
+def test_a_later_launch_waits_behind_a_send_that_waits_for_its_peer(cp):
+    """A stream runs in order: a lone send holds back everything launched after it on the rank until
+    its peer receives. Two ranks that each launch a send, then a receive, wait for ever, though both
+    receives were launched; the same two messages in one batch (one NCCL group) go through."""
+    def alone(g):
+        g.batch_isend_irecv([P2POp("isend", cp.zeros(3), 1 - g.rank)])
+        g.batch_isend_irecv([P2POp("irecv", cp.zeros(3), 1 - g.rank)])[0].wait()
+    with pytest.raises(CommTimeoutError, match=r"irecv #2 on group 'world': rank \d waited"):
+        run_nccl(alone, 2, timeout=0.3)
+
+    def together(g):
+        requests = g.batch_isend_irecv([P2POp("isend", cp.full(3, float(g.rank)), 1 - g.rank),
+                                        P2POp("irecv", got := cp.zeros(3), 1 - g.rank)])
+        requests[1].wait()
+        return got.get()
+    assert [got.tolist() for got in run_nccl(together, 2)] == [[1.0] * 3, [0.0] * 3]
 
 
-@pytest.mark.parametrize("schedule, p, m, v", [
-    ("gpipe", 2, 3, 1), ("gpipe", 4, 5, 1), ("1f1b", 2, 8, 1), ("1f1b", 4, 6, 1), ("1f1b", 3, 1, 1),
-    ("interleaved", 2, 2, 3), ("interleaved", 4, 4, 2),
-    pytest.param("interleaved", 2, 4, 2, marks=INTERLEAVED_DEADLOCKS),
-    pytest.param("interleaved", 4, 8, 2, marks=INTERLEAVED_DEADLOCKS),
-    ("zb-h1", 2, 4, 1), ("zb-h1", 4, 8, 1), pytest.param("zbv", 2, 4, 2, marks=INTERLEAVED_DEADLOCKS),
-    pytest.param("zbv", 4, 8, 2, marks=INTERLEAVED_DEADLOCKS)])
-def test_pipeline_schedules_run_over_nccl_point_to_point(cp, schedule, p, m, v):
-    """The pipeline's pattern (sends queued with isend, each receive waited at once, all sends waited
-    at the end) over NCCL, which matches messages by order alone (no tags): every receive gets the
-    message its action pairs with, and nothing deadlocks."""
-    actions, placement = build_schedule(schedule, p, m, v), placement_of(schedule)
+def tagged(a):
+    """What a test message carries: its SEND's stage, micro-batch and direction."""
+    send = matching(a) if a.op in RECVS else a
+    return 1000 * send.stage + 10 * send.microbatch + (send.op == "SEND_B")
 
-    def label(a):  # what a SEND carries: its stage, micro-batch and direction
-        return 1000 * a.stage + 10 * a.microbatch + (a.op == "SEND_B")
 
+def run_rounds(cp, schedule, p, placement, timeout=1.0):
+    """Post ``schedule``'s messages as the executor does (each round one batch, its receives waited
+    for, the sends at the end) over NCCL, each message tagged; returns the receives per rank."""
     def body(g):
         pending, received = [], 0
-        for a in actions[g.rank]:
-            if a.op in ("SEND_F", "SEND_B"):
-                pending.append(g.isend(cp.full(4, label(a), dtype=np.int64), stage_rank(a.peer_stage(), p, placement),
-                                       tag=a.channel_tag()))
-            elif a.op in ("RECV_F", "RECV_B"):
-                buf = cp.empty(4, np.int64)
-                g.irecv(buf, stage_rank(a.peer_stage(), p, placement), tag=a.channel_tag()).wait()
-                assert (buf.get() == label(a.matching())).all(), f"{a} got {buf.get()}"
+        for batch in rounds_of(schedule[g.rank]):
+            ops = [P2POp("isend" if a.op in SENDS else "irecv", cp.full(4, tagged(a), dtype=np.int64),
+                         stage_rank(a.peer_stage(), p, placement), a.channel_tag()) for a in batch]
+            for a, op, request in zip(batch, ops, g.batch_isend_irecv(ops)):
+                if a.op in SENDS:
+                    pending.append(request)
+                    continue
+                request.wait()
+                assert (op.buffer.get() == tagged(matching(a))).all(), f"{a} got {op.buffer.get()}"
                 received += 1
         for request in pending:
             request.wait()
         return received
-    local_edges = placement == "v"  # the V's bottom: stages p-1 and p on one rank, handed over
-    assert sum(run_nccl(body, p, timeout=1.0)) == 2 * m * (p * v - 1 - local_edges)
+    return run_nccl(body, p, timeout=timeout)
+
+
+@pytest.mark.parametrize("schedule, p, m, v", [
+    ("gpipe", 2, 3, 1), ("gpipe", 4, 5, 1), ("1f1b", 2, 8, 1), ("1f1b", 4, 6, 1), ("1f1b", 3, 1, 1),
+    ("interleaved", 2, 2, 3), ("interleaved", 4, 4, 2), ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2),
+    ("interleaved", 3, 6, 3), ("zb-h1", 2, 4, 1), ("zb-h1", 4, 8, 1), ("zbv", 2, 4, 2), ("zbv", 3, 5, 2),
+    ("zbv", 4, 8, 2)])
+def test_pipeline_schedules_run_over_nccl_point_to_point(cp, schedule, p, m, v):
+    """NCCL matches messages by order alone (no tags) and a batch completes only with all of its
+    messages: every receive still gets the message its action pairs with, and nothing deadlocks."""
+    received = run_rounds(cp, build_schedule(schedule, p, m, v), p, placement_of(schedule))
+    local_edges = placement_of(schedule) == "v"  # the V's bottom: stages p-1 and p on one rank, handed over
+    assert sum(received) == 2 * m * (p * v - 1 - local_edges)
+
+
+@pytest.mark.parametrize("schedule, p, m, v", [("interleaved", 2, 4, 2), ("zbv", 2, 4, 2)])
+def test_receives_left_before_their_compute_deadlock_as_the_validator_says(cp, schedule, p, m, v):
+    """Without lowering.receive_when_sent (each receive right before the compute action that needs
+    it), interleaved 1F1B and ZB-V deadlock in rounds: validate says so first, and the double agrees."""
+    compute = interleaved_1f1b(p, m, v) if schedule == "interleaved" else zbv(p, m)
+    naive = add_communication(compute, p * v, placement_of(schedule))
+    with pytest.raises(ScheduleError, match=r"deadlock over NCCL \(each round one batch\): rank 0 posts .* and "
+                                            r"waits for rank 1; rank 1 posts .* and waits for rank 0"):
+        check_rounds(naive, p, placement_of(schedule))
+    with pytest.raises(CommTimeoutError):
+        run_rounds(cp, naive, p, placement_of(schedule), timeout=0.3)
+
+
+def test_interleaved_and_zbv_train_over_nccl_like_over_the_ring(cp):
+    """The engine over backend "nccl" (fake GPUs, fake NCCL) against the same steps on NumPy over the
+    ring: interleaved 1F1B and ZB-V, once refused over NCCL, give bitwise the same losses and weights."""
+    from tests.test_pipeline_engine import B, TOKENS, config
+
+    def body(world, schedule, p, m, v, device):
+        mesh = DeviceMesh(world, pp=p)
+        model = GPT(config(p * v), seed=1, dtype="float64")
+        stage = PipelineStage(model.to("cuda") if device else model, mesh.pp_rank, p, v,
+                              placement=placement_of(schedule))
+        engine = PipelineEngine(stage, mesh, schedule, m, v)
+        optimizer = SGD(stage.named_parameters(), lr=0.1, momentum=0.9)
+        losses = []
+        for step in range(3):
+            batch = get_batch(TOKENS, step, B, 8, seed=3)
+            optimizer.zero_grad()
+            losses.append(engine.forward_backward(split_micro_batches(cp.asarray(batch) if device else batch, m)))
+            engine.all_reduce_tied_grads()
+            optimizer.step()
+        return losses, engine.evaluate(split_micro_batches(cp.asarray(batch) if device else batch, m)), stage.state_dict()
+
+    for schedule, p, m, v in [("interleaved", 2, 4, 2), ("interleaved", 4, 4, 2), ("zbv", 2, 4, 2), ("zbv", 4, 8, 2)]:
+        over_nccl = run_nccl(lambda g: body(g, schedule, p, m, v, True), p)
+        over_ring = run_local(lambda g: body(g, schedule, p, m, v, False), p)
+        for (losses, val, state), (ref_losses, ref_val, ref_state) in zip(over_nccl, over_ring):
+            assert losses == ref_losses and val == ref_val, schedule
+            assert state.keys() == ref_state.keys()
+            for name, value in ref_state.items():
+                np.testing.assert_array_equal(state[name], value, err_msg=f"{schedule}: {name}")
 
 
 # ---- failing well ----------------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ from minidist.parallel.whole_model.consolidate import consolidated_state_dict
 from minidist.parallel.data.data_parallel import DataParallel
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.pipeline import PipelineEngine, PipelineStage, placement_of, split_micro_batches
-from minidist.parallel.tensor.tensor_parallel import sync_sequence_parallel_grads
-from minidist.parallel.tensor.model import build_tp_gpt
+from minidist.parallel.tensor.apply import tensor_parallel
+from minidist.parallel.compose.complete import sync_sequence_parallel_grads
 from tests.test_pipeline_engine import B, STEPS, TOKENS, config, make_optimizer, one_process
 
 
@@ -21,8 +21,9 @@ def train_layout(world, dp, pp, tp, schedule, m, v, n_layer, optimizer, sequence
     this rank's (losses averaged over dp, consolidated full-shape weights of its stage, peak in-flight)."""
     mesh = DeviceMesh(world, dp, pp, tp)
     cfg = config(n_layer)
-    model = (build_tp_gpt(cfg, 1, "float64", mesh.tp_group, sequence_parallel) if tp > 1
-             else GPT(cfg, seed=1, dtype="float64"))
+    model = GPT(cfg, seed=1, dtype="float64")
+    if tp > 1:
+        tensor_parallel(model, mesh.tp_group, sequence_parallel)
     stage = PipelineStage(model, mesh.pp_rank, pp, v, placement=placement_of(schedule))
     data_parallel = DataParallel(stage, mesh.dp_group)
     engine = PipelineEngine(stage, mesh, schedule, m, v, no_sync=data_parallel.no_sync)

@@ -3,9 +3,11 @@ do, what the dry-run simulator says about them, and how validation rejects a bro
 the action."""
 import pytest
 
-from minidist.parallel.pipeline import (Action, ScheduleError, build_schedule, format_timeline, placement_of,
-                                        rank_stages, validate)
-from minidist.parallel.pipeline.schedules import add_communication, gpipe, interleaved_1f1b, one_f_one_b
+from minidist.parallel.pipeline import (SCHEDULES, Action, ScheduleError, build_schedule, format_timeline,
+                                        placement_of, rank_stages, validate)
+from minidist.parallel.pipeline.interleaved import interleaved_1f1b
+from minidist.parallel.pipeline.lowering import add_communication
+from minidist.parallel.pipeline.one_f_one_b import gpipe, one_f_one_b
 
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)]
 
@@ -41,6 +43,29 @@ def test_interleaved_needs_micro_batches_a_multiple_of_p():
 def test_lowering_puts_receives_before_and_sends_after_compute():
     lowered = add_communication([[Action("F", 1, 0), Action("B", 1, 0)]], n_stages=3, pp_size=3)[0]
     assert [str(a) for a in lowered] == ["1RECV_F0", "1F0", "1SEND_F0", "1RECV_B0", "1B0", "1SEND_B0"]
+
+
+def test_each_receive_is_posted_in_the_round_its_message_is_sent_in():
+    # 1F1B, p = 2, m = 3: rank 0 sends F1 when rank 1 starts B0, so rank 1 posts that receive before
+    # B0; the gradient of micro-batch 0 reaches rank 0 during F1: received right after it, with F1's send
+    schedule = build_schedule("1f1b", 2, 3)
+    assert " ".join(map(str, schedule[0])) == ("0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0F2 0SEND_F2 0RECV_B1 0B1 "
+                                               "0RECV_B2 0B2")
+    assert " ".join(map(str, schedule[1])) == ("1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1F1 1B1 1SEND_B1 1RECV_F2 1F2 "
+                                               "1B2 1SEND_B2")
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_no_schedule_deadlocks_when_each_round_is_one_batch(name):
+    """validate's NCCL dry run (check_rounds: a round completes only with all of its messages, and
+    messages between two ranks match in posting order) passes for every schedule and size."""
+    for p in range(1, 6):
+        for m in range(1, 10):
+            for v in (2, 3) if name == "interleaved" else (2,) if name == "zbv" else (1,):
+                for costs in ((1.0, 1.0, 1.0), (1.0, 2.0, 0.5), (2.0, 1.0, 3.0)):
+                    if name == "interleaved" and m % p:
+                        continue
+                    validate(build_schedule(name, p, m, v, costs=costs), p, m, v, placement=placement_of(name))
 
 
 @pytest.mark.parametrize("p", [2, 4])
@@ -115,6 +140,16 @@ def test_receiving_in_another_order_than_sent_is_rejected():
                [a for a in s[1] if a.op != "F" and a.op != "RECV_F"]
     with pytest.raises(ScheduleError, match=r"rank 1, action #0 1RECV_F1 .*: rank 0 sends micro-batch 0 first"):
         broken(edit, name="gpipe", m=2)
+
+
+def test_two_edges_received_in_another_order_than_sent_are_rejected_for_nccl():
+    def edit(s):  # rank 1's stages 1 and 3 both receive from rank 0: NCCL matches their messages by order
+        swap(s[1], Action("RECV_F", 3, 1), Action("RECV_F", 1, 2))
+    with pytest.raises(ScheduleError, match=r"rank 1 receives 1RECV_F2 where rank 0 sends 2SEND_F1: messages "
+                                            r"between two ranks match in posting order over NCCL"):
+        schedule = build_schedule("interleaved", 2, 4, 2)
+        edit(schedule)
+        validate(schedule, 2, 4, 2)
 
 
 def test_a_deadlock_is_found_by_the_dry_run_and_names_the_stuck_receives():

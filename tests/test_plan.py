@@ -141,8 +141,8 @@ def test_a_layout_that_cannot_run_names_every_reason():
     p = predict(preset("gpt2"), RunSpec(seq=2048, tp=5, pp=16, cp=3), "h100")
     assert "step_time_s" not in p
     text = "\n".join(p["problems"])
-    assert "tp 5 does not divide the 12 heads" in text
-    assert "pp 16" in text and "sequence of 2048" in text
+    assert "n_head 12 is not divisible by tp 5" in text
+    assert "pp * virtual_stages = 16 * 1 pipeline stages" in text and "the sequence of 2048 tokens is not divisible by 3" in text
 
 
 def plan_cli(*args):
@@ -169,7 +169,7 @@ def test_the_cli_prints_a_readable_table():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--tp", "3"], "tp 3 does not divide the 4 heads"),
+    (["--tp", "3"], "n_head 4 is not divisible by tp 3"),
     (["--model", "llama9"], "unknown model preset 'llama9'"),
     (["--seq", "128"], "longer than the model's 64 learned positions"),
     (["--search"], "--search needs --gpus"),

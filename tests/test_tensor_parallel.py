@@ -1,5 +1,5 @@
-"""The tensor-parallel GPT (Megatron, optionally with sequence parallelism) computes what one process
-computes: the same loss on every rank, the same logits once the vocabulary slices are joined, and
+"""The GPT made tensor parallel (Megatron, optionally with sequence parallelism, by ``tensor_parallel``
+applied to the one-process model) computes what one process computes: the same loss on every rank, the same logits once the vocabulary slices are joined, and
 every parameter's gradient equal to the single-process gradient once the shards are joined
 (float64, 1e-10 relative). The trace proves the communication formulas: per transformer layer
 2 all-reduces forward and 2 backward, or with sequence parallelism 2 all-gathers + 2
@@ -13,8 +13,9 @@ import minidist
 from minidist.model import GPT, GPTConfig
 from minidist.optim import SGD, AdamW
 from minidist.parallel.mesh import DeviceMesh
-from minidist.parallel.tensor.tensor_parallel import sync_sequence_parallel_grads, unshard
-from minidist.parallel.tensor.model import build_tp_gpt
+from minidist.parallel.tensor.apply import tensor_parallel
+from minidist.parallel.compose.complete import sync_sequence_parallel_grads
+from minidist.parallel.tensor.tensor_parallel import unshard
 
 # 12 heads and T = 12 split over tp = 1, 2, 3, 4; vocab 11 divisible by none of 2, 3, 4 (padded)
 CONFIG = GPTConfig(vocab_size=11, block_size=12, n_layer=2, n_head=12, n_embd=24)
@@ -36,11 +37,11 @@ def single_process(config, idx, targets, dtype="float64"):
     return model, logits.data, loss.item()
 
 
-def tensor_parallel(config, tp, idx, targets, sequence_parallel, dtype="float64"):
+def tp_ranks(config, tp, idx, targets, sequence_parallel, dtype="float64"):
     """Per rank: (loss, logits shard, {name: grad shard}, {name: param shard}) after one backward."""
     def rank(world):
         group = DeviceMesh(world, tp=tp).tp_group
-        model = build_tp_gpt(config, seed=0, dtype=dtype, tp_group=group, sequence_parallel=sequence_parallel)
+        model = tensor_parallel(GPT(config, seed=0, dtype=dtype), group, sequence_parallel=sequence_parallel)
         logits, loss = model(idx, targets)
         loss.backward()
         sync_sequence_parallel_grads(model, group)
@@ -53,10 +54,33 @@ def tensor_parallel(config, tp, idx, targets, sequence_parallel, dtype="float64"
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 @pytest.mark.parametrize("tp", [1, 2, 3, 4])
 def test_loss_logits_and_every_gradient_match_one_process(tp, sequence_parallel, tie):
-    config = GPTConfig(**{**CONFIG.__dict__, "tie_embeddings": tie})
+    assert_matches_one_process(GPTConfig(**{**CONFIG.__dict__, "tie_embeddings": tie}), tp, sequence_parallel)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_a_mixture_of_experts_matches_one_process(sequence_parallel):
+    """Router split by experts (its logits all-gathered), every expert's hidden units split, with a
+    capacity that drops some assignments and the balance loss's gradient in the router's."""
+    config = GPTConfig(**{**CONFIG.__dict__, "n_experts": 4, "top_k": 2, "capacity_factor": 1.0})
+    assert_matches_one_process(config, 2, sequence_parallel)
+
+
+def test_the_shard_is_the_same_model_in_place():
+    """No twin model: tensor_parallel cuts the GPT it is given, whose modules keep their classes."""
+    def rank(world):
+        model = GPT(CONFIG, seed=0, dtype="float64")
+        before = [(name, type(m)) for name, m in model.named_modules()]
+        assert tensor_parallel(model, world, sequence_parallel=True) is model
+        return before == [(name, type(m)) for name, m in model.named_modules()]
+    assert minidist.run_local(rank, 2) == [True, True]
+
+
+def assert_matches_one_process(config, tp, sequence_parallel):
+    """One forward and backward on ``tp`` ranks: the loss bitwise the same on every rank and equal to
+    one process's, the logits and every gradient joined from the shards equal to its (1e-10)."""
     idx, targets = batch(config)
     ref, ref_logits, ref_loss = single_process(config, idx, targets)
-    ranks = tensor_parallel(config, tp, idx, targets, sequence_parallel)
+    ranks = tp_ranks(config, tp, idx, targets, sequence_parallel)
 
     assert len({loss for loss, *_ in ranks}) == 1  # bitwise the same on every rank
     assert abs(ranks[0][0] - ref_loss) <= 1e-10 * abs(ref_loss)
@@ -73,7 +97,7 @@ def test_loss_logits_and_every_gradient_match_one_process(tp, sequence_parallel,
 
 def test_initial_shards_slice_the_single_process_weights_exactly():
     ref = GPT(CONFIG, seed=0, dtype="float64")
-    ranks = tensor_parallel(CONFIG, 3, *batch(CONFIG), sequence_parallel=False)
+    ranks = tp_ranks(CONFIG, 3, *batch(CONFIG), sequence_parallel=False)
     for name, p in ref.named_parameters():
         np.testing.assert_array_equal(unshard(name, [r[3][name] for r in ranks], CONFIG.vocab_size), p.data)
     padded_rows = ranks[-1][3]["transformer.wte.weight"][-1]  # vocab 11 padded to 12: the last row
@@ -83,7 +107,7 @@ def test_initial_shards_slice_the_single_process_weights_exactly():
 def test_float32_matches_to_1e_5():
     idx, targets = batch(CONFIG)
     ref, _, ref_loss = single_process(CONFIG, idx, targets, dtype="float32")
-    ranks = tensor_parallel(CONFIG, 2, idx, targets, sequence_parallel=True, dtype="float32")
+    ranks = tp_ranks(CONFIG, 2, idx, targets, sequence_parallel=True, dtype="float32")
     assert abs(ranks[0][0] - ref_loss) <= 1e-5 * abs(ref_loss)
     for name, p in ref.named_parameters():
         assert rel_err(unshard(name, [r[2][name] for r in ranks], CONFIG.vocab_size), p.grad) <= 1e-5, name
@@ -93,7 +117,7 @@ def test_a_rank_holding_only_padding_still_matches():
     config = GPTConfig(vocab_size=5, block_size=12, n_layer=1, n_head=4, n_embd=8)  # tp 4: rows 2+2+1(+1)+0(+2)
     idx, targets = batch(config)
     ref, _, ref_loss = single_process(config, idx, targets)
-    ranks = tensor_parallel(config, 4, idx, targets, sequence_parallel=False)
+    ranks = tp_ranks(config, 4, idx, targets, sequence_parallel=False)
     assert abs(ranks[0][0] - ref_loss) <= 1e-10 * abs(ref_loss)
     for name, p in ref.named_parameters():
         assert rel_err(unshard(name, [r[2][name] for r in ranks], config.vocab_size), p.grad) <= 1e-10, name
@@ -117,7 +141,7 @@ def test_training_steps_match_one_process(make_optimizer):
         ref_losses.append(loss.item())
 
     def rank(world):
-        model = build_tp_gpt(CONFIG, seed=0, dtype="float64", tp_group=world, sequence_parallel=True)
+        model = tensor_parallel(GPT(CONFIG, seed=0, dtype="float64"), world, sequence_parallel=True)
         opt = make_optimizer(model.named_parameters())
         losses = []
         for step in tokens:
@@ -140,7 +164,7 @@ def test_training_steps_match_one_process(make_optimizer):
 
 def test_shards_are_marked_for_clipping_and_sequence_parallel_sync():
     def rank(world):
-        model = build_tp_gpt(CONFIG, seed=0, dtype="float64", tp_group=world, sequence_parallel=True)
+        model = tensor_parallel(GPT(CONFIG, seed=0, dtype="float64"), world, sequence_parallel=True)
         return {n: (p.tensor_parallel, p.sequence_parallel) for n, p in model.named_parameters()}
     marks = minidist.run_local(rank, 2)[0]
     sharded = {n for n, (tp, _) in marks.items() if tp}
@@ -155,7 +179,7 @@ def communication(config, tp, sequence_parallel):
 
     def rank(world):
         group = DeviceMesh(world, tp=tp).tp_group
-        model = build_tp_gpt(config, seed=0, dtype="float64", tp_group=group, sequence_parallel=sequence_parallel)
+        model = tensor_parallel(GPT(config, seed=0, dtype="float64"), group, sequence_parallel=sequence_parallel)
         counts = []
         for phase in ("forward", "backward", "sync"):
             group.trace.clear()
@@ -196,10 +220,10 @@ def test_trace_sequence_parallel_swaps_all_reduce_for_gather_and_reduce_scatter(
 
 def test_invalid_layouts_fail_clearly():
     with pytest.raises(ValueError, match="n_head = 12 is not divisible by tp = 5"):
-        minidist.run_local(lambda world: build_tp_gpt(CONFIG, 0, "float64", world), 5)
+        minidist.run_local(lambda world: tensor_parallel(GPT(CONFIG, 0, "float64"), world), 5)
 
     def odd_sequence(world):
-        model = build_tp_gpt(CONFIG, 0, "float64", world, sequence_parallel=True)
+        model = tensor_parallel(GPT(CONFIG, 0, "float64"), world, sequence_parallel=True)
         model(*batch(CONFIG, T=7))
     with pytest.raises(ValueError, match="T = 7 is not divisible by tp = 2"):
         minidist.run_local(odd_sequence, 2)

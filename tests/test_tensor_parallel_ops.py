@@ -1,20 +1,21 @@
 """The pieces of tensor parallelism, one rule each: Megatron's f and g and their sequence-parallel
-twins (what each sends forward and backward), the column/row-parallel linears, which rank holds
-which slice of every GPT parameter, the vocab-parallel embedding, and the vocab-parallel
-cross-entropy in exactly 3 all-reduces of one number per token."""
+twins (what each sends forward and backward), a column-parallel Linear followed by a row-parallel
+one, which rank holds which slice of every GPT parameter, the vocab-parallel embedding, and the
+vocab-parallel cross-entropy in exactly 3 all-reduces of one number per token."""
 import numpy as np
 import pytest
 
 import minidist
+from minidist import nn
 from minidist.autograd import Tensor, cross_entropy
 from minidist.model import GPT, GPTConfig
-from minidist.parallel.tensor.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
-                                               copy_to_tensor_parallel_region,
-                                               gather_from_sequence_parallel_region,
-                                               reduce_from_tensor_parallel_region,
-                                               reduce_scatter_to_sequence_parallel_region, shard_for, tp_layout,
-                                               unshard)
-from minidist.parallel.tensor.vocab_parallel import VocabParallelEmbedding, vocab_parallel_cross_entropy, vocab_range
+from minidist.parallel.tensor.tensor_parallel import (copy_to_tensor_parallel_region,
+                                                      gather_from_sequence_parallel_region,
+                                                      reduce_from_tensor_parallel_region,
+                                                      reduce_scatter_to_sequence_parallel_region, row_parallel,
+                                                      shard_for, tp_layout, unshard)
+from minidist.parallel.tensor.vocab_parallel import (vocab_parallel_cross_entropy, vocab_parallel_embedding,
+                                                     vocab_range)
 
 N = 3  # ranks
 B, T, C = 2, 6, 4
@@ -68,24 +69,26 @@ def test_sequence_reduce_scatter_forward_all_gather_backward():
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_column_then_row_parallel_linear_is_the_full_two_layer_map(sequence_parallel):
     """Y = (X A^T + a) B^T + b with A split by rows of its (out, in) layout (columns of the math),
-    B by its input columns; the ranks only talk in g (or the reduce-scatter)."""
+    B by its input columns: the column-parallel Linear is a plain one on its block, the row-parallel
+    one adds the replicated bias after the sum; the ranks only talk in g (or the reduce-scatter)."""
     rng = np.random.default_rng(0)
     x, A, a, Bw, b = (rng.standard_normal(s) for s in [(B, T, C), (6, C), (6,), (C, 6), (C,)])
 
     def rank(group):
-        col = ColumnParallelLinear(C, 6, group, dtype="float64")
-        row = RowParallelLinear(6, C, group, dtype="float64", sequence_parallel=sequence_parallel)
+        col, row = nn.Linear(C, 6 // N, dtype="float64"), nn.Linear(6 // N, C, dtype="float64")
+        row_parallel(row, group, sequence_parallel)
         col.weight.data[...] = shard_for("mlp.c_fc.weight", A, group.rank, N)
         col.bias.data[...] = shard_for("mlp.c_fc.bias", a, group.rank, N)
         row.weight.data[...] = shard_for("mlp.c_proj.weight", Bw, group.rank, N)
         row.bias.data[...] = b
-        marks = (col.weight.tensor_parallel, row.weight.tensor_parallel, row.bias.tensor_parallel)
-        return row(col(Tensor(x))).data, marks
+        group.trace.clear()
+        y = row(col(Tensor(x))).data
+        return y, [e.op for e in group.trace.events]
 
     full = (x @ A.T + a) @ Bw.T + b  # (B, T, C)
-    for r, (y, marks) in enumerate(minidist.run_local(rank, N)):
+    for r, (y, ops) in enumerate(minidist.run_local(rank, N)):
         np.testing.assert_allclose(y, full[:, np.split(np.arange(T), N)[r]] if sequence_parallel else full, rtol=1e-12)
-        assert marks == (True, True, False)  # the row-parallel bias is replicated
+        assert ops == ["reduce_scatter" if sequence_parallel else "all_reduce"]  # g, after the row-parallel layer
 
 
 UNTIED = GPTConfig(vocab_size=11, block_size=4, n_layer=1, n_head=6, n_embd=6, tie_embeddings=False)
@@ -137,7 +140,8 @@ def test_vocab_parallel_embedding_equals_the_full_lookup(sequence_parallel):
     idx = np.random.default_rng(1).integers(0, V, (B, T))
 
     def rank(group):
-        emb = VocabParallelEmbedding(V, C, group, dtype="float64", sequence_parallel=sequence_parallel)
+        emb = nn.Embedding(-(-V // N), C, dtype="float64")  # this rank's rows of the padded vocabulary
+        vocab_parallel_embedding(emb, V, group, sequence_parallel)
         emb.weight.data[...] = shard_for("transformer.wte.weight", table, group.rank, N)
         out = emb(idx)
         out.sum().backward()

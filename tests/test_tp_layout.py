@@ -12,9 +12,9 @@ import pytest
 import minidist
 from minidist.train.explain import holdings
 from minidist.model import GPT, GPTConfig
-from minidist.parallel.tensor.layout import (global_shape, local_shape, regions, shard_for, split_of, tp_layout,
-                                         unshard)
-from minidist.parallel.tensor.model import build_tp_gpt, full_shape
+from minidist.parallel.tensor.apply import tensor_parallel
+from minidist.parallel.tensor.layout import (full_shape, global_shape, local_shape, regions, shard_for, split_of,
+                                             tp_layout, unshard)
 
 CONFIG = GPTConfig(vocab_size=11, block_size=4, n_layer=2, n_head=6, n_embd=12, tie_embeddings=False)
 FULL = {name: value.shape for name, value in GPT(CONFIG, dtype="float64").state_dict().items()}
@@ -82,7 +82,7 @@ def _explained(lines):
 @pytest.mark.parametrize("tp", [2, 3])
 def test_explain_shapes_and_bytes_agree_with_the_table_and_the_model(tp):
     def rank_main(group):
-        model = build_tp_gpt(CONFIG, 0, "float64", group)
+        model = tensor_parallel(GPT(CONFIG, 0, "float64"), group)
         real = {name: p.data.shape for name, p in model.named_parameters()}
         return real, holdings(model, tp), sum(p.data.nbytes for p in model.parameters())
 

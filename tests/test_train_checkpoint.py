@@ -23,7 +23,7 @@ from minidist.checkpoint import Checkpoint, CheckpointWriter, Flat, step_dir
 from minidist.checkpoint.layout import load_training_state, training_meta, training_pieces, zero_regions
 from minidist.checkpoint.training import ResumeRefused
 from minidist.parallel.mesh import DeviceMesh
-from minidist.parallel.compose.step import loss_scaler
+from minidist.parallel.step import loss_scaler
 from minidist.train import train
 from minidist.train.build import build_parallel
 from minidist.train.config import ConfigError, TrainConfig, check_config

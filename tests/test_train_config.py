@@ -11,6 +11,7 @@ import pytest
 
 from minidist.train import train
 from minidist.train.build import load_data
+from minidist.parallel.spec import RANGES as LAYOUT_RANGES
 from minidist.train.config import RANGES, ConfigError, TrainConfig, check_config, parse_args
 from tests.mpi.harness import REPO, run_mpi
 
@@ -69,7 +70,30 @@ def test_every_numeric_field_has_a_range_or_a_check_of_its_own():
     elsewhere = {"save_every", "keep", "comm_timeout"}  # checked with their features
     numeric = {f.name for f in dataclasses.fields(TrainConfig)
                if type(getattr(TrainConfig(), f.name)) in (int, float)}
-    assert numeric - elsewhere == set(RANGES), "a numeric flag without a range"
+    assert numeric - elsewhere == set(RANGES) | set(LAYOUT_RANGES), "a numeric flag without a range"
+    assert not set(RANGES) & set(LAYOUT_RANGES), "a range in two places"  # the layout's: minidist/parallel/spec.py
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--dp", "0", "--dp must be >= 1, got 0"),
+    ("--tp", "-1", "--tp must be >= 1, got -1"),
+    ("--micro-batches", "0", "--micro-batches must be >= 1, got 0"),
+    ("--n-experts", "-1", "--n-experts must be >= 0, got -1"),
+    ("--top-k", "0", "--top-k must be >= 1, got 0"),
+])
+def test_a_layout_number_out_of_range_is_refused_naming_the_flag(flag, value, message):
+    with pytest.raises(ConfigError) as error:
+        check_config(parse_args([flag, value]), 1)
+    assert message in str(error.value)
+
+
+def test_numbers_and_the_layout_are_refused_together():
+    """A bad number does not hide a layout that cannot run: the user sees both at once."""
+    with pytest.raises(ConfigError) as error:
+        check_config(parse_args(["--lr", "-1", "--tp", "3", "--schedule", "gpipe"]), 3)
+    for message in ("--lr must be positive, got -1.0", "n_head 4 is not divisible by tp 3",
+                    "--schedule gpipe needs --pp > 1"):
+        assert message in str(error.value)
 
 
 def test_the_defaults_are_in_range():

@@ -85,9 +85,9 @@ def test_activation_memory_per_rank_falls_with_cp():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(cp=3, block_size=16), "block_size 16 is not divisible by 3"),
-    (dict(cp=2, cp_algorithm="zigzag", block_size=18), "block_size 18 is not divisible by 4"),
-    (dict(cp=2, tp=4, sequence_parallel=True, block_size=12), "block_size / cp = 6 tokens per cp rank"),
+    (dict(cp=3, block_size=16), "the sequence of 16 tokens is not divisible by 3"),
+    (dict(cp=2, cp_algorithm="zigzag", block_size=18), "the sequence of 18 tokens is not divisible by 4"),
+    (dict(cp=2, tp=4, sequence_parallel=True, block_size=12), "the sequence of 12 tokens / cp 2 = 6 tokens per cp rank"),
     (dict(cp=4, tp=2, cp_algorithm="ulysses", n_head=4), "the 2 heads of each tp rank .* do not divide by cp 4"),
     (dict(cp=2, cp_algorithm="tree"), "--cp-algorithm must be one of ring, zigzag, ulysses"),
     (dict(cp=0), "--cp must be >= 1"),

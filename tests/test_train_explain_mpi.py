@@ -1,8 +1,9 @@
 """``--explain`` and ``--trace`` of the trainer under real MPI.
 
 - --explain prints, once and from rank 0, one block per rank in rank order: its groups, what it
-  holds, and its first step's calls (a tensor-parallel rank names its shards; a pipeline stage
-  sends its activations, labelled with their (b, T, C) shape, to the next stage's rank).
+  holds, and its first step's calls, each with the label its call site gave (a tensor-parallel rank
+  names its shards; a pipeline stage sends each micro-batch's activations to the next stage's rank
+  after its forward, and receives their gradients from it).
 - --trace DIR leaves a run directory that ``python -m minidist.inspect DIR`` reads: per-rank trace
   events and memory rows, with the metrics of --out DIR.
 """
@@ -34,11 +35,12 @@ def test_explain_prints_one_block_per_rank_in_rank_order(tmp_path):
     assert "tp[dp1,pp0] = ranks [2, 3]" in rank3 and "dp[pp0,tp1] = ranks [1, 3]" in rank3
     assert "the same step as rank 0, with its own groups and partners (above)" in rank3  # only what differs
     assert re.search(r"holds transformer\.h\.\{0,1\}\.mlp\.c_fc\.weight +\(32, 16\) +column shard of \(64, 16\)", rank0)
-    # forward: the vocab-parallel embedding, then Megatron's g after attention and MLP in each of 2 blocks
-    assert ("  4 x all_reduce 4.0 KiB (4, 16, 16) activation on tp[dp0,pp0] with rank 1 (doubling) — TP g all-reduce"
-            in rank0)
-    for k, what in enumerate(("max logit", "sum of exp(logit - max)", "target logit"), start=1):
-        assert f"— vocab-parallel cross-entropy {k}/3: {what}" in rank0
+    # forward: the vocab-parallel embedding's g, Megatron's g after attention and MLP in each of 2 blocks
+    g = re.findall(r"^  (?:(\d) x )?all_reduce 4.0 KiB on tp\[dp0,pp0\] with rank 1 \(doubling\) — activation: .*"
+                   r"partial sums added over tp \(g\) \[during (.*)\]$", rank0, flags=re.M)
+    assert [place for _, places in g for place in places.split(", ")] == ["embedding", "h.0", "h.0", "h.1", "h.1"]
+    for k in (1, 2, 3):  # the vocab-parallel cross-entropy's three all-reduces
+        assert f"— activation: cross-entropy {k}/3, " in rank0
 
 
 def test_a_pipeline_explains_its_activation_sends_and_inspect_reads_its_trace(tmp_path):
@@ -46,8 +48,11 @@ def test_a_pipeline_explains_its_activation_sends_and_inspect_reads_its_trace(tm
                   "--explain", "--trace", tmp_path, "--out", tmp_path, "--data-dir", tmp_path / "data", timeout=120)
     assert blocks(run.stdout) == [0, 1, 2, 3], run.output
     rank0 = run.stdout[run.stdout.index("=== rank 0:"):run.stdout.index("=== rank 1:")]
-    assert rank0.count("isend 2.0 KiB (2, 16, 16) activation to rank 1 (pp[dp0,tp0] rank 1)") == 2  # 2 micro-batches
-    assert rank0.count("irecv 2.0 KiB (2, 16, 16) gradient from rank 1 (pp[dp0,tp0] rank 1)") == 2  # their grads
+    # 2 micro-batches' activations up after their forwards, their gradients down before their backwards
+    assert len(re.findall(r"^forward micro-batch \d of stage 0 .*, then:\n  isend 2.0 KiB to rank 1 "
+                          r"\(pp\[dp0,tp0\] rank 1\) — ", rank0, flags=re.M)) == 2
+    assert len(re.findall(r"^  irecv 2.0 KiB from rank 1 \(pp\[dp0,tp0\] rank 1\) — .*\nbackward micro-batch", rank0,
+                          flags=re.M)) == 2
     done = subprocess.run([sys.executable, "-m", "minidist.inspect", str(tmp_path)], capture_output=True, text=True,
                           timeout=120, cwd=REPO)
     assert done.returncode == 0, done.stderr

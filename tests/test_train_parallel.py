@@ -24,7 +24,7 @@ TINY = dict(n_layer=2, n_head=4, n_embd=16, block_size=16, batch_size=8, steps=1
     (dict(dp=3), 3, "batch_size 8 is not divisible by dp \\* micro_batches = 3 \\* 1"),
     (dict(dp=2, micro_batches=8), 2, "batch_size 8 is not divisible by dp \\* micro_batches = 2 \\* 8"),
     (dict(sequence_parallel=True), 1, "--sequence-parallel needs --tp > 1"),
-    (dict(tp=2, block_size=15, sequence_parallel=True), 2, "block_size 15 is not divisible by tp 2"),
+    (dict(tp=2, block_size=15, sequence_parallel=True), 2, "the sequence of 15 tokens is not divisible by tp 2"),
     (dict(n_embd=18), 1, "n_embd 18 is not divisible by n_head 4"),
     (dict(bucket_mb=0.0), 1, "--bucket-mb must be positive"),
     (dict(micro_batches=0), 1, "--micro-batches must be >= 1"),

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from minidist.data import get_batch, inputs_and_targets
-from minidist.parallel.compose.step import train_step
+from minidist.parallel.step import train_step
 from minidist.train.build import build_model, build_optimizer
 from minidist.train.config import TrainConfig
 

@@ -129,7 +129,7 @@ def test_zero_2_and_3_under_a_pipeline_send_one_reduce_scatter_and_one_all_gathe
     # (N-1)/N (G + P) on the dp group, whatever the number of micro-batches: ZeRO-1's traffic.
     from minidist.inspect.accounting import bus_bytes
     from minidist.parallel.mesh import DeviceMesh
-    from minidist.parallel.compose.step import train_step
+    from minidist.parallel.step import train_step
     from minidist.train.build import build_parallel
 
     def sent(micro_batches):

@@ -17,7 +17,10 @@ import pytest
 import minidist
 from minidist.model import GPTConfig
 from minidist.inspect import accounting
+from minidist.parallel.compose.gradients import apply_gradients
+from minidist.parallel.zero.full_state import full_parameters
 from minidist.parallel.zero.optimizer import ZeroOptimizer
+from minidist.inspect import zero_memory
 from tests.mpi.zero_reference import CLIP, CONFIG, batch, max_relative_error, reference, zero_rank
 
 REFERENCE = {opt: reference(opt) for opt in ("sgd", "adamw")}
@@ -58,7 +61,8 @@ def one_step(group, stage, optimizer="adamw", config=CONFIG):
     rows = np.array_split(np.arange(len(idx)), group.size)[group.rank]
     group.trace.clear()
     model(idx[rows], targets[rows])[1].backward()
-    zero.reduce_gradients()
+    zero.reduce()
+    zero.unscale(1.0)
     return zero, model
 
 
@@ -68,7 +72,7 @@ def one_step(group, stage, optimizer="adamw", config=CONFIG):
 def test_bytes_held_per_rank_are_the_zero_paper_formulas(stage, dp, optimizer):
     def run(group):
         zero, _ = one_step(group, stage, optimizer)
-        return zero.model_state_bytes(), zero.formula()
+        return zero_memory.model_state_bytes(zero), zero_memory.formula(zero)
     for held, formula in minidist.run_local(run, dp):
         assert held == formula  # every unit of CONFIG divides by 4: the shards are exactly 1/N
 
@@ -77,7 +81,7 @@ def test_stage_3_holds_only_shards_between_uses_and_gathers_on_request():
     def run(group):
         zero, model = one_step(group, 3)
         between = [p.data.size for p in model.parameters()]
-        with zero.full_parameters():
+        with full_parameters(zero):
             inside = {name: p.data.shape for name, p in model.named_parameters()}
         return between, inside, [p.data.size for p in model.parameters()]
     for between, inside, after in minidist.run_local(run, 2):
@@ -96,7 +100,9 @@ def sent_per_step(stage, dp, config):
         rows = np.array_split(np.arange(len(idx)), group.size)[group.rank]
         group.trace.clear()
         model(idx[rows], targets[rows])[1].backward()
-        zero.step()
+        zero.reduce()  # the pipeline's steps that are ZeRO's own (no clipping: nothing else is sent)
+        zero.unscale(1.0)
+        zero.update(1e-3)
         param_bytes = sum(s.unit.numel for s in zero.shards) * 8
         return accounting.bus_bytes(group.trace.events, group.name, group.size), param_bytes
     return minidist.run_local(run, dp)[0]
@@ -149,9 +155,10 @@ def test_mixed_precision_bytes_per_rank_are_the_papers_2_2_k_formulas(stage, opt
         idx, targets = batch(0)
         rows = np.array_split(np.arange(len(idx)), group.size)[group.rank]
         model(idx[rows], targets[rows])[1].backward()
-        zero.reduce_gradients()
+        zero.reduce()
+        zero.unscale(zero.scaler.scale)
         psi = sum(s.unit.numel for s in zero.shards)
-        return zero.model_state_bytes(), zero.formula(), psi
+        return zero_memory.model_state_bytes(zero), zero_memory.formula(zero), psi
     for held, formula, psi in minidist.run_local(run, 4):
         n = {"parameters": 4 if stage >= 3 else 1, "gradients": 4 if stage >= 2 else 1, "optimizer": 4 if stage else 1}
         assert formula == {"parameters": 2 * psi / n["parameters"], "gradients": 2 * psi / n["gradients"],
@@ -179,9 +186,9 @@ def count_forwards(stage, recompute=False, micro_batches=1):
         idx, targets = batch(0)
         rows = np.array_split(np.arange(len(idx)), group.size)[group.rank]
         loss = model(idx[rows], targets[rows])[1]
-        kept = zero.activation_bytes(loss)
+        kept = zero_memory.activation_bytes(zero, loss)
         loss.backward()
-        zero.step()
+        apply_gradients(zero, 1e-3)
         return kept
     ops_nn.Linear.forward = staticmethod(counted)
     try:
@@ -216,7 +223,7 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(stage):
         loss = model(idx[rows], targets[rows])[1]
         with np.errstate(over="ignore", invalid="ignore"):  # rank 1 overflows, on purpose
             loss.backward(np.full_like(loss.data, 1e30 if group.rank == 1 else 1.0))
-        skipped = zero.found_inf()
+        skipped = apply_gradients(zero, 1e-3, scaler=scaler) is None
         same = all(np.array_equal(a, s.param.data) for a, s in zip(before, zero.shards))
         return skipped, scaler.scale, scaler.skipped_steps, same
     assert minidist.run_local(run, 2) == [(True, 512.0, 1, True)] * 2

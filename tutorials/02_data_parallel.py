@@ -47,7 +47,7 @@ from minidist.model import GPT, GPTConfig
 from minidist.optim import SGD
 from minidist.parallel.data.data_parallel import DataParallel
 from minidist.parallel.data.sampler import dp_rows, micro_batches
-from minidist.parallel.compose.step import forward_backward, train_step
+from minidist.parallel.step import forward_backward, train_step
 
 CONFIG = GPTConfig(block_size=32, n_layer=2, n_head=4, n_embd=64)
 B = 8                       # rows of the global batch; dp rank r trains on dp_rows(B, r, n)

@@ -33,8 +33,9 @@ import minidist
 from minidist.model import GPT, GPTConfig
 from minidist.inspect.accounting import activation_bytes
 from minidist.inspect.spans import ModuleSpans, is_module_span
-from minidist.parallel.tensor.tensor_parallel import sync_sequence_parallel_grads, tp_layout, unshard
-from minidist.parallel.tensor.model import build_tp_gpt
+from minidist.parallel.tensor.apply import tensor_parallel
+from minidist.parallel.compose.complete import sync_sequence_parallel_grads
+from minidist.parallel.tensor.tensor_parallel import tp_layout, unshard
 from minidist.plan.layout import RunSpec
 from minidist.plan.memory import activation_bytes as planned_activation_bytes, layer_activation_terms
 from minidist.plan.models import from_gpt_config
@@ -190,14 +191,14 @@ def check(group, model, loss, title):
 
 
 def lesson(world, png=None):
-    plain = build_tp_gpt(CONFIG, seed=0, dtype="float64", tp_group=world)
+    plain = tensor_parallel(GPT(CONFIG, seed=0, dtype="float64"), world)
     owners = holdings(world, plain)
     loss, plain_bytes, by_piece = one_step(world, plain)
     describe(world, f"2. one step, tensor parallel on {world.size} ranks: g leaves the embedding, attention "
                     "and MLP (forward),\n    f enters the head, MLP and attention (backward, in reverse); "
                     "3 small all-reduces in the loss", by_piece)
     check_counts(world, by_piece, False)
-    sp = build_tp_gpt(CONFIG, seed=0, dtype="float64", tp_group=world, sequence_parallel=True)
+    sp = tensor_parallel(GPT(CONFIG, seed=0, dtype="float64"), world, sequence_parallel=True)
     sp_loss, sp_bytes, sp_by_piece = one_step(world, sp)
     describe(world, "3. the same step with sequence parallelism: all-gather where f was, reduce-scatter "
                     "where g was;\n    LayerNorm and residual gradients of my tokens only, summed after "

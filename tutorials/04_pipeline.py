@@ -102,8 +102,7 @@ def train(world, mesh, name, v, explain):
     for step in range(STEPS):
         world.trace.clear()
         optimizer.zero_grad()
-        told = explaining(mesh, stage, activation_shape=(BATCH // MICRO, 16, CONFIG.n_embd)) \
-            if explain and step == 0 else contextlib.nullcontext()
+        told = explaining(mesh, stage) if explain and step == 0 else contextlib.nullcontext()
         world.barrier()
         wall, cpu = time.perf_counter(), time.thread_time()  # thread_time: this rank's own CPU, threads or processes
         with told:  # --explain: each rank's account of the first step, what it holds and sends to whom

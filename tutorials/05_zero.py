@@ -51,8 +51,11 @@ from minidist.comm.ops import bus_factor
 from minidist.data import get_batch, inputs_and_targets
 from minidist.model import GPT, GPTConfig
 from minidist.optim import AdamW, clip_grad_norm
+from minidist.parallel.compose.gradients import apply_gradients
 from minidist.parallel.compose.loss_scaling import backward_micro_batch
+from minidist.parallel.zero.full_state import full_parameters
 from minidist.parallel.zero.optimizer import ZeroOptimizer
+from minidist.inspect import zero_memory
 
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, tie_embeddings=False)
 BATCH, STEPS, LR = 8, 5, 1e-2
@@ -109,10 +112,10 @@ def train(group, stage, reference):
             idx, targets = batch(step)
             zero.zero_grad()
             model(idx[rows], targets[rows])[1].backward()
-            zero.clip_grad_norm(1.0)
+            zero.reduce()  # ZeRO's reduction: the model states are at their largest now
             if step == 0:
-                held, formula = zero.model_state_bytes(), zero.formula()
-            zero.step()
+                held, formula = zero_memory.model_state_bytes(zero), zero_memory.formula(zero)
+            apply_gradients(zero, LR, max_norm=1.0)  # the rest of the pipeline: clip, update, all-gather
     if peak is not None:
         peak["watching"] = False
     traffic = dict.fromkeys(KINDS + ("norm",), 0)
@@ -121,7 +124,7 @@ def train(group, stage, reference):
             traffic["norm" if e.op == "all_reduce" and e.nbytes == NORM_BYTES else e.op] += e.nbytes
     traffic = {k: v // STEPS for k, v in traffic.items()}  # every step sends the same
     algorithms = sorted({f"{e.op} {e.algorithm}" for e in events if e.op in KINDS and e.nbytes != NORM_BYTES})
-    with zero.full_parameters():
+    with full_parameters(zero):
         state = model.state_dict()
     error = max(float(np.abs(state[k] - v).max() / np.abs(v).max()) for k, v in reference.items())
     return held, formula, peak, traffic, algorithms, error
@@ -138,8 +141,8 @@ def mixed_precision_bytes(group, stage):
     rows = np.array_split(np.arange(BATCH), group.size)[group.rank]
     zero.zero_grad()
     backward_micro_batch(model(idx[rows], targets[rows])[1], 1, scaler.scale)
-    zero.reduce_gradients()
-    return zero.model_state_bytes()
+    zero.reduce()
+    return zero_memory.model_state_bytes(zero)
 
 
 def lesson(group):
@@ -175,7 +178,7 @@ def lesson(group):
     for stage, (held, formula, peak, traffic, _, error) in results.items():
         if error > 1e-10:
             failures.append(f"stage {stage}: weights differ from one process by {error:.1e}")
-        if not np.isclose(held64[stage].sum(), n * sum(formula.values())):  # the mean rank = zero.formula()
+        if not np.isclose(held64[stage].sum(), n * sum(formula.values())):  # the mean rank = zero_memory.formula(zero)
             failures.append(f"stage {stage}: the ranks hold {held64[stage].sum(axis=1).tolist()}, formula {formula}")
         expected = {0: (P, 0, 0), 1: (0, P, P), 2: (0, P, P), 3: (0, P, 2 * P)}[stage]
         if tuple(traffic[k] for k in KINDS) != expected:

@@ -50,7 +50,7 @@ from minidist.optim import lr_at
 from minidist.parallel.data.data_parallel import DataParallel
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.data.sampler import DistributedSampler
-from minidist.parallel.compose.step import train_step
+from minidist.parallel.step import train_step
 from minidist.parallel.tensor.layout import regions, unshard
 from minidist.train.build import build_model, build_optimizer, load_data
 from minidist.run import find_mpiexec

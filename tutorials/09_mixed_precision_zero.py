@@ -30,7 +30,7 @@ gradients do not flush to zero. Part 2 measures it on this run's step-0 gradient
 float32, then cast as a float16 backward would hold them): unscaled, some flush to 0 (below
 2**-25) and many more are subnormal (below 2**-14: fewer significant bits); times 2**16, almost
 none. Too large a scale overflows to inf on SOME rank; then every rank must skip the step
-together, or the replicas' shards would drift apart. So ``zero.found_inf()`` all-reduces one flag
+together, or the replicas' shards would drift apart. So the gradient pipeline's found-inf all-reduces one flag
 over the world (8 bytes), and on every rank: no update, scale halved. Part 3 makes rank 3's
 gradients overflow at step 2 and shows it. The scale also grows back: after ``growth_interval``
 clean steps in a row it doubles (2000 by default, the trainer's --loss-scale-window); part 3b
@@ -59,8 +59,11 @@ from minidist.data import get_batch, inputs_and_targets
 from minidist.model import GPT, GPTConfig
 from minidist.optim import AdamW
 from minidist.inspect.accounting import unique_nbytes
+from minidist.parallel.compose.gradients import WholeGradients, apply_gradients
 from minidist.parallel.compose.loss_scaling import backward_micro_batch
+from minidist.parallel.zero.full_state import full_parameters
 from minidist.parallel.zero.optimizer import ZeroOptimizer
+from minidist.inspect import zero_memory
 
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, tie_embeddings=False)
 BATCH, STEPS, LR, MAX_NORM = 8, 6, 1e-3, 1.0
@@ -88,7 +91,8 @@ def one_process():
         blowup = 2.0 ** 16 if step == OVERFLOW_STEP else 1.0  # sure to overflow: skip this step too
         with np.errstate(over="ignore", invalid="ignore"):
             backward_micro_batch(model(*batch(step))[1], 1, amp.scaler.scale * blowup)
-        assert amp.step(opt, MAX_NORM).skipped == (step == OVERFLOW_STEP)
+        skipped = apply_gradients(WholeGradients(model, opt, amp=amp), LR, MAX_NORM, amp.scaler) is None
+        assert skipped == (step == OVERFLOW_STEP)
     return {name: m.data for name, m in amp.master_parameters()}
 
 
@@ -115,7 +119,7 @@ def underflow(group):
 def held_bytes(zero):
     """What this rank holds now, split as the paper's table: float16 parameters and gradients,
     float32 masters and moments (asserted to add up to the optimizer's own measurement)."""
-    held = zero.model_state_bytes()
+    held = zero_memory.model_state_bytes(zero)
     masters = unique_nbytes([s.param.data for s in zero.shards])
     moments = unique_nbytes([a for s in zero.shards for a in s.state.values()])
     assert masters + moments == held["optimizer"]
@@ -143,23 +147,22 @@ def train(group, stage, growth_interval=2000):
         _, loss = model(idx[rows], targets[rows])  # loss float32, (B/N, T) rows
         with np.errstate(over="ignore", invalid="ignore"):  # the overflow below is on purpose
             backward_micro_batch(loss, 1, scale * blowup)  # seed: the scale (x 8 on the bad rank, once)
-        zero.reduce_gradients()  # float16 reduce-scatter (stages 2, 3: already during backward)
+        zero.reduce()  # float16 reduce-scatter (stages 2, 3: already during backward)
         inf_here = any(not np.isfinite(s.grad).all() for s in zero.shards)  # MY shard only
-        skipped = zero.found_inf()  # one flag over the world; if set: scale halved, no update
-        if not skipped:
-            zero.clip_grad_norm(MAX_NORM)
-            if held is None:
-                held = held_bytes(zero)  # after backward + reduction: everything at its largest
-            zero.step()
+        if held is None and not inf_here:
+            held = held_bytes(zero)  # after backward + reduction: everything at its largest
+        # the rest of the gradient pipeline: found-inf is one flag over the world (if set: the scale
+        # is halved and nothing is updated, None), then clip, update, all-gather
+        skipped = apply_gradients(zero, LR, MAX_NORM, scaler) is None
         if growth_interval > STEPS:
             assert skipped == (step == OVERFLOW_STEP), f"rank {group.rank}: step {step} skipped={skipped}"
         scales.append((scale, scaler.scale, skipped, scaler.clean_steps))
         if step in (OVERFLOW_STEP, OVERFLOW_STEP + 1):
             row = np.array([step, inf_here, skipped, scale, scaler.scale, scaler.skipped_steps, loss.item()])
             report.append(group.all_gather(row[None, :]))  # (N, 7): every rank's view of this step
-    with zero.full_parameters(masters=True):
+    with full_parameters(zero, masters=True):
         masters = {name: p.data.copy() for name, p in model.named_parameters()}  # float32, full
-    return held, zero.formula(), masters, np.concatenate(report), np.array(scales)
+    return held, zero_memory.formula(zero), masters, np.concatenate(report), np.array(scales)
 
 
 def lesson(group, png=None):
@@ -179,7 +182,7 @@ def lesson(group, png=None):
         sharded = {"parameters": stage >= 3, "gradients": stage >= 2, "masters": stage >= 1, "moments": stage >= 1}
         paper = {k: v // n if sharded[k] else v for k, v in paper.items()}
         assert held == paper, f"stage {stage}: rank {group.rank} holds {held}, the paper says {paper}"
-        assert sum(held.values()) == sum(formula.values()), f"stage {stage}: zero.formula() disagrees"
+        assert sum(held.values()) == sum(formula.values()), f"stage {stage}: zero_memory.formula(zero) disagrees"
         lines.append(f"{stage:>5} " + "".join(f"{held[k]:>11,}" for k in held)
                      + f"{sum(held.values()):>11,}{sum(paper.values()):>11,}   = {sum(held.values()) / psi:g} Psi")
 

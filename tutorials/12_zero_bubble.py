@@ -38,7 +38,7 @@ from minidist.model import GPT, GPTConfig
 from minidist.nn import Parameter
 from minidist.optim import SGD
 from minidist.parallel.mesh import DeviceMesh
-from minidist.parallel.compose.step import train_step
+from minidist.parallel.step import train_step
 from minidist.parallel.pipeline import (PipelineEngine, PipelineStage, build_schedule, compute_spans, draw_timelines,
                                         executed_timeline, format_timeline, gather_spans, placement_of,
                                         split_micro_batches, validate)

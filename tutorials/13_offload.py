@@ -19,7 +19,7 @@ temporary folder, removed at the end). The lesson prints:
 
   1. what offload moves, in a few lines;
   2. what rank 0 holds after backward on the device, the host and the disk, measured from the live
-     arrays, next to ``zero.formula()`` (equal to the byte on every rank);
+     arrays, next to ``zero_memory.formula(zero)`` (equal to the byte on every rank);
   3. the paper's 16 bytes per parameter split by where they live (P = 2, G = 2, O = 12; /N where
      sharded), each cell x Psi checked against the measured bytes;
   4. the bytes moved in the last step (``Offload.moved``) next to the formula: down = G/N, up = P/N
@@ -40,8 +40,11 @@ import minidist
 from minidist.amp import DynamicLossScaler
 from minidist.data import get_batch, inputs_and_targets
 from minidist.model import GPT, GPTConfig
+from minidist.parallel.compose.gradients import apply_gradients
 from minidist.parallel.zero.offload import Offload
+from minidist.parallel.zero.full_state import full_parameters
 from minidist.parallel.zero.optimizer import ZeroOptimizer
+from minidist.inspect import zero_memory
 
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)  # units: multiples of 8 elements
 BATCH, STEPS, LR, CLIP = 8, 4, 1e-2, 1.0
@@ -99,17 +102,17 @@ def train(group, stage, what, folder):
         _, loss = model(idx[rows], targets[rows])
         (loss * zero.scaler.scale).backward()
         losses.append(loss.item())
-        assert not zero.found_inf(), f"step {step} overflowed: the lesson expects every step applied"
-        norms.append(zero.clip_grad_norm(CLIP))
+        zero.reduce()
         if step == 0:
-            held, formula = zero.model_state_bytes(), zero.formula()  # after backward: at their largest
+            held, formula = zero_memory.model_state_bytes(zero), zero_memory.formula(zero)  # after backward: at their largest
             split = where_it_lives(zero, held)
-        zero.step(LR)
+        norms.append(apply_gradients(zero, LR, CLIP, zero.scaler))  # found-inf, clip, update where the state lives
+        assert norms[-1] is not None, f"step {step} overflowed: the lesson expects every step applied"
     gathers = [e.nbytes for e in group.trace.events if e.op == "all_gather" and e.group == group.name]
     files = {}
     if offload is not None and offload.where == "disk":  # before close() removes them
         files = {p.name: p.stat().st_size for p in sorted(offload.store.folder.glob("*.bin"))}
-    with zero.full_parameters(masters=True):
+    with full_parameters(zero, masters=True):
         masters = {name: p.data.copy() for name, p in model.named_parameters()}  # float32, full
     zero.close()
     left = sorted(str(p) for p in Path(folder).rglob("*")) if folder else []
@@ -226,7 +229,7 @@ def lesson(world, png=None):
         return
 
     print(f"\n=== 2. What rank 0 holds after backward: N = {n} ranks, Psi = {psi:,} parameters, float16 + {OPTIMIZER} ===")
-    print("KiB measured from the live arrays | zero.formula()")
+    print("KiB measured from the live arrays | zero_memory.formula(zero)")
     head = f"  {'configuration':<36}{'device:':>8}{'params':>7}{'grads':>7}{'optim':>7}{'host':>8}{'disk':>8}"
     print(head + f"  |{'device':>8}{'host':>8}{'disk':>8}")
     for label, *_ in CONFIGS:

@@ -44,7 +44,7 @@ from minidist.inspect.accounting import activation_bytes
 from minidist.parallel.whole_model.consolidate import consolidated_state_dict
 from minidist.parallel.mesh import DeviceMesh
 from minidist.nn.recompute import checkpoint, recompute_blocks
-from minidist.parallel.compose.step import train_step
+from minidist.parallel.step import train_step
 from minidist.plan.layout import RunSpec
 from minidist.plan.memory import layer_activation_terms
 from minidist.plan.models import from_gpt_config

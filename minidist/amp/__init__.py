@@ -6,12 +6,13 @@ master_weights.py; bfloat16.py is the rounding that emulates bfloat16 storage on
     dp = DataParallel(model, dp_group)                      # float16 buckets: half the bytes
     amp = MixedPrecision(model, "float16", DynamicLossScaler(group=world))
     opt = AdamW(amp.master_parameters(), lr=3e-3)           # state and masters in float32
-    dp.zero_grad(); amp.backward(loss); dp.finish()
-    result = amp.step(opt, max_norm=1.0)                    # skipped on overflow, on every rank
+    dp.zero_grad(); amp.backward(loss)
+    apply_gradients(WholeGradients(model, opt, dp, amp), lr, 1.0, amp.scaler)  # None: skipped on overflow
+                                                            # (minidist/parallel/compose/gradients.py)
 """
 from minidist.amp.bfloat16 import round_to_bfloat16
 from minidist.amp.loss_scaler import DynamicLossScaler
-from minidist.amp.master_weights import COMPUTE_DTYPES, MixedPrecision, StepResult, to_compute, unscale
+from minidist.amp.master_weights import COMPUTE_DTYPES, MixedPrecision, to_compute, unscale
 
-__all__ = ["round_to_bfloat16", "DynamicLossScaler", "MixedPrecision", "StepResult", "COMPUTE_DTYPES", "to_compute",
+__all__ = ["round_to_bfloat16", "DynamicLossScaler", "MixedPrecision", "COMPUTE_DTYPES", "to_compute",
            "unscale"]

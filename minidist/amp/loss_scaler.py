@@ -66,7 +66,7 @@ class DynamicLossScaler:
         for g in grads:
             flag += ~xp.isfinite(g).all()
         if self.group is not None:
-            self.group.all_reduce(flag, op="max")
+            self.group.all_reduce(flag, op="max", label="metric: found-inf over the world")
         return bool(flag[0])
 
     def update(self, found_inf: bool) -> None:

@@ -6,7 +6,9 @@ to ``w16`` and training would stall. The float32 master accumulates the small up
 gets a rounded copy after each step. AdamW's moments live in float32 too (they are the optimizer's).
 
 One step, after backward (with the loss scaled by :class:`DynamicLossScaler`) and data parallelism's
-all-reduce (of float16 gradients: half the bytes of float32):
+all-reduce (of float16 gradients: half the bytes of float32), as the gradient pipeline runs it
+(minidist/parallel/compose/gradients.py; this class holds the masters, :func:`unscale` and
+:func:`to_compute` are the rules):
 
     1. found_inf: any inf/NaN in the model's gradients, on ANY rank (one all-reduce "max").
        If so: skip everything below, halve the scale. No weight, no optimizer state changes.
@@ -24,32 +26,18 @@ read into the masters; activations and arithmetic stay float32.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import numpy as np
 
 from minidist.amp.bfloat16 import round_to_bfloat16
 from minidist.device import get_array_module
 from minidist.nn.parameter import Parameter
-from minidist.optim import clip_grad_norm
-from minidist.parallel.compose.clip import clip_grad_norm_parallel
 
 COMPUTE_DTYPES = {"float16": np.float16, "bfloat16": np.float32}  # name -> storage dtype of the model
 SHARDING_TAGS = ("tensor_parallel", "sequence_parallel", "tied_copy", "expert")  # who owns which gradient element
 
 
-@dataclass
-class StepResult:
-    """What :meth:`MixedPrecision.step` did: ``skipped`` (overflow somewhere: no update), the
-    gradient norm before clipping (NaN when skipped), and the loss scale this step's backward used."""
-    skipped: bool
-    grad_norm: float
-    loss_scale: float
-
-
 class MixedPrecision:
-    """float32 master copies of ``model``'s parameters, and the mixed-precision optimizer step.
+    """float32 master copies of ``model``'s parameters (the step that uses them: gradients.py).
 
     ``dtype`` is the compute dtype: "float16" (the model's parameters must be float16) or
     "bfloat16" (float32 parameters, rounded to bfloat16 values here). ``scaler`` is a
@@ -84,25 +72,6 @@ class MixedPrecision:
         The loss must be float32 (cross-entropy returns float32 for float16 logits): 2**16 is not a
         float16 number."""
         loss.backward(get_array_module(loss.data).full_like(loss.data, weight * self.scaler.scale))
-
-    def step(self, optimizer, max_norm: float = math.inf, mesh=None) -> StepResult:
-        """Steps 1-5 of the module docstring. ``optimizer`` is built over :meth:`master_parameters`;
-        ``mesh`` (optional) makes clipping global over tensor-parallel shards and pipeline stages.
-        Sends: one 8-byte all-reduce over the scaler's group, plus clipping's with ``mesh``."""
-        scale = self.scaler.scale
-        if self.scaler.found_inf([p.grad for _, p in self.pairs]):
-            self.scaler.update(found_inf=True)
-            return StepResult(skipped=True, grad_norm=math.nan, loss_scale=scale)
-        for (_, p), master in zip(self.pairs, self.masters):
-            master.grad = None if p.grad is None else unscale(p.grad, scale, self.dtype)
-        if mesh is not None:
-            grad_norm = clip_grad_norm_parallel(self.masters, max_norm, mesh)
-        else:
-            grad_norm = clip_grad_norm(self.masters, max_norm)
-        optimizer.step()
-        self.cast_to_model()
-        self.scaler.update(found_inf=False)
-        return StepResult(skipped=False, grad_norm=grad_norm, loss_scale=scale)
 
     def cast_to_model(self) -> None:
         """Write the masters into the model's parameters, in place, rounded to the compute dtype

@@ -29,8 +29,8 @@ import math
 from minidist.autograd import get_array_module, to_numpy
 from minidist.checkpoint.regions import Flat, Piece
 from minidist.parallel.compose.grad_ownership import counted_in_norm, replica_group
-from minidist.parallel.tensor.layout import regions as tp_regions  # where a tp shard's rows sit in the global tensor
-from minidist.parallel.tensor.model import full_shape
+from minidist.parallel.tensor.layout import full_shape, regions as tp_regions  # where a tp shard's rows sit
+from minidist.parallel.zero.full_state import masters_to_model
 from minidist.parallel.zero.optimizer import ZeroOptimizer
 
 
@@ -135,7 +135,7 @@ def load_training_state(ckpt, model, optimizer, mesh, amp=None, scaler=None) -> 
         _load_boxes(ckpt, model, {} if zero else optimizer.state, mesh, None if zero else amp)
     if zero:
         _load_zero(ckpt, model, optimizer, mesh)
-        optimizer.masters_to_model()
+        masters_to_model(optimizer)
     elif amp is not None:
         amp.cast_to_model()
     if scaler is not None:

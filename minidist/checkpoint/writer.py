@@ -58,7 +58,7 @@ class CheckpointWriter:
         self.root, self.keep = Path(root), keep
         self.group = group.split(0, name="checkpoint")
         session = np.array([secrets.randbits(62) if self.group.rank == 0 else 0], np.int64)
-        self.group.broadcast(session, src=0)
+        self.group.broadcast(session, src=0, label="setup: the checkpoint session number, from rank 0")
         self._session, self._saves = f"{int(session[0]):016x}", 0
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -109,7 +109,7 @@ class CheckpointWriter:
             self._write_rank_files(staging, rank, step, entries, rank_meta)
         except Exception as e:  # noqa: BLE001 -- the other ranks must hear of it, not hang
             problem, failed[rank] = e, 1
-        self.group.all_reduce(failed, op="max")  # every rank's files are on disk (or who failed)
+        self.group.all_reduce(failed, op="max", label="setup: which ranks failed to write their checkpoint files")
         if failed.any() and rank == 0:
             remove_entry(staging)  # every rank is past its writes
         if problem is not None:
@@ -125,7 +125,7 @@ class CheckpointWriter:
             except Exception as e:  # noqa: BLE001 -- the other ranks must hear of it, not hang
                 problem = e
                 remove_entry(staging)
-        self.group.broadcast(ok, src=0)  # the checkpoint counts (or not) on every rank
+        self.group.broadcast(ok, src=0, label="setup: whether rank 0 committed the checkpoint")
         if problem is not None:
             raise problem
         if not ok[0]:

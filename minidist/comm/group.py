@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -271,7 +272,7 @@ class ProcessGroup:
                                     algorithm=algorithm)
             return result
         return self._dispatch("all_to_all", run, self._algorithm(algorithm, x), x.nbytes, async_op=async_op,
-                              like=x, dtype=x.dtype, count=row, recv_counts=how)
+                              like=x, dtype=x.dtype, count=row, recv_counts=how, label=label)
 
     def broadcast(self, x, src: int = 0, *, label: str = ""):
         """Every rank's ``x`` becomes ``src``'s ``x``, in place; returns ``x``."""
@@ -286,7 +287,7 @@ class ProcessGroup:
                 rooted.broadcast(self.transport, x.reshape(-1), src)
             return x
         return self._dispatch("broadcast", run, self._algorithm("binomial", x), x.nbytes, dtype=x.dtype,
-                              count=x.size, root=src)
+                              count=x.size, root=src, label=label)
 
     def reduce(self, x, dst: int = 0, op: str = "sum", *, label: str = ""):
         """``dst``'s ``x`` becomes the elementwise ``op`` over all ranks; other ranks' ``x`` is
@@ -306,7 +307,7 @@ class ProcessGroup:
                 divide_by_size(flat, self.size)
             return x
         return self._dispatch("reduce", run, self._algorithm("binomial", x), x.nbytes, op=op, dtype=x.dtype,
-                              count=x.size, root=dst)
+                              count=x.size, root=dst, label=label)
 
     def barrier(self, *, label: str = "") -> None:
         """Return only once every rank of the group has called ``barrier``."""
@@ -342,7 +343,7 @@ class ProcessGroup:
                     self.transport.recv(buf, src, TAG_GATHER_BYTES)
                 gathered.append(buf.tobytes())
             return gathered
-        return self._dispatch("gather_bytes", run, "direct", len(data), root=dst)
+        return self._dispatch("gather_bytes", run, "direct", len(data), root=dst, label=label)
 
     def split(self, color: int, key: int | None = None, name: str | None = None) -> "ProcessGroup | None":
         """Collective: ranks passing the same ``color`` form a new group, ranked by (``key``, rank);
@@ -398,6 +399,22 @@ class ProcessGroup:
         with self._p2p("sendrecv", dst, sendbuf.nbytes + recvbuf.nbytes, label):
             self._links_for(sendbuf).sendrecv(sendbuf, dst, recvbuf, src, tag)
         return recvbuf
+
+    def batch_isend_irecv(self, ops: list["P2POp"]) -> list[Request]:
+        """Post the point-to-point ops ``ops`` (:class:`P2POp`) together and return their requests,
+        in order (torch.distributed's ``batch_isend_irecv``); touch no buffer before its request's
+        ``wait()``. What it sends: each "isend" op's buffer to its peer. On backend "nccl" the ops on GPU
+        buffers are one NCCL group (``ncclGroupStart``/``ncclGroupEnd``), launched now, whose sends
+        and receives progress together and complete together; elsewhere each op is posted as
+        ``isend`` / ``irecv`` posts it. Every op is checked before any is posted."""
+        for op in ops:
+            if op.op not in ("isend", "irecv"):
+                raise ValueError(f"rank {self.rank}: a P2POp is 'isend' or 'irecv', got {op.op!r}")
+            checks.check_p2p(self, op.buffer, op.peer, op.tag, writeable=op.op == "irecv")
+        requests = [getattr(self, op.op)(op.buffer, op.peer, op.tag, label=op.label) for op in ops]
+        if self.backend == "nccl":
+            self._native.p2p.flush()  # what the GPU ops queued: one NCCL group
+        return requests
 
     # ---- bookkeeping ------------------------------------------------------------------------------
 
@@ -517,3 +534,14 @@ def _summed(op: str) -> str:
     before, :func:`~minidist.comm.ops.averages_first`)."""
     return "sum" if op == "avg" else op
 
+
+@dataclass(frozen=True)
+class P2POp:
+    """One op of :meth:`ProcessGroup.batch_isend_irecv` (torch.distributed's ``P2POp``): "isend"
+    ``buffer`` to rank ``peer``, or "irecv" into ``buffer`` from it, with ``tag`` and the call site's
+    ``label`` ("<purpose>: <what>", recorded in the trace)."""
+    op: str
+    buffer: object
+    peer: int
+    tag: int = 0
+    label: str = ""

@@ -236,7 +236,7 @@ def gather_traces(group, trace: Trace, root: int = 0) -> list[Trace] | None:
     each rank's events as JSON lines (``Trace.to_bytes``) in one ``group.gather_bytes`` to ``root``.
     ``time.perf_counter`` is one clock for all processes of a machine, so the spans line up; ranks
     on several machines would need their clocks aligned first."""
-    gathered = group.gather_bytes(trace.to_bytes(), dst=root)
+    gathered = group.gather_bytes(trace.to_bytes(), dst=root, label="setup: every rank's trace, to the root")
     if gathered is None:
         return None
     return [Trace.from_bytes(data, rank) for rank, data in enumerate(gathered)]

@@ -5,7 +5,8 @@
 
 writes runs/a/trace.json (all ranks, for https://ui.perfetto.dev) and runs/a/timeline.png (one
 step per rank: compute per module, communication per mesh axis, idle), and prints the communication
-table (op, group, calls, bytes, time, algbw, busbw), the memory table (each rank's bytes after the
+table (op, group, calls, bytes, time, algbw, busbw, and the label each call site gave: why it sent
+what it sent) with its bytes per purpose, the memory table (each rank's bytes after the
 last step and its peak during it) and, for a mixture of experts, the load per rank and per expert.
 """
 import argparse
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from minidist.inspect.chrome import merge_chrome_trace
 from minidist.inspect.load import load_run
-from minidist.inspect.tables import comm_table, format_comm_table, format_expert_load, format_memory
+from minidist.inspect.tables import comm_table, format_comm_table, format_expert_load, format_memory, format_purposes
 from minidist.inspect.timeline import draw_run_timeline, step_title, step_window
 
 
@@ -36,7 +37,9 @@ def main(argv=None) -> None:
     draw_run_timeline(png, run.traces, window, title=f"{run.path.name}: {what}, {len(run.traces)} ranks")
     print(f"timeline of {what}: {png}")
     print("\ncommunication, whole run:")
-    print(format_comm_table(comm_table(run.traces, run.group_members())))
+    rows = comm_table(run.traces, run.group_members())
+    print(format_comm_table(rows))
+    print(f"by purpose, all ranks together: {format_purposes(rows)}")
     print("\nmemory:")
     print(format_memory(run.memory))
     if any("expert_load" in m for m in run.metrics):

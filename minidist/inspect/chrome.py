@@ -1,5 +1,6 @@
 """One Chrome trace for the whole run: every rank a process, its compute / collective / p2p rows
-threads. Open ``RUN_DIR/trace.json`` in https://ui.perfetto.dev (or chrome://tracing)."""
+threads, each call's label (why its call site sent it) among its args. Open ``RUN_DIR/trace.json``
+in https://ui.perfetto.dev (or chrome://tracing)."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -4,7 +4,8 @@ The layout (``write.py`` writes it; ``trace_path`` and ``memory_path`` name the 
 
     DIR/trace/rank<r>.jsonl    rank r's trace events, one JSON object per line (``Trace.save``; the
                                trainer streams them as they happen, ``Trace.stream``), times
-                               straight from ``time.perf_counter()``
+                               straight from ``time.perf_counter()``; an event written before
+                               calls had labels has no "label" and reads as unlabelled ("")
     DIR/memory/rank<r>.json    rank r's memory rows: {"rank": r, "rows": [{"label": ..., <bytes>...}]}
     DIR/metrics.jsonl          one JSON object per step (written by rank 0)
 

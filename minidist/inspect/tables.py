@@ -1,16 +1,18 @@
 """The communication table and the memory table of a run.
 
-The communication table is nccl-tests' view of a whole run: one row per (op, group) with the calls,
-bytes and time of one rank, and two bandwidths. algbw is bytes / time. busbw rescales it to what
-each rank's link carried, so that it can be compared with the hardware's bandwidth whatever the
-group size n: an all-reduce of N bytes sends 2(n-1)/n N per rank, a reduce-scatter or all-gather
-(n-1)/n N, a broadcast, a reduce or a point-to-point message N.
+The communication table is nccl-tests' view of a whole run: one row per (op, group, label) with the
+calls, bytes and time of one rank, and two bandwidths; the label is why the calls were made, as
+their call site said (``<purpose>: <what>``, the purposes of ``comm.trace.PURPOSES``). algbw is
+bytes / time. busbw rescales it to what each rank's link carried, so that it can be compared with
+the hardware's bandwidth whatever the group size n: an all-reduce of N bytes sends 2(n-1)/n N per
+rank, a reduce-scatter or all-gather (n-1)/n N, a broadcast, a reduce or a point-to-point message N.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from minidist.comm.ops import bus_factor
+from minidist.comm.trace import PURPOSES, purpose_of
 from minidist.inspect.accounting import format_memory_table
 
 
@@ -23,20 +25,21 @@ def human_bytes(n: float) -> str:
 
 
 def comm_table(traces, members: dict[str, list[int]]) -> list[dict]:
-    """One row per (op, group) of the communication in ``traces``, most time first.
+    """One row per (op, group, label) of the communication in ``traces``, most time first.
 
     ``members`` maps a group name to its ranks (``Run.group_members``). A row's ``ranks`` are the
     ranks that made the op (all members for a collective, the senders for ``send``); ``calls``,
     ``bytes`` and ``seconds`` are per such rank (their mean); ``algbw`` = bytes / seconds and
     ``busbw`` = algbw x the op's factor for n = the group's size, in bytes per second (None for
-    ops that move no data: barrier, split)."""
+    ops that move no data: barrier, split); ``label`` is the calls' label ("" for calls made
+    without one, or recorded before labels existed) and ``purpose`` its first word."""
     totals: dict[tuple[str, str], dict] = {}
     for t in traces:
         for e in t.events:
             if e.kind == "compute":
                 continue
-            row = totals.setdefault((e.op, e.group), dict(op=e.op, group=e.group, ranks=set(), calls=0, bytes=0,
-                                                           seconds=0.0))
+            row = totals.setdefault((e.op, e.group, e.label), dict(op=e.op, group=e.group, label=e.label, ranks=set(),
+                                                                    calls=0, bytes=0, seconds=0.0))
             row["ranks"].add(t.rank)
             row["calls"] += 1
             row["bytes"] += e.nbytes
@@ -49,23 +52,36 @@ def comm_table(traces, members: dict[str, list[int]]) -> list[dict]:
         factor = bus_factor(row["op"], n)
         busbw = algbw * factor if algbw is not None and factor is not None else None
         rows.append(dict(op=row["op"], group=row["group"], n=n, ranks=k, calls=calls, bytes=nbytes,
-                         seconds=seconds, algbw=algbw, busbw=busbw))
+                         seconds=seconds, algbw=algbw, busbw=busbw, purpose=purpose_of(row["label"]),
+                         label=row["label"]))
     return sorted(rows, key=lambda r: -r["seconds"])
 
 
 def format_comm_table(rows: list[dict]) -> str:
-    """:func:`comm_table` as text: time in ms, bandwidths in GB/s (1e9 bytes, as nccl-tests)."""
+    """:func:`comm_table` as text: time in ms, bandwidths in GB/s (1e9 bytes, as nccl-tests), then
+    the label ("(unlabelled)" for calls without one)."""
     def gbs(x):
         return f"{x / 1e9:>9.3f}" if x is not None else f"{'-':>9}"
 
     width = max([len(r["group"]) for r in rows] + [5])
     lines = [f"{'op':<14} {'group':<{width}} {'n':>3} {'calls':>7} {'bytes':>11} {'time ms':>9} "
-             f"{'algbw':>9} {'busbw':>9}   (per rank; GB/s)"]
+             f"{'algbw':>9} {'busbw':>9}   purpose: what (per rank; GB/s)"]
     for r in rows:
         calls = f"{r['calls']:.0f}" if r["calls"] == int(r["calls"]) else f"{r['calls']:.1f}"
         lines.append(f"{r['op']:<14} {r['group']:<{width}} {r['n']:>3} {calls:>7} {human_bytes(r['bytes']):>11} "
-                     f"{1e3 * r['seconds']:>9.2f} {gbs(r['algbw'])} {gbs(r['busbw'])}")
+                     f"{1e3 * r['seconds']:>9.2f} {gbs(r['algbw'])} {gbs(r['busbw'])}   {r['label'] or '(unlabelled)'}")
     return "\n".join(lines)
+
+
+def format_purposes(rows: list[dict]) -> str:
+    """Per purpose (:data:`~minidist.comm.trace.PURPOSES`, in their order; "(unlabelled)" last) the
+    calls and bytes of :func:`comm_table`'s ``rows``, all ranks together: one line."""
+    totals: dict[str, list] = {p: [0.0, 0.0] for p in PURPOSES}
+    for r in rows:
+        total = totals.setdefault(r["purpose"] or "(unlabelled)", [0.0, 0.0])
+        total[0] += r["calls"] * r["ranks"]  # a row's numbers are per rank that made the calls
+        total[1] += r["bytes"] * r["ranks"]
+    return "; ".join(f"{p} {human_bytes(b)} in {c:.0f} calls" for p, (c, b) in totals.items() if c)
 
 
 def format_memory(memory: dict[int, list[dict]]) -> str:

@@ -1,5 +1,7 @@
-"""AdamW (Loshchilov & Hutter): one element-wise update on plain arrays, and the optimizer that loops it."""
+"""AdamW (Loshchilov & Hutter): one element-wise update on plain arrays, cache-blocked on the host,
+and the optimizer that loops it."""
 from minidist.device import get_array_module
+from minidist.optim.blocks import Decay, Scratch, block_length, chunks
 from minidist.optim.optimizer import Optimizer
 
 
@@ -14,25 +16,42 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1=0.9, beta2
         exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad**2
         param     -= lr / (1 - beta1**t) * exp_avg / (sqrt(exp_avg_sq) / sqrt(1 - beta2**t) + eps)
 
-    ``weight_decay`` may be a float or an array of per-element rates (mask times rate), so a flat
-    shard of several parameters is updated by one call. Works on NumPy or CuPy arrays.
+    ``weight_decay`` is a number, an array of per-element rates (mask times rate), or spans
+    ``[(start, stop, rate), ...]`` of a flat buffer (see :mod:`minidist.optim.blocks`), so one call
+    updates a flat buffer of many parameters. NumPy arrays are updated in cache-sized blocks (bitwise
+    the whole-array result); CuPy arrays whole.
     """
-    param *= 1 - lr * weight_decay
-    exp_avg *= beta1
-    exp_avg += (1 - beta1) * grad
-    exp_avg_sq *= beta2
-    work = grad * grad  # one scratch array, reused for each full-size intermediate below
-    work *= 1 - beta2
-    exp_avg_sq += work
+    xp = get_array_module(param)
+    decay = Decay(weight_decay, param)
     bias_correction1 = 1 - beta1 ** step
     bias_correction2 = 1 - beta2 ** step
-    xp = get_array_module(param)
-    xp.sqrt(exp_avg_sq, out=work)
-    work /= bias_correction2 ** 0.5
-    work += eps  # the denominator
-    xp.divide(exp_avg, work, out=work)
-    work *= lr / bias_correction1
-    param -= work
+    denominator_scale, step_size = bias_correction2 ** 0.5, lr / bias_correction1
+    arrays = (param, grad, exp_avg, exp_avg_sq, decay.array)
+    scratch = Scratch(block_length(*arrays))
+    for (p, g, m, v, rates), lo, hi in chunks(*arrays):
+        n = hi - lo
+        for a, b, rate in decay.pieces(lo, hi, rates):
+            if rate is None:
+                continue
+            if getattr(rate, "ndim", 0):  # per-element rates: 1 - lr * rate in the rates' dtype
+                factor = xp.multiply(lr, rate, out=scratch.out("factor", b - a, lambda: lr * rate[:0]))
+                decayed = p[a:b]
+                decayed *= xp.subtract(1, factor, out=factor)
+            elif 1 - lr * rate != 1:  # p * 1.0 is p: a zero rate skips the pass
+                decayed = p[a:b]
+                decayed *= 1 - lr * rate
+        m *= beta1
+        m += xp.multiply(1 - beta1, g, out=scratch.out("grad_term", n, lambda: (1 - beta1) * g[:0]))
+        v *= beta2
+        work = xp.multiply(g, g, out=scratch.out("work", n, lambda: g[:0] * g[:0]))  # reused below
+        work *= 1 - beta2
+        v += work
+        xp.sqrt(v, out=work)
+        work /= denominator_scale
+        work += eps  # the denominator
+        xp.divide(m, work, out=work)
+        work *= step_size
+        p -= work
 
 
 class AdamW(Optimizer):
@@ -46,12 +65,7 @@ class AdamW(Optimizer):
         super().__init__(named_parameters, lr, weight_decay)
         self.betas, self.eps = betas, eps
 
-    def step(self):
-        """Apply one AdamW update to every parameter that has a gradient."""
-        self.step_count += 1
-        beta1, beta2 = self.betas
-        for name, p in self.params.items():
-            if p.grad is not None:
-                adamw_update(p.data, p.grad, self.state["exp_avg"][name], self.state["exp_avg_sq"][name],
-                             step=self.step_count, lr=self.lr, beta1=beta1, beta2=beta2, eps=self.eps,
-                             weight_decay=self.weight_decay_for(name))
+    def apply(self, param, grad, state: dict, weight_decay) -> None:
+        """One AdamW update (step ``step_count``) of ``param`` from ``grad`` with its ``state`` slots."""
+        adamw_update(param, grad, state["exp_avg"], state["exp_avg_sq"], step=self.step_count, lr=self.lr,
+                     beta1=self.betas[0], beta2=self.betas[1], eps=self.eps, weight_decay=weight_decay)

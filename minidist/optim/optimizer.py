@@ -2,7 +2,8 @@
 
 The update math itself lives in element-wise functions (``sgd_update``, ``adamw_update``) that take
 plain arrays, so the same code updates a whole tensor or a flat shard of a partitioned (ZeRO) buffer.
-An optimizer class is a thin loop over named parameters that calls its function.
+An optimizer class is a thin loop over named parameters that calls its function (``update``); ZeRO
+runs the same classes over its flat shards, one ``update`` per shard.
 """
 import numpy as np
 
@@ -30,17 +31,69 @@ class Optimizer:
             raise ValueError("a parameter appears under two names (tied weights?): it would be "
                              "updated twice per step; pass each parameter once")
         self.lr, self.weight_decay = lr, weight_decay
+        self.decay_masks = {}  # name -> 0/1 array: a flat buffer mixing decayed and other parameters
         self.step_count = 0
         self.state = {slot: {name: get_array_module(p.data).zeros_like(p.data)
                              for name, p in self.params.items()} for slot in self.slots}
 
     def weight_decay_for(self, name):
-        """The weight-decay rate of one parameter: ``weight_decay`` if it is >= 2-D, else 0."""
+        """The weight-decay rate of one parameter: ``weight_decay`` if it is >= 2-D, else 0; for a flat
+        buffer of several parameters (a ZeRO shard) with a mask in ``decay_masks[name]``, the rate
+        per element (mask times rate, or 0 without decay)."""
+        mask = self.decay_masks.get(name)
+        if mask is not None:
+            return self.weight_decay * mask if self.weight_decay else 0.0
         return self.weight_decay if decays(self.params[name].data.shape) else 0.0
 
     def step(self):
-        """Apply one update to every parameter that has a gradient."""
+        """Apply one update to every parameter that has a gradient (step ``step_count + 1``)."""
+        self.step_count += 1
+        for name, p in self.params.items():
+            if p.grad is not None:
+                self.update(name)
+
+    def update(self, name):
+        """The update of one parameter (or a ZeRO shard's flat buffer) ``name`` from its ``.grad``."""
+        p = self.params[name]
+        self.apply(p.data, p.grad, {slot: self.state[slot][name] for slot in self.slots}, self.weight_decay_for(name))
+
+    def apply(self, param, grad, state: dict, weight_decay) -> None:
+        """The update math on plain arrays (``state``: slot -> array like ``param``), in place."""
         raise NotImplementedError
+
+    def flatten(self, groups) -> None:
+        """Lay each group of parameters (a list of names: a data-parallel bucket's, in its order) end
+        to end in flat buffers: the parameters' values and every state slot become views of one flat
+        array per group, so :meth:`step_flat` updates a group with one call per run of parameters
+        that share a weight-decay rate. Each element sees the same operations with the same scalars
+        as in :meth:`step`: bitwise the per-tensor update."""
+        self.flat_groups = []
+        for names in groups:
+            params = [self.params[name] for name in names]
+            xp = get_array_module(params[0].data)
+            values = xp.concatenate([p.data.reshape(-1) for p in params])  # (n,) the group's values
+            state = {slot: xp.concatenate([self.state[slot][name].reshape(-1) for name in names]) for slot in self.slots}
+            runs, lo = [], 0
+            for name, p in zip(names, params):
+                hi = lo + p.data.size
+                p.data = values[lo:hi].reshape(p.data.shape)
+                for slot in self.slots:
+                    self.state[slot][name] = state[slot][lo:hi].reshape(p.data.shape)
+                rate = self.weight_decay_for(name)
+                if runs and runs[-1][2] == rate and runs[-1][1] == lo:
+                    runs[-1] = (runs[-1][0], hi, rate)  # the same rate: one run
+                else:
+                    runs.append((lo, hi, rate))
+                lo = hi
+            self.flat_groups.append((values, state, runs))
+
+    def step_flat(self, grads) -> None:
+        """Apply one update to every group of :meth:`flatten`, ``grads`` holding each group's flat
+        gradient (n,) in the same order (a data-parallel bucket's buffer, or its unscaled copy)."""
+        self.step_count += 1
+        for (values, state, runs), grad in zip(self.flat_groups, grads):
+            for lo, hi, rate in runs:
+                self.apply(values[lo:hi], grad[lo:hi], {slot: a[lo:hi] for slot, a in state.items()}, rate)
 
     def zero_grad(self):
         """Drop every parameter's gradient, so the next backward starts from nothing."""

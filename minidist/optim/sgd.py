@@ -1,4 +1,7 @@
-"""SGD with momentum: one element-wise update on plain arrays, and the optimizer that loops it."""
+"""SGD with momentum: one element-wise update on plain arrays, cache-blocked on the host, and the
+optimizer that loops it."""
+from minidist.device import get_array_module
+from minidist.optim.blocks import Decay, Scratch, block_length, chunks, none_of
 from minidist.optim.optimizer import Optimizer
 
 
@@ -9,16 +12,27 @@ def sgd_update(param, grad, momentum_buf, *, lr, momentum=0.0, weight_decay=0.0)
         buf    = momentum * buf + g        (buf starts at zero, so step 1 gives buf = g)
         param -= lr * buf                  (momentum == 0: param -= lr * g, buf is not touched)
 
-    ``weight_decay`` may be a float or an array of per-element rates (a 0/1 mask times the rate):
-    that is how a flat shard mixing decayed and non-decayed parameters is updated. Any array type
-    with NumPy's operators works (NumPy, CuPy).
+    ``weight_decay`` is a number, an array of per-element rates (a 0/1 mask times the rate: how a flat
+    shard mixing decayed and non-decayed parameters is updated), or spans ``[(start, stop, rate), ...]``
+    of a flat buffer (see :mod:`minidist.optim.blocks`). NumPy arrays are updated in cache-sized
+    blocks (bitwise the whole-array result); CuPy arrays whole.
     """
-    g = grad if _is_zero(weight_decay) else grad + weight_decay * param
-    if momentum:
-        momentum_buf *= momentum
-        momentum_buf += g
-        g = momentum_buf
-    param -= lr * g
+    xp = get_array_module(param)
+    decay = Decay(weight_decay, param)
+    arrays = (param, grad, momentum_buf if momentum else None, decay.array)
+    scratch = Scratch(block_length(*arrays))
+    for (p, gr, buf, rates), lo, hi in chunks(*arrays):
+        for a, b, rate in decay.pieces(lo, hi, rates):
+            n, piece, g = b - a, p[a:b], gr[a:b]
+            if rate is not None and not _is_zero(rate):
+                rated = xp.multiply(rate, piece, out=scratch.out("rated", n, lambda: none_of(rate) * piece[:0]))
+                g = xp.add(g, rated, out=scratch.out("decayed", n, lambda: g[:0] + rated[:0]))
+            if momentum:
+                velocity = buf[a:b]
+                velocity *= momentum
+                velocity += g
+                g = velocity
+            piece -= xp.multiply(lr, g, out=scratch.out(("step", g.dtype), n, lambda: lr * g[:0]))
 
 
 def _is_zero(rate):
@@ -38,10 +52,6 @@ class SGD(Optimizer):
         super().__init__(named_parameters, lr, weight_decay)
         self.momentum = momentum
 
-    def step(self):
-        """Apply one SGD update to every parameter that has a gradient."""
-        self.step_count += 1
-        for name, p in self.params.items():
-            if p.grad is not None:
-                sgd_update(p.data, p.grad, self.state["momentum_buf"][name], lr=self.lr,
-                           momentum=self.momentum, weight_decay=self.weight_decay_for(name))
+    def apply(self, param, grad, state: dict, weight_decay) -> None:
+        """One SGD update of ``param`` from ``grad`` with its momentum buffer in ``state``."""
+        sgd_update(param, grad, state["momentum_buf"], lr=self.lr, momentum=self.momentum, weight_decay=weight_decay)

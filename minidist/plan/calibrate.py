@@ -39,6 +39,7 @@ import numpy as np
 from minidist.plan.hardware import GIB, Hardware
 
 SMALL, LARGE = 4096, 4 << 20  # all-reduce sizes for the latency and the bandwidth
+CALIBRATION = "setup: calibrating the link (a timed all-reduce)"
 
 
 def _median_time(fn, repeats: int = 5) -> float:
@@ -135,9 +136,9 @@ def _all_reduce_times(group) -> dict:
     out = {}
     for nbytes in (SMALL, LARGE):
         x = np.ones(nbytes // 4, dtype=np.float32)
-        group.all_reduce(x.copy())
-        group.barrier()
-        out[nbytes] = _median_time(lambda: group.all_reduce(x.copy()), 7)
+        group.all_reduce(x.copy(), label=CALIBRATION)
+        group.barrier(label=CALIBRATION)
+        out[nbytes] = _median_time(lambda: group.all_reduce(x.copy(), label=CALIBRATION), 7)
     return out
 
 

@@ -1,19 +1,19 @@
 """A run the planner sizes: the layout (dp x pp x cp x tp, ep inside dp), the batch and the recipe.
 
-:func:`layout_problems` lists why a layout cannot run, in words a user reads ("tp 16 does not
-divide 8 kv heads"), the same words ``--search`` prints next to a rejected layout.
+:func:`layout_problems` lists why a layout cannot run, in words a user reads ("n_head 12 is not
+divisible by tp 5"), the same words ``--search`` prints next to a rejected layout. The layout's rules
+are :func:`minidist.parallel.spec.problems`, which the trainer asks too; the planner adds only its
+own (the micro-batch size, the recipe, where offload goes, the model's learned positions).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minidist.parallel.zero.offload import CHOICES as OFFLOAD_CHOICES
-from minidist.parallel.pipeline import SCHEDULES
-from minidist.parallel.pipeline.schedules import CHUNKS
+from minidist.optim.state_bytes import ITEMSIZE, OPTIMIZERS
+from minidist.parallel.spec import LayoutSpec, out_of_range, problems
 
-ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 RECOMPUTE = ("none", "selective", "full")
-SLOTS = {"adamw": 2, "sgd": 1}  # optimizer state per parameter: AdamW's two moments, SGD's momentum
+OFFLOAD_TO = ("host", "disk")
 
 
 @dataclass(frozen=True)
@@ -73,45 +73,28 @@ class RunSpec:
         return 2 if self.recompute == "full" else 1
 
 
+def layout_of(model, run: RunSpec) -> LayoutSpec:
+    """The layout of ``run`` training ``model`` as the layout rules read it (:mod:`minidist.parallel.spec`):
+    a GPT-2 shape's kv heads and MLP width stay None (the heads' rule covers them)."""
+    return LayoutSpec(n_layer=model.n_layer, n_head=model.n_head, n_embd=model.n_embd, seq=run.seq,
+                      batch_size=run.global_batch, dp=run.dp, tp=run.tp, pp=run.pp, cp=run.cp,
+                      cp_algorithm=run.cp_algorithm, ep=run.ep, zero=run.zero, sequence_parallel=run.sequence_parallel,
+                      schedule=run.schedule, virtual_stages=run.virtual_stages, micro_batches=run.micro_batches,
+                      offload=run.offload, kv_heads=model.n_kv_head, mlp_width=model.ffn, n_experts=model.n_experts,
+                      top_k=model.top_k, moe_every=model.moe_every, dtype=run.dtype)
+
+
 def layout_problems(model, run: RunSpec) -> list[str]:
-    """Why ``run`` cannot train ``model``, one line each (empty: it can)."""
-    problems = []
-    for name in ("seq", "micro_batch_size", "micro_batches", "dp", "tp", "pp", "cp", "ep", "virtual_stages"):
-        if getattr(run, name) < 1:
-            problems.append(f"{name} must be >= 1, got {getattr(run, name)}")
-    if problems:
-        return problems
-    if run.dtype not in ITEMSIZE:
-        problems.append(f"dtype must be one of {', '.join(ITEMSIZE)}, got {run.dtype!r}")
-    if run.optimizer not in SLOTS:
-        problems.append(f"optimizer must be adamw or sgd, got {run.optimizer!r}")
-    if run.zero not in (0, 1, 2, 3):
-        problems.append(f"zero must be 0-3, got {run.zero}")
+    """Why ``run`` cannot train ``model``, one line each, all at once (empty: it can): the layout's
+    problems (:func:`layout_of`, ``minidist.parallel.spec.problems``) and the planner's own."""
+    found = [text for name in ("seq", "micro_batch_size") for text in out_of_range(name, getattr(run, name), "[1, inf)")]
+    found += problems(layout_of(model, run))
+    if run.optimizer not in OPTIMIZERS:
+        found.append(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {run.optimizer!r}")
     if run.recompute not in RECOMPUTE:
-        problems.append(f"recompute must be one of {', '.join(RECOMPUTE)}, got {run.recompute!r}")
-    if run.offload not in OFFLOAD_CHOICES or run.offload_to not in ("host", "disk"):
-        problems.append(f"offload must be one of {', '.join(OFFLOAD_CHOICES)} to host or disk")
-    elif run.offload == "optimizer,params" and run.zero != 3:
-        problems.append("offloading the parameters moves ZeRO-3's parameter shards: use --zero 3")
-    if run.schedule not in SCHEDULES:
-        problems.append(f"schedule must be one of {', '.join(SCHEDULES)}, got {run.schedule!r}")
-    elif run.pp > 1 and run.schedule != "interleaved" and run.virtual_stages != CHUNKS.get(run.schedule, 1):
-        problems.append(f"the {run.schedule} schedule runs {CHUNKS.get(run.schedule, 1)} chunk(s) per rank")
-    elif run.pp > 1 and run.schedule == "interleaved" and run.micro_batches % run.pp:
-        problems.append(f"interleaved 1F1B needs micro-batches ({run.micro_batches}) a multiple of pp ({run.pp})")
-    for what, n in (("heads", model.n_head), ("kv heads", model.kv_heads), ("MLP width", model.hidden)):
-        if n % run.tp and not (what == "kv heads" and run.tp % n == 0):
-            problems.append(f"tp {run.tp} does not divide the {n} {what}")
-    if model.n_layer < run.n_stages:
-        problems.append(f"pp {run.pp} x {run.virtual_stages} chunk(s) is more stages than the {model.n_layer} layers")
-    chunks = 2 * run.cp if run.cp_algorithm == "zigzag" else run.cp
-    if run.seq % chunks or (run.sequence_parallel and (run.seq // run.cp) % run.tp):
-        problems.append(f"the sequence of {run.seq} does not split into cp {run.cp}"
-                        + (f" x tp {run.tp} (sequence parallel)" if run.sequence_parallel else ""))
-    if run.cp_algorithm == "ulysses" and (model.n_head // run.tp) % run.cp:
-        problems.append(f"Ulysses needs cp {run.cp} to divide the {model.n_head // run.tp} heads per tp rank")
+        found.append(f"--recompute must be one of {', '.join(RECOMPUTE)}, got {run.recompute!r}")
+    if run.offload_to not in OFFLOAD_TO:
+        found.append(f"--offload-to must be one of {', '.join(OFFLOAD_TO)}, got {run.offload_to!r}")
     if model.positions == "learned" and run.seq > model.block_size:
-        problems.append(f"the sequence of {run.seq} is longer than the model's {model.block_size} learned positions")
-    if run.ep > 1 and (not model.n_experts or model.n_experts % run.ep or run.dp % run.ep):
-        problems.append(f"ep {run.ep} needs experts it divides ({model.n_experts}) and must divide dp {run.dp}")
-    return problems
+        found.append(f"the sequence of {run.seq} is longer than the model's {model.block_size} learned positions")
+    return found

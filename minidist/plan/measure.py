@@ -15,10 +15,11 @@ import time
 import numpy as np
 
 from minidist.comm.launch import run_local
+from minidist.inspect import zero_memory
 from minidist.inspect.write import model_state_bytes as plain_state_bytes
 from minidist.inspect.accounting import activation_bytes, sent_bytes, unique_nbytes
 from minidist.parallel.mesh import DeviceMesh
-from minidist.parallel.compose.step import train_step
+from minidist.parallel.step import train_step
 from minidist.plan.layout import RunSpec
 from minidist.train.build import build_parallel
 from minidist.train.config import check_config, runs_zero_optimizer
@@ -37,7 +38,7 @@ def run_spec_of(cfg) -> RunSpec:
 def _held(cfg, model, optimizer, amp) -> dict:
     """Model-state bytes in the planner's keys: ZeRO's optimizer bytes are masters + moments."""
     if runs_zero_optimizer(cfg):
-        held = optimizer.model_state_bytes()
+        held = zero_memory.model_state_bytes(optimizer)
         masters = sum(s.param.data.nbytes for s in optimizer.shards) if optimizer.mixed_precision else 0
         masters *= "host" not in held  # offloaded: the masters are in host / disk with the moments
         held["master_weights"], held["optimizer_states"] = masters, held.pop("optimizer") - masters
@@ -66,11 +67,11 @@ def measure(cfg, steps: int = 2, seed: int = 0) -> list[dict]:
                   mesh.ep_group, mesh.expert_dp_group, getattr(engine, "embedding_group", None)]
         sizes = {g.name: g.size for g in groups if g is not None}
         for _ in range(steps):
-            world.barrier()
+            world.barrier(label="setup: a common start for the step's timing")
             start = time.perf_counter()
             with world.trace.capture() as events:
                 train_step(model, optimizer, batch, 1e-3, 1.0, dp=dp, engine=engine, mesh=mesh,
-                           n_micro=cfg.micro_batches, sequence_parallel=cfg.sequence_parallel, trace=world.trace,
+                           n_micro=cfg.micro_batches, trace=world.trace,
                            amp=amp)
             seconds = time.perf_counter() - start
         held = _held(cfg, model, optimizer, amp)

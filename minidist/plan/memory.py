@@ -2,7 +2,8 @@
 
 Model states, per rank (Rajbhandari et al. 2020). Parameters and gradients in the model's dtype,
 the optimizer's state (K bytes per parameter: AdamW's two moments, SGD's momentum, in float32 under
-mixed precision, which adds the float32 masters) as ``accounting.zero_formula`` splits them by stage.
+mixed precision, which adds the float32 masters; minidist/optim/state_bytes.py's table) as
+``accounting.zero_formula`` splits them by stage.
 Here they are counted exactly as minidist holds them: unit by unit (models.py), each ZeRO shard a
 ``numpy.array_split`` piece of its unit, so data-parallel rank 0 holds the longest pieces.
 
@@ -40,7 +41,8 @@ from functools import lru_cache
 from minidist.inspect import accounting
 from minidist.parallel.pipeline import build_schedule, placement_of, rank_stages, simulate
 from minidist.parallel.tensor.layout import padded_vocab_size
-from minidist.plan.layout import SLOTS, RunSpec
+from minidist.optim.state_bytes import state_bytes_per_parameter
+from minidist.plan.layout import RunSpec
 from minidist.plan.models import ModelSpec, layers_per_stage, stage_units
 
 FLOAT32 = 4
@@ -94,9 +96,9 @@ def model_state_bytes(model: ModelSpec, run: RunSpec, pp_rank: int = 0, dp_rank:
     ``accounting.offload_formula`` says."""
     b, z = run.itemsize, run.zero
     whole, sharded = optimizer_numel(model, run, pp_rank, dp_rank)
+    state = state_bytes_per_parameter(run.optimizer, run.dtype, run.mixed)  # masters and slots, per parameter
     held = {"parameters": (sharded if z >= 3 else whole) * b, "gradients": (sharded if z >= 2 else whole) * b,
-            "master_weights": sharded * FLOAT32 * run.mixed,
-            "optimizer_states": sharded * SLOTS[run.optimizer] * (FLOAT32 if run.mixed else b)}
+            "master_weights": sharded * state["master_weights"], "optimizer_states": sharded * state["optimizer_states"]}
     if run.offload == "none":
         return held
     part = {"parameters": held["parameters"], "gradients": held["gradients"],

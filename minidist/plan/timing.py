@@ -38,11 +38,12 @@ from __future__ import annotations
 import dataclasses
 from functools import lru_cache
 
+from minidist.optim.state_bytes import optimizer_bytes_per_parameter
 from minidist.parallel.pipeline import placement_of, rank_stages, simulate, splits_backward
 from minidist.plan import comm
 from minidist.plan.hardware import Hardware
-from minidist.plan.layout import SLOTS, RunSpec
-from minidist.plan.memory import (FLOAT32, activation_bytes_per_layer, head_activation_bytes, optimizer_numel,
+from minidist.plan.layout import RunSpec
+from minidist.plan.memory import (activation_bytes_per_layer, head_activation_bytes, optimizer_numel,
                                   pipeline_schedule, rank_units)
 from minidist.plan.models import ModelSpec, active_parameters, layers_per_stage
 
@@ -164,7 +165,7 @@ def optimizer_time(model: ModelSpec, run: RunSpec, hw: Hardware) -> float:
     (the new parameter shard goes up), the store read from and written to disk under "disk"."""
     _, numel = optimizer_numel(model, run)
     b = run.itemsize
-    state = numel * (SLOTS[run.optimizer] * (FLOAT32 if run.mixed else b) + FLOAT32 * run.mixed)
+    state = numel * optimizer_bytes_per_parameter(run.optimizer, run.dtype, run.mixed)  # masters and slots
     touched = 2 * (state + 2 * numel * b)  # state, gradient and parameter, read and written
     if run.offload == "none":
         tensors = len(rank_units(model, run)) if run.zero else parameter_tensors(model, run)  # ZeRO: flat units

@@ -2,7 +2,7 @@
 
     config.py          the command line as one dataclass, and every check on it
     build.py           the device, the data, this rank's model part, optimizer, gradient sync, engine
-    loop.py            the training loop (one step under any layout: minidist/parallel/compose/step.py)
+    loop.py            the training loop (one step under any layout: minidist/parallel/step.py)
     outputs.py         metrics, exports, trace files, the sample
     explain.py         --explain: who holds what and sends what in the first step
     ps.py              --mode ps: the parameter-server trainer

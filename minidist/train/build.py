@@ -17,19 +17,21 @@ from minidist.data import ByteTokenizer, HFTokenizer, default_corpus, load_token
 from minidist.device import require_cupy, use_gpu
 from minidist.model import GPT, GPTConfig
 from minidist.optim import SGD, AdamW
+from minidist.inspect import zero_memory
 from minidist.inspect.accounting import format_memory_table
 from minidist.parallel.context.context_parallel import context_parallel
+from minidist.parallel.compose.gradients import flatten_on_buckets
+from minidist.parallel.compose.grad_ownership import ReplicaGroups
 from minidist.parallel.data.data_parallel import DataParallel
 from minidist.parallel.expert.experts import expert_parallel
 from minidist.parallel.zero.offload import Offload
 from minidist.parallel.pipeline import PipelineEngine, PipelineStage, placement_of, rank_stages
 from minidist.nn.recompute import recompute_blocks
 from minidist.parallel.context.ring_attention import sequence_chunks, token_ranges
-from minidist.parallel.tensor.tensor_parallel import shard_for
+from minidist.parallel.tensor.apply import tensor_parallel
 from minidist.parallel.tensor.layout import ep_block
-from minidist.parallel.tensor.model import build_tp_gpt
 from minidist.parallel.zero.optimizer import ZeroOptimizer
-from minidist.train.config import ConfigError, TrainConfig, offloaded, runs_zero_optimizer
+from minidist.train.config import ConfigError, TrainConfig, runs_zero_optimizer
 
 ADAMW_BETAS = (0.9, 0.95)
 
@@ -58,14 +60,14 @@ def local_rank(world) -> int:
     """This rank's index among the ranks of ``world`` that run on its machine, in global rank order.
     Collective over ``world``: one ``gather_bytes`` of every host name to rank 0, one broadcast of
     every rank's local index (int64) from it."""
-    hosts = world.gather_bytes(socket.gethostname().encode(), dst=0)
+    hosts = world.gather_bytes(socket.gethostname().encode(), dst=0, label="setup: every rank's host name, to rank 0")
     local = np.zeros(world.size, dtype=np.int64)  # (world,)
     if hosts is not None:
         count = {}
         for rank, host in enumerate(hosts):
             local[rank] = count.get(host, 0)
             count[host] = local[rank] + 1
-    world.broadcast(local, src=0)
+    world.broadcast(local, src=0, label="setup: every rank's index on its machine, from rank 0")
     return int(local[world.rank])
 
 
@@ -153,14 +155,15 @@ def with_hf_model(cfg):
 
 def build_model(cfg, tp_group=None, cp_group=None, ep_group=None):
     """A byte-level GPT (vocab 256) of the configured size, initialised from ``cfg.seed``; with
-    ``cfg.tp > 1`` this rank's tensor-parallel shard of it over ``tp_group``; with ``cfg.cp > 1``
-    running on this rank's tokens of every sequence, attention over ``cp_group`` (context_parallel.py);
-    with ``cfg.n_experts`` a mixture of experts (minidist/moe.py), and with ``cfg.ep > 1`` holding its
-    block of the experts, tokens sent over ``ep_group`` (minidist/parallel/expert/experts.py). Initialised on the host
+    ``cfg.tp > 1`` this rank's tensor-parallel shard of it over ``tp_group`` (the whole GPT is built,
+    then cut: minidist/parallel/tensor/apply.py); with ``cfg.cp > 1`` running on this rank's tokens of
+    every sequence, attention over ``cp_group`` (context_parallel.py); with ``cfg.n_experts`` a
+    mixture of experts (minidist/moe.py), and with ``cfg.ep > 1`` holding its block of the experts,
+    tokens sent over ``ep_group`` (minidist/parallel/expert/experts.py). Initialised on the host
     (the same values on any device), then moved to ``cfg.device``. With ``cfg.init_from_hf`` the
     GPT of that Hugging Face folder (its vocabulary, tied or untied head) holding its weights:
-    every rank reads the whole file and keeps its :func:`shard_for` part (the checkpoints' split
-    rule; vocabulary padding rows zero). Sends nothing."""
+    every rank reads the whole file, and tensor parallelism then keeps its part (the checkpoints'
+    split rule; vocabulary padding rows zero). Sends nothing."""
     state = None
     if cfg.init_from_hf is not None:
         try:
@@ -173,12 +176,11 @@ def build_model(cfg, tp_group=None, cp_group=None, ep_group=None):
                            top_k=cfg.top_k, moe_every=cfg.moe_every, capacity_factor=cfg.capacity_factor,
                            aux_loss_coef=cfg.aux_loss_coef)
     dtype = np.dtype(COMPUTE_DTYPES.get(cfg.dtype, cfg.dtype)).name  # mixed precision: how the weights are stored
-    if cfg.tp == 1:
-        model = GPT(config, seed=cfg.seed, dtype=dtype)
-    else:
-        model = build_tp_gpt(config, cfg.seed, dtype, tp_group, sequence_parallel=cfg.sequence_parallel)
+    model = GPT(config, seed=cfg.seed, dtype=dtype)
     if state is not None:
-        load_full_state(model, state, tp_group if cfg.tp > 1 else None)
+        load_full_state(model, state)
+    if cfg.tp > 1:
+        tensor_parallel(model, tp_group, sequence_parallel=cfg.sequence_parallel)
     if cfg.cp > 1:
         context_parallel(model, cp_group, cfg.cp_algorithm)
     if cfg.ep > 1:
@@ -186,22 +188,24 @@ def build_model(cfg, tp_group=None, cp_group=None, ep_group=None):
     return model.to(cfg.device)
 
 
-def load_full_state(model, state: dict, tp_group=None) -> None:
-    """Overwrite every parameter of ``model`` (a GPT, or with ``tp_group`` this rank's tensor-parallel
-    shard of one) with its part of the full state_dict ``state`` ({GPT-2 name: full array}), cast to
-    the parameter's dtype. Sends nothing."""
+def load_full_state(model, state: dict) -> None:
+    """Overwrite every parameter of the whole GPT ``model`` with its value in the full state_dict
+    ``state`` ({GPT-2 name: full array}), cast to the parameter's dtype. Sends nothing."""
     for name, p in model.named_parameters():
-        value = state[name] if tp_group is None else shard_for(name, state[name], tp_group.rank, tp_group.size)
-        p.data[...] = get_array_module(p.data).asarray(value)
+        p.data[...] = get_array_module(p.data).asarray(state[name])
+
+
+def optimizer_settings(cfg) -> dict:
+    """The hyper-parameters of ``cfg.optimizer``: AdamW (betas 0.9, 0.95) or SGD with momentum."""
+    extra = {"betas": ADAMW_BETAS} if cfg.optimizer == "adamw" else {"momentum": cfg.momentum}
+    return dict(lr=cfg.lr, weight_decay=cfg.weight_decay, **extra)
 
 
 def build_optimizer(model, cfg, named_parameters=None):
-    """AdamW (betas 0.9, 0.95) or SGD with momentum over the model's named parameters (or over
+    """AdamW or SGD (:func:`optimizer_settings`) over the model's named parameters (or over
     ``named_parameters``: mixed precision's float32 masters)."""
     params = named_parameters if named_parameters is not None else model.named_parameters()
-    if cfg.optimizer == "adamw":
-        return AdamW(params, lr=cfg.lr, betas=ADAMW_BETAS, weight_decay=cfg.weight_decay)
-    return SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    return (AdamW if cfg.optimizer == "adamw" else SGD)(params, **optimizer_settings(cfg))
 
 
 def build_loss_scaler(cfg, world):
@@ -236,25 +240,21 @@ def build_parallel(cfg, mesh):
     mixed = cfg.dtype if scaler is not None else None
     dp = amp = None
     if runs_zero_optimizer(cfg):
-        hyper = {"betas": ADAMW_BETAS} if cfg.optimizer == "adamw" else {"momentum": cfg.momentum}
-        offload = (Offload(offloaded(cfg), cfg.offload_dir, mesh.rank, gpu=cfg.device == "cuda")
+        offload = (Offload(cfg.offload, cfg.offload_dir, mesh.rank, gpu=cfg.device == "cuda")
                    if cfg.offload != "none" else None)
-        optimizer = ZeroOptimizer(model, mesh.dp_cp_group, cfg.zero, cfg.optimizer, lr=cfg.lr,
-                                  weight_decay=cfg.weight_decay, tp_group=mesh.tp_group, pp_group=mesh.pp_group,
-                                  mixed_precision=mixed, scaler=scaler, reshard_after_forward=cfg.pp == 1,
-                                  replicas=cfg.dp, expert_group=mesh.expert_dp_group, ep_group=mesh.ep_group,
-                                  offload=offload, **hyper)
+        replicas = ReplicaGroups(mesh.dp_cp_group, replicas=cfg.dp, experts=mesh.expert_dp_group)
+        optimizer = ZeroOptimizer(model, replicas, cfg.zero, cfg.optimizer, mixed_precision=mixed, scaler=scaler,
+                                  offload=offload, reshard_after_forward=cfg.pp == 1, **optimizer_settings(cfg))
     else:
         dp = DataParallel(model, mesh.dp_cp_group, bucket_bytes=int(cfg.bucket_mb * 2**20), replicas=cfg.dp,
                           expert_group=mesh.expert_dp_group)
         amp = MixedPrecision(model, cfg.dtype, scaler) if mixed else None
         optimizer = build_optimizer(model, cfg, amp.master_parameters() if amp else None)
+        flatten_on_buckets(optimizer, dp)  # one update per bucket (compose/gradients.py)
     engine = None
     if cfg.pp > 1:
         engine = PipelineEngine(model, mesh, cfg.schedule, cfg.micro_batches, cfg.virtual_stages,
                                 no_sync=dp.no_sync if dp else optimizer.no_sync)
-        if runs_zero_optimizer(cfg):
-            optimizer.tied_group = engine.embedding_group  # ZeRO sums the tied copies on its shards
     return model, optimizer, dp, engine, amp
 
 
@@ -278,9 +278,8 @@ def describe_layout(cfg, mesh, model) -> str:
         [f"1/{replicas} of their {sharded[cfg.zero - 1]} (ZeRO-{cfg.zero})"] if cfg.zero else [])
     if cfg.offload != "none":
         where = f"files under {cfg.offload_dir}" if cfg.offload_dir else "host memory"
-        what = "optimizer shard (masters, moments)" + (" and parameter shards" if offloaded(cfg) != "optimizer" else "")
-        whole = "; its parameters stay: below ZeRO-3 they are whole" if offloaded(cfg) != cfg.offload else ""
-        cut.append(f"its {what} in {where}, updated there (offload){whole}")
+        what = "optimizer shard (masters, moments)" + (" and parameter shards" if cfg.offload != "optimizer" else "")
+        cut.append(f"its {what} in {where}, updated there (offload)")
     pipeline = f", {cfg.schedule} schedule" if cfg.pp > 1 else ""
     cp = f" x cp {shape.cp}" if shape.cp > 1 else ""
     lines = [f"mesh: dp {shape.dp} x pp {shape.pp}{cp} x tp {shape.tp} = {shape.world} ranks, "
@@ -310,15 +309,15 @@ def memory_table(optimizer) -> str:
     memory, then under offload the host's and the disk's), and under mixed precision the paper's
     bytes per parameter (2 + 2 + K)."""
     offload = f" + offload to the {optimizer.offload.where}" if optimizer.offload is not None else ""
-    rows = [{"label": f"ZeRO-{optimizer.stage}{offload} formula", **optimizer.formula()},
-            {"label": "measured on rank 0", **optimizer.model_state_bytes()}]
+    rows = [{"label": f"ZeRO-{optimizer.stage}{offload} formula", **zero_memory.formula(optimizer)},
+            {"label": "measured on rank 0", **zero_memory.model_state_bytes(optimizer)}]
     device = ("parameters", "gradients", "optimizer")  # then the device's total, then host and disk if any
     table = format_memory_table([{"label": r["label"], **{k: r[k] for k in device}, "total": sum(r[k] for k in device),
                                   **{k: v for k, v in r.items() if k not in device + ("label",)}} for r in rows])
     if not optimizer.mixed_precision:
         return table
-    k = optimizer.optimizer_bytes_per_parameter
+    k = zero_memory.optimizer_bytes_per_parameter(optimizer)
     b = optimizer.shards[0].unit.dtype.itemsize
     emulated = " (bfloat16 emulated in float32 storage)" if b == 4 else ""
     return (table + f"\n(mixed precision, the paper's model: {optimizer.mixed_precision} parameters and gradients, "
-            f"{b} + {b} bytes{emulated}; float32 masters and {optimizer.optimizer} state, K = {k} bytes per parameter)")
+            f"{b} + {b} bytes{emulated}; float32 masters and {type(optimizer.optimizer).__name__.lower()} state, K = {k} bytes per parameter)")

@@ -2,7 +2,10 @@
 
 A bad configuration is found from the config and the world size alone, so every rank reaches the
 same verdict before any communication, and ``python -m minidist.train`` prints one clear message
-listing every problem (:class:`ConfigError`) instead of hanging halfway through a collective.
+listing every problem (:class:`ConfigError`) instead of hanging halfway through a collective. The
+layout's rules are not here: :func:`check_config` asks :func:`minidist.parallel.spec.problems` (which
+the planner and the support matrix ask too) about :func:`layout_of` its config, and adds only what is
+the trainer's own (its other numbers, paths, checkpoints, the parameter-server mode, Hugging Face).
 """
 import argparse
 import dataclasses
@@ -11,10 +14,12 @@ from pathlib import Path
 from minidist.amp import COMPUTE_DTYPES
 from minidist.checkpoint.paths import ckpt_dir_problems
 from minidist.device import DEVICES
-from minidist.parallel.context.context_parallel import ALGORITHMS, tokens_multiple
+from minidist.optim.state_bytes import ITEMSIZE, OPTIMIZERS
+from minidist.parallel.context.context_parallel import ALGORITHMS
 from minidist.parallel.zero.offload import CHOICES as OFFLOAD_CHOICES
 from minidist.parallel.ps.param_server import check_parameter_server
 from minidist.parallel.pipeline import SCHEDULES
+from minidist.parallel.spec import BACKENDS, LayoutSpec, out_of_range, problems
 
 
 @dataclasses.dataclass
@@ -101,52 +106,39 @@ class ConfigError(ValueError):
     before any communication."""
 
 
-# The values each numeric flag may take, as an interval: "[" and "]" include the bound, "(" and ")"
-# exclude it, so an open end at inf refuses inf too, and nan is in no interval. (--save-every, --keep,
-# --comm-timeout and --fail-rank against the world are checked with their features, below.)
+# The values each numeric flag that is not the layout's may take, as an interval: "[" and "]" include
+# the bound, "(" and ")" exclude it, so an open end at inf refuses inf too, and nan is in no interval.
+# (The layout's numbers: minidist.parallel.spec.RANGES. --save-every, --keep, --comm-timeout and
+# --fail-rank against the world are checked with their features, below.)
 RANGES = {
     "steps": "[1, inf)", "batch_size": "[1, inf)", "seed": "[0, inf)", "loss_scale_window": "[1, inf)",
     "lr": "(0, inf)", "min_lr": "[0, inf)", "warmup": "[0, inf)", "momentum": "[0, 1)",
-    "weight_decay": "[0, inf)", "grad_clip": "[0, inf)",
-    "n_layer": "[1, inf)", "n_head": "[1, inf)", "n_embd": "[1, inf)", "block_size": "[1, inf)",
-    "n_experts": "[0, inf)", "top_k": "[1, inf)", "moe_every": "[1, inf)", "capacity_factor": "[0, inf)",
-    "aux_loss_coef": "[0, inf)", "ep": "[1, inf)",
+    "weight_decay": "[0, inf)", "grad_clip": "[0, inf)", "block_size": "[1, inf)",
+    "capacity_factor": "[0, inf)", "aux_loss_coef": "[0, inf)",
     "eval_every": "[1, inf)", "eval_iters": "[1, inf)", "sample_tokens": "[0, inf)",
     "servers": "[1, inf)", "staleness": "[-1, inf)", "straggler": "[0, inf)",
-    "dp": "[1, inf)", "pp": "[1, inf)", "tp": "[1, inf)", "cp": "[1, inf)", "micro_batches": "[1, inf)", "virtual_stages": "[1, inf)",
-    "bucket_mb": "(0, inf)", "fail_at_step": "[-1, inf)", "fail_rank": "[0, inf)", "zero": "[0, 3]",
+    "bucket_mb": "(0, inf)", "fail_at_step": "[-1, inf)", "fail_rank": "[0, inf)",
 }
-
-
-def in_interval(value, interval: str) -> bool:
-    """Whether ``value`` lies in ``interval``, e.g. ``"[0, 1)"`` (see :data:`RANGES`)."""
-    low, high = (float(bound) for bound in interval[1:-1].split(","))
-    above = low <= value if interval[0] == "[" else low < value
-    below = value <= high if interval[-1] == "]" else value < high
-    return above and below
-
-
-def in_words(interval: str) -> str:
-    """``"(0, inf)"`` -> "positive", ``"[1, inf)"`` -> ">= 1", ``"[0, 1)"`` -> "in [0, 1)"."""
-    low, high = interval[1:-1].split(", ")
-    if high != "inf":
-        return f"in {interval}"
-    if interval[0] == "(":
-        return "positive" if low == "0" else f"> {low}"
-    return f">= {low}"
 
 
 def range_problems(cfg) -> list[str]:
     """Every flag of ``cfg`` outside its range in :data:`RANGES`, and --min-lr above --lr."""
-    problems = []
-    for name, interval in RANGES.items():
-        value = getattr(cfg, name)
-        if not in_interval(value, interval):
-            finite = " and finite" if value == float("inf") else ""
-            problems.append(f"--{name.replace('_', '-')} must be {in_words(interval)}{finite}, got {value}")
-    if not problems and cfg.min_lr > cfg.lr:
-        problems.append(f"--min-lr {cfg.min_lr} is larger than --lr {cfg.lr} (the cosine decays from --lr to --min-lr)")
-    return problems
+    found = [text for name, interval in RANGES.items() for text in out_of_range(name, getattr(cfg, name), interval)]
+    if not found and cfg.min_lr > cfg.lr:
+        found.append(f"--min-lr {cfg.min_lr} is larger than --lr {cfg.lr} (the cosine decays from --lr to --min-lr)")
+    return found
+
+
+def layout_of(cfg, world_size: int | None = None) -> LayoutSpec:
+    """The layout of ``cfg`` as the layout rules read it (:mod:`minidist.parallel.spec`): its mesh,
+    cuts, ZeRO and offload, device and backend, model and batch, on ``world_size`` ranks (None: the
+    layout's own)."""
+    return LayoutSpec(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, seq=cfg.block_size,
+                      batch_size=cfg.batch_size, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, cp_algorithm=cfg.cp_algorithm,
+                      ep=cfg.ep, zero=cfg.zero, sequence_parallel=cfg.sequence_parallel, schedule=cfg.schedule,
+                      virtual_stages=cfg.virtual_stages, micro_batches=cfg.micro_batches, offload=cfg.offload,
+                      n_experts=cfg.n_experts, top_k=cfg.top_k, moe_every=cfg.moe_every, dtype=cfg.dtype,
+                      device=cfg.device, backend=cfg.backend, world_size=world_size)
 
 
 def fault_injection_armed(cfg) -> bool:
@@ -156,101 +148,33 @@ def fault_injection_armed(cfg) -> bool:
 
 
 def check_config(cfg, world_size: int) -> None:
-    """Raise :class:`ConfigError` listing everything wrong with running ``cfg`` on ``world_size`` ranks.
-    Out-of-range numbers are reported first, all together (the other checks divide by them)."""
-    problems = range_problems(cfg)
-    if problems:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
-    axes = [a for a in ("dp", "pp", "cp", "tp") if a in ("dp", "tp") or getattr(cfg, a) > 1]
-    n = cfg.dp * cfg.pp * cfg.cp * cfg.tp
-    if cfg.mode == "ps":
-        problems += parameter_server_problems(cfg, world_size)
-    elif world_size != n:
-        problems.append(f"world size {world_size} != {' * '.join(axes)} = "
-                        f"{' * '.join(str(getattr(cfg, a)) for a in axes)} = {n} (start {n} ranks: mpiexec -n {n} ...)")
-    if cfg.n_embd % cfg.n_head:
-        problems.append(f"n_embd {cfg.n_embd} is not divisible by n_head {cfg.n_head}")
-    if cfg.n_head % cfg.tp:
-        problems.append(f"n_head {cfg.n_head} is not divisible by tp {cfg.tp} (each tp rank holds whole heads)")
-    if cfg.batch_size % (cfg.dp * cfg.micro_batches):
-        problems.append(f"batch_size {cfg.batch_size} is not divisible by dp * micro_batches = "
-                        f"{cfg.dp} * {cfg.micro_batches} (every micro-batch of every dp rank has equal rows)")
-    if cfg.sequence_parallel and cfg.tp == 1:
-        problems.append("--sequence-parallel needs --tp > 1")
-    if cfg.sequence_parallel and cfg.block_size % cfg.tp:
-        problems.append(f"block_size {cfg.block_size} is not divisible by tp {cfg.tp} (sequence parallelism "
-                        f"splits the sequence over the tp ranks)")
-    problems += context_parallel_problems(cfg) + expert_problems(cfg)
-    if cfg.schedule not in SCHEDULES:
-        problems.append(f"--schedule must be one of {', '.join(SCHEDULES)}, got {cfg.schedule!r}")
-    if cfg.pp * cfg.virtual_stages > cfg.n_layer:
-        problems.append(f"pp * virtual_stages = {cfg.pp} * {cfg.virtual_stages} pipeline stages need at least "
-                        f"as many blocks, n_layer is {cfg.n_layer}")
-    if cfg.schedule == "zbv" and cfg.virtual_stages != 2:
-        problems.append(f"--schedule zbv places two chunks per rank in a V: it needs --virtual-stages 2, "
-                        f"got {cfg.virtual_stages}")
-    elif cfg.virtual_stages > 1 and cfg.schedule not in ("interleaved", "zbv"):
-        problems.append(f"--virtual-stages {cfg.virtual_stages} needs --schedule interleaved (or zbv, with 2)")
-    if cfg.schedule == "interleaved" and cfg.micro_batches % cfg.pp:
-        problems.append(f"the interleaved schedule needs micro_batches ({cfg.micro_batches}) to be a multiple "
-                        f"of pp ({cfg.pp})")
-    problems += comm_timeout_problems(cfg)
-    problems += checkpoint_problems(cfg, world_size) + mixed_precision_problems(cfg) + device_problems(cfg)
-    problems += offload_problems(cfg)
-    if problems:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
+    """Raise :class:`ConfigError` listing everything wrong with running ``cfg`` on ``world_size`` ranks,
+    all together: the trainer's out-of-range numbers, the layout's problems (:func:`layout_of`,
+    ``minidist.parallel.spec.problems``), then, with the numbers in range (they divide by them), the
+    trainer's own checks."""
+    found = range_problems(cfg) + problems(layout_of(cfg, None if cfg.mode == "ps" else world_size))
+    if not range_problems(cfg):
+        found += parameter_server_problems(cfg, world_size) if cfg.mode == "ps" else []
+        found += optimizer_problems(cfg) + hugging_face_problems(cfg) + comm_timeout_problems(cfg)
+        found += checkpoint_problems(cfg, world_size) + mixed_precision_problems(cfg) + device_problems(cfg)
+        found += offload_dir_problems(cfg)
+    if found:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(found))
 
 
-def context_parallel_problems(cfg) -> list[str]:
-    """What --cp and --cp-algorithm cannot run: the sequence must cut into equal parts (2 cp chunks
-    for zig-zag; under sequence parallelism each cp rank's part again into tp), and Ulysses gives
-    each cp rank whole heads of its tp rank's n_head / tp."""
-    if cfg.cp_algorithm not in ALGORITHMS:
-        return [f"--cp-algorithm must be one of {', '.join(ALGORITHMS)}, got {cfg.cp_algorithm!r}"]
-    if cfg.cp == 1:
+def optimizer_problems(cfg) -> list[str]:
+    """An --optimizer minidist does not have."""
+    if cfg.optimizer in OPTIMIZERS:
         return []
-    problems = []
-    parts = tokens_multiple(cfg.cp, cfg.cp_algorithm)
-    if cfg.block_size % parts:
-        problems.append(f"block_size {cfg.block_size} is not divisible by {parts} (--cp {cfg.cp} "
-                        f"--cp-algorithm {cfg.cp_algorithm} cuts every sequence into {parts} equal parts)")
-    elif cfg.sequence_parallel and (cfg.block_size // cfg.cp) % cfg.tp:
-        problems.append(f"block_size / cp = {cfg.block_size // cfg.cp} tokens per cp rank are not divisible by tp "
-                        f"{cfg.tp} (sequence parallelism splits them again over the tp ranks)")
-    heads = cfg.n_head // cfg.tp if cfg.n_head % cfg.tp == 0 else None
-    if cfg.cp_algorithm == "ulysses" and heads is not None and heads % cfg.cp:
-        problems.append(f"--cp-algorithm ulysses gives each of the {cfg.cp} cp ranks whole heads, and the "
-                        f"{heads} heads of each tp rank (n_head {cfg.n_head} / tp {cfg.tp}) do not divide by "
-                        f"cp {cfg.cp}: use --cp-algorithm ring or zigzag (they cut the sequence, not the heads), "
-                        f"or an n_head divisible by tp * cp = {cfg.tp * cfg.cp}")
-    return problems
+    return [f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {cfg.optimizer!r}"]
 
 
-def expert_problems(cfg) -> list[str]:
-    """What the mixture of experts (--n-experts, --top-k, --moe-every, --capacity-factor) and expert
-    parallelism (--ep) cannot run: ep cuts the dp axis and the experts, tp cuts the router's experts
-    (every rank routes every token, minidist/parallel/tensor/model.py), and Hugging Face's GPT-2 has no
-    experts."""
-    if cfg.n_experts == 0:
-        return ["--ep needs experts to split: add --n-experts"] if cfg.ep > 1 else []
-    problems = []
-    if cfg.top_k > cfg.n_experts:
-        problems.append(f"--top-k {cfg.top_k} is more than the {cfg.n_experts} experts")
-    if cfg.moe_every > cfg.n_layer:
-        problems.append(f"--moe-every {cfg.moe_every} leaves none of the {cfg.n_layer} blocks with experts "
-                        f"(blocks moe_every-1, 2 moe_every-1, ... have them)")
-    if cfg.dp % cfg.ep:
-        problems.append(f"--ep {cfg.ep} must divide --dp {cfg.dp} (expert parallelism splits the experts over "
-                        f"groups of ep data-parallel ranks)")
-    for axis in ("ep", "tp"):
-        if cfg.n_experts % getattr(cfg, axis):
-            what = "the experts" if axis == "ep" else "the router's logits (every tp rank computes E/tp of them)"
-            problems.append(f"--n-experts {cfg.n_experts} is not divisible by {axis} {getattr(cfg, axis)} ({axis} "
-                            f"splits {what})")
-    if cfg.export_hf is not None or cfg.init_from_hf is not None:
-        problems.append("--export-hf and --init-from-hf read and write Hugging Face's GPT-2, which has no "
-                        "experts: use --export for a mixture-of-experts model")
-    return problems
+def hugging_face_problems(cfg) -> list[str]:
+    """Hugging Face's GPT-2, which --export-hf writes and --init-from-hf reads, has no experts."""
+    if cfg.n_experts and (cfg.export_hf is not None or cfg.init_from_hf is not None):
+        return ["--export-hf and --init-from-hf read and write Hugging Face's GPT-2, which has no experts: use "
+                "--export for a mixture-of-experts model"]
+    return []
 
 
 def comm_timeout_problems(cfg) -> list[str]:
@@ -280,27 +204,19 @@ def parameter_server_problems(cfg, world_size: int) -> list[str]:
     return problems
 
 
-def offload_problems(cfg) -> list[str]:
-    """What --offload and --offload-dir cannot run: an unknown offload, and a folder for nothing
-    offloaded or that cannot be one. (``optimizer,params`` below ZeRO-3 runs as ``optimizer``: stages
-    0-2 compute with every parameter whole on each rank, so there is no parameter shard to move.)"""
-    if cfg.offload not in OFFLOAD_CHOICES:
-        return [f"--offload must be one of {', '.join(OFFLOAD_CHOICES)}, got {cfg.offload!r}"]
-    problems = []
-    if cfg.offload_dir is not None:
-        if cfg.offload == "none":
-            problems.append("--offload-dir is where offloaded state lives: add --offload optimizer (or "
-                            "optimizer,params with --zero 3)")
-        existing = next(p for p in (Path(cfg.offload_dir), *Path(cfg.offload_dir).parents) if p.exists())
-        if not existing.is_dir():
-            problems.append(f"--offload-dir {cfg.offload_dir}: {existing} is not a folder")
-    return problems
-
-
-def offloaded(cfg) -> str:
-    """What ``cfg`` offloads: ``cfg.offload``, but parameters only under ZeRO-3 (the only stage with
-    parameter shards between uses)."""
-    return "optimizer" if cfg.offload == "optimizer,params" and cfg.zero != 3 else cfg.offload
+def offload_dir_problems(cfg) -> list[str]:
+    """What --offload-dir cannot be: a folder for nothing offloaded, or a path that cannot be a folder.
+    (What --offload itself cannot run is a layout rule.)"""
+    if cfg.offload_dir is None:
+        return []
+    found = []
+    if cfg.offload == "none":
+        found.append("--offload-dir is where offloaded state lives: add --offload optimizer (or "
+                     "optimizer,params with --zero 3)")
+    existing = next(p for p in (Path(cfg.offload_dir), *Path(cfg.offload_dir).parents) if p.exists())
+    if not existing.is_dir():
+        found.append(f"--offload-dir {cfg.offload_dir}: {existing} is not a folder")
+    return found
 
 
 def mixed_precision_problems(cfg) -> list[str]:
@@ -316,23 +232,12 @@ def mixed_precision_problems(cfg) -> list[str]:
 
 
 def device_problems(cfg) -> list[str]:
-    """What --device and --backend cannot be combined with. (Whether CuPy and a GPU are there is
-    asked when the run starts: :func:`minidist.train.build.select_device`.)"""
-    problems = []
-    if cfg.backend == "nccl" and cfg.device != "cuda":
-        problems.append("--backend nccl moves GPU buffers only: it needs --device cuda")
-    if cfg.device == "cuda" and cfg.backend == "mpi":
-        problems.append("--device cuda with --backend mpi is not supported: MPI's own collectives would be handed "
-                        "GPU buffers, which only a CUDA-aware MPI reads (use --backend ring, which stages them "
-                        "through host memory, or --backend nccl)")
-    if cfg.backend == "nccl" and cfg.schedule in ("interleaved", "zbv") and cfg.pp > 1:
-        problems.append(f"--schedule {cfg.schedule} with --backend nccl is not supported: NCCL runs one rank's "
-                        f"sends and receives in order on one stream, and the {cfg.schedule} schedule has a rank wait "
-                        f"for a receive whose peer sends it only after a later receive (a deadlock); use --schedule "
-                        f"zb-h1, 1f1b or gpipe, or --backend ring")
+    """What --device cannot be combined with beyond the layout (whose rules say what --device and
+    --backend run). Whether CuPy and a GPU are there is asked when the run starts:
+    :func:`minidist.train.build.select_device`."""
     if cfg.device == "cuda" and cfg.mode == "ps":
-        problems.append("--device cuda with --mode ps is not supported: the parameter servers keep NumPy shards")
-    return problems
+        return ["--device cuda with --mode ps is not supported: the parameter servers keep NumPy shards"]
+    return []
 
 
 def checkpoint_problems(cfg, world_size: int) -> list[str]:
@@ -355,9 +260,9 @@ def parse_args(argv=None):
     defaults = TrainConfig()
     p = argparse.ArgumentParser(prog="python -m minidist.train", description="Train a GPT: ``python -m minidist.train``.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    choices = {"mode": ["collective", "ps"], "dtype": ["float32", "float64", "float16", "bfloat16"], "optimizer": ["sgd", "adamw"], "schedule": list(SCHEDULES),
-               "cp_algorithm": list(ALGORITHMS),
-               "zero": [0, 1, 2, 3], "offload": list(OFFLOAD_CHOICES), "device": list(DEVICES), "backend": ["ring", "mpi", "nccl"]}
+    choices = {"mode": ["collective", "ps"], "dtype": list(ITEMSIZE), "optimizer": list(OPTIMIZERS),
+               "schedule": list(SCHEDULES), "cp_algorithm": list(ALGORITHMS), "zero": [0, 1, 2, 3],
+               "offload": list(OFFLOAD_CHOICES), "device": list(DEVICES), "backend": list(BACKENDS)}
     helps = {
         "steps": "optimizer steps", "batch_size": "sequences per step (the global batch)",
         "seed": "seeds the weights and the batches",

@@ -9,7 +9,7 @@ model, a ZeRO optimizer) and keep the rest:
     load_data(cfg)                  train / validation tokens (memmapped uint8 files)  (train/build.py)
     build_parallel(cfg, mesh)       this rank's model part, optimizer, gradient sync, pipeline engine
     train(cfg)                      the loop: batch -> forward -> backward -> clip -> lr -> step
-                                    (one step under any layout: minidist/parallel/compose/step.py)
+                                    (one step under any layout: minidist/parallel/step.py)
     write_outputs, sample           export, trace files, generated text       (train/outputs.py)
 
 Parallel runs start the same script under MPI, e.g. 4 ranks as 2 data-parallel replicas of a 2-way
@@ -57,7 +57,7 @@ from minidist.optim import lr_at
 from minidist.parallel.expert.experts import expert_load
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.data.sampler import DistributedSampler
-from minidist.parallel.compose.step import loss_scaler, train_step
+from minidist.parallel.step import loss_scaler, train_step
 from minidist.train.build import (build_parallel, describe_layout, load_data, memory_table, select_device,
                                   tokenizer_for, with_hf_model, world_of_one)
 from minidist.train.config import (ConfigError, check_config, comm_timeout_problems, fault_injection_armed, parse_args,
@@ -107,7 +107,7 @@ def train(cfg, progress=True, world=None, keep_history=True):
                 loss_scale = scaler.scale if scaler else None  # the scale this step's backward uses
                 loss, grad_norm = train_step(model, optimizer, batch, lr, cfg.grad_clip, dp=dp, engine=engine,
                                              mesh=mesh, n_micro=cfg.micro_batches,
-                                             sequence_parallel=cfg.sequence_parallel, trace=world.trace, amp=amp)
+                                             trace=world.trace, amp=amp)
             tokens_per_s = cfg.batch_size * cfg.block_size / (time.perf_counter() - t0)
             if step == start and cfg.explain:
                 explain_step(cfg, mesh, model, step_events, batch.shape, optimizer)

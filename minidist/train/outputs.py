@@ -13,11 +13,13 @@ from minidist.checkpoint.hf import write_hf
 from minidist.data import ByteTokenizer, get_batch, inputs_and_targets
 from minidist.device import to_device
 from minidist.train.explain import print_explanation
+from minidist.inspect import zero_memory
 from minidist.inspect.write import model_state_bytes, step_peak_bytes, stream_trace, write_memory_report
 from minidist.parallel.whole_model.consolidate import full_state_dict
 from minidist.parallel.whole_model.generate import generate
 from minidist.parallel.data.sampler import micro_batches
 from minidist.train.config import runs_zero_optimizer
+from minidist.parallel.zero.full_state import full_parameters
 
 
 def open_metrics(out, start: int = 0):
@@ -63,14 +65,10 @@ def estimate_val_loss(model, val_tokens, cfg, engine=None):
 
 def explain_step(cfg, mesh, model, events, batch_shape, optimizer=None):
     """``--explain``: every rank's story of the step just run, printed by rank 0 in rank order
-    (collective over the world). An activation is one micro-batch's (b, T, C), T cut by cp under
-    context parallelism and by tp under sequence parallelism. Under offload each story says what
-    ``optimizer`` moved between device, host and disk."""
-    rows = batch_shape[0] // cfg.micro_batches
-    seq = cfg.block_size // cfg.cp
-    seq = seq // cfg.tp if cfg.sequence_parallel else seq
+    (collective over the world). Under ZeRO-3 each story holds the shards ``optimizer`` keeps; under
+    offload it says what ``optimizer`` moved between device, host and disk."""
     offload = getattr(optimizer, "offload", None)
-    print_explanation(mesh, model, events, batch_shape=batch_shape, activation_shape=(rows, seq, cfg.n_embd),
+    print_explanation(mesh, model, events, batch_shape=batch_shape, shards=optimizer.shards if cfg.zero == 3 else None,
                       notes=offload.story() if offload is not None else None)
 
 
@@ -84,7 +82,7 @@ def write_outputs(cfg, model, optimizer, mesh, amp=None):
     rank writes its own file; :func:`trace_file` has written its events during the loop). Under
     mixed precision the exports hold the float32 masters."""
     if cfg.export is not None or cfg.export_hf is not None:
-        with (optimizer.full_parameters(masters=True) if runs_zero_optimizer(cfg) else masters_in_model(amp) if amp
+        with (full_parameters(optimizer, masters=True) if runs_zero_optimizer(cfg) else masters_in_model(amp) if amp
               else contextlib.nullcontext()):
             state = full_state_dict(model, mesh)
         if mesh.rank == 0 and cfg.export is not None:
@@ -92,7 +90,7 @@ def write_outputs(cfg, model, optimizer, mesh, amp=None):
         if mesh.rank == 0 and cfg.export_hf is not None:
             write_hf(cfg.export_hf, state, model.config)
     if cfg.trace is not None:
-        held = optimizer.model_state_bytes() if runs_zero_optimizer(cfg) else model_state_bytes(model, optimizer)
+        held = zero_memory.model_state_bytes(optimizer) if runs_zero_optimizer(cfg) else model_state_bytes(model, optimizer)
         write_memory_report(cfg.trace, mesh.rank, [dict(label="after last step", **held,
                                                         peak=step_peak_bytes(mesh.world.trace, held))])
 

@@ -21,10 +21,14 @@ without tensor parallelism: nothing to split the sequence over; a schedule other
 without pipeline parallelism: with one stage every schedule is the same run, counted once, as 1f1b;
 likewise a cp algorithm other than ring with cp 1; expert parallelism with dp 1, as ep splits the
 experts over dp ranks; offloading parameters below ZeRO-3, whose stages 0-2 keep every parameter
-whole on each rank: the run that offloads the optimizer alone, counted once).
-Every other cell must be accepted by :func:`~minidist.train.config.check_config`: a refusal is a
-debt, and :func:`refusals` lists them (none today). tests/test_composition.py trains the cells
-against one process; the README's matrix is :func:`markdown`, checked against it by a test.
+whole on each rank: the run that offloads the optimizer alone, counted once). The layout rules
+decide it: a cell is meaningless when one of its problems (``minidist.parallel.spec.problems``, which
+the trainer and the planner ask too) says it names something its layout lacks (``spec.lacks``), and
+the trainer refuses it with that problem. Every other cell must be accepted by
+:func:`~minidist.train.config.check_config`: a refusal is a debt, and :func:`refusals` lists them
+(none today). tests/test_composition.py trains the cells against one process; the README's matrix
+is :func:`markdown`, checked against it by a test; tests/test_layout_problems.py holds the trainer,
+the planner and this matrix to the same verdict on every cell.
 
     python -m minidist.support_matrix          # the README's table
 """
@@ -32,8 +36,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from functools import lru_cache
 
-from minidist.train.config import ConfigError, TrainConfig, check_config
+from minidist.parallel.spec import lacks
+from minidist.train.config import ConfigError, TrainConfig, check_config, layout_of
 
 LAYOUTS = [dict(dp=dp, tp=tp, pp=pp) for pp in (1, 2) for dp in (1, 2) for tp in (1, 2)]
 AXES = {
@@ -49,7 +55,6 @@ AXES = {
     "moe": ["none", "ep1", "ep2"],
     "offload": ["none", "optimizer", "optimizer,params"],
 }
-DEFAULT_SCHEDULE, DEFAULT_CP_ALGORITHM = "1f1b", "ring"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,20 +98,15 @@ def grid() -> list[Cell]:
             for layout, cp, a, z, sp, s, r, d, c, e, o in itertools.product(*AXES.values())]
 
 
+@lru_cache(maxsize=None)
 def meaningless(cell: Cell) -> str | None:
-    """Why ``cell`` names a combination that does not exist, or None."""
-    if cell.sequence_parallel and cell.tp == 1:
-        return "sequence parallelism splits the sequence over the tp ranks: with tp 1 there is nothing to split"
-    if cell.pp == 1 and cell.schedule != DEFAULT_SCHEDULE:
-        return "a schedule orders the micro-batches of pipeline stages: with pp 1 every schedule is the same run"
-    if cell.cp == 1 and cell.cp_algorithm != DEFAULT_CP_ALGORITHM:
-        return "a cp algorithm says how attention reaches the other cp ranks' tokens: with cp 1 every one is the same run"
-    if cell.moe == "ep2" and cell.dp == 1:
-        return "expert parallelism splits the experts over dp ranks: with dp 1 there is no one to split them with"
-    if cell.offload == "optimizer,params" and cell.zero != 3:
-        return ("offloading parameters moves ZeRO-3's parameter shards: stages 0-2 keep every parameter whole, so "
-                "it is the run that offloads the optimizer alone")
-    return None
+    """Why ``cell`` names a combination that does not exist (the first of ``spec.lacks`` of its
+    layout: a problem the trainer refuses it with), or None."""
+    found = layout_lacks(layout_of(config_for(cell), cell.world))
+    return found[0] if found else None
+
+
+layout_lacks = lru_cache(maxsize=None)(lacks)  # cells that differ only off the layout (recompute, checkpoints) share it
 
 
 def config_for(cell: Cell, **sizes) -> TrainConfig:

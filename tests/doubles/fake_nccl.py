@@ -13,9 +13,14 @@ the ``NCCL_*`` constants with NCCL's values) and really moves data between the t
   address (``ctypes``), reduces in rank order with NumPy and writes the results. An event recorded
   after the call is ``done`` once that has happened, so a rank whose peer skips the call waits forever,
   as on a GPU;
-- ``send``/``recv`` match per (sender, receiver) in posting order (NCCL has no tags); between
-  ``groupStart`` and ``groupEnd`` calls are held and posted together at ``groupEnd``. A lone ``send``
-  whose receiver has not posted stays pending (its stream never gets past it) until it does;
+- a stream runs its work in order, as a GPU does: each host thread has one stream, and a launch (a
+  lone call, or every call between ``groupStart`` and ``groupEnd``, which NCCL fuses into one)
+  reaches its peers only once every launch before it on that stream has finished. So a call waits
+  behind an unfinished one, whatever it is;
+- ``send``/``recv`` match per (sender, receiver) in posting order (NCCL has no tags), and only
+  between launches that have reached their peers: a send (lone, or in a group) finishes when its
+  receiver's launch has reached the receive, and its stream waits for it meanwhile. Two ranks whose
+  next launches each wait for the other's later launch wait for ever, as on GPUs;
 - ``abort`` withdraws this rank's pending calls and marks their work done (a real abort ends the
   kernels); the communicator can't be used afterwards.
 """
@@ -67,6 +72,7 @@ class _Work:
             raise NcclError(f"fake_nccl: reduction op {op!r} is not modelled")
         self.dtype = np.dtype(_DTYPES[datatype])
         self.done = False
+        self.stream = None  # set when launched
 
     def signature(self):
         return self.kind, self.count, self.dtype, self.op, self.root
@@ -83,9 +89,47 @@ class _Clique:
         self.channels: dict[tuple[int, int, str], deque] = {}  # (src, dst, "send"/"recv") -> works
 
 
+class _Stream:
+    """One host thread's stream: its launches (lists of works), run in order."""
+
+    def __init__(self):
+        self.launches: deque[list[_Work]] = deque()
+        self.started = False  # whether the first launch has reached its peers
+        _streams.append(self)
+
+
 _cliques: dict[tuple, _Clique] = {}
 _registry_lock = threading.Lock()
-_thread = threading.local()  # this thread's open group: depth and held calls
+_streams: list[_Stream] = []  # every thread's
+_gpus = threading.RLock()  # every clique's matching and every stream's progress, as the GPUs run them
+_thread = threading.local()  # this thread's open group (depth, held calls) and its stream
+
+
+def _launch(works: list) -> None:
+    """Queue ``works`` as one launch on this thread's stream; it starts once the launches before it end."""
+    if not hasattr(_thread, "stream"):
+        _thread.stream = _Stream()
+    for work in works:
+        work.stream = _thread.stream
+    with _gpus:
+        _thread.stream.launches.append(works)
+        _run({_thread.stream})
+
+
+def _run(streams: set) -> None:
+    """Move ``streams`` on: a stream's first launch reaches its peers (its works are posted); once all
+    of its works are done the next one does. Work finished on the way moves its own stream on."""
+    while streams:
+        stream = streams.pop()
+        while stream.launches:
+            if not stream.started:
+                stream.started = True
+                for work in stream.launches[0]:
+                    streams |= work.comm._post(work)
+            if not all(w.done for w in stream.launches[0]):
+                break
+            stream.launches.popleft()
+            stream.started = False
 
 
 def groupStart() -> None:  # noqa: N802 -- CuPy's name
@@ -100,8 +144,8 @@ def groupEnd() -> None:  # noqa: N802 -- CuPy's name
     _thread.depth -= 1
     if _thread.depth == 0:
         held, _thread.held = _thread.held, []
-        for work in held:
-            work.comm._post(work)
+        if held:
+            _launch(held)
 
 
 class NcclCommunicator:
@@ -168,12 +212,12 @@ class NcclCommunicator:
 
     def abort(self) -> None:
         """Withdraw this rank's pending calls (their work counts as done) and retire the communicator."""
-        with self._clique.lock:
+        with _gpus:
             self._withdraw()
             self._state = "aborted"
 
     def destroy(self) -> None:
-        with self._clique.lock:
+        with _gpus:
             self._withdraw()
             self._state = "destroyed"
 
@@ -188,30 +232,33 @@ class NcclCommunicator:
         if getattr(_thread, "depth", 0):
             _thread.held.append(work)
         else:
-            self._post(work)
+            _launch([work])
 
-    def _post(self, work: _Work) -> None:
+    def _post(self, work: _Work) -> set:
+        """``work`` reaches its peers (its launch has started): run it if they are all there. Returns
+        the streams of the works that finished."""
+        if work.done:  # withdrawn by an abort
+            return set()
+        if work.kind in ("send", "recv"):
+            return self._post_p2p(work)
         clique = self._clique
-        with clique.lock:
-            if work.kind in ("send", "recv"):
-                self._post_p2p(work)
-                return
-            number = self._collectives_posted
-            self._collectives_posted += 1
-            posted = clique.collectives.setdefault(number, {})
-            posted[self._rank] = work
-            if len(posted) < clique.size:
-                return
-            del clique.collectives[number]
+        number = self._collectives_posted
+        self._collectives_posted += 1
+        posted = clique.collectives.setdefault(number, {})
+        posted[self._rank] = work
+        if len(posted) < clique.size:
+            return set()
+        del clique.collectives[number]
         _run_collective([posted[r] for r in range(clique.size)], number)
+        return {w.stream for w in posted.values()}
 
-    def _post_p2p(self, work: _Work) -> None:
-        """Match with the oldest unmatched call of the other kind on this (src, dst) pair, or queue."""
+    def _post_p2p(self, work: _Work) -> set:
+        """Match with the oldest unmatched posted call of the other kind on this (src, dst) pair, or wait."""
         src, dst = (self._rank, work.peer) if work.kind == "send" else (work.peer, self._rank)
         other = self._clique.channels.get((src, dst, "recv" if work.kind == "send" else "send"))
         if not other:
             self._clique.channels.setdefault((src, dst, work.kind), deque()).append(work)
-            return
+            return set()
         send, recv = (work, other.popleft()) if work.kind == "send" else (other.popleft(), work)
         nbytes = send.count * send.dtype.itemsize
         if recv.count * recv.dtype.itemsize != nbytes:
@@ -219,17 +266,24 @@ class NcclCommunicator:
                             f"{recv.count * recv.dtype.itemsize}")
         _memory(recv.recv, nbytes, np.uint8)[...] = _memory(send.send, nbytes, np.uint8)
         send.done = recv.done = True
+        return {send.stream, recv.stream}
 
     def _withdraw(self) -> None:
-        clique = self._clique
+        """This communicator's calls, posted or still queued on a stream, count as done."""
+        clique, mine = self._clique, []
         for posted in clique.collectives.values():
             work = posted.pop(self._rank, None)
             if work is not None:
-                work.done = True
+                mine.append(work)
         for works in clique.channels.values():
             for work in [w for w in works if w.comm is self]:
                 works.remove(work)
-                work.done = True
+                mine.append(work)
+        for stream in _streams:
+            mine += [w for launch in stream.launches for w in launch if w.comm is self and not w.done]
+        for work in mine:
+            work.done = True
+        _run({w.stream for w in mine if w.stream is not None})
 
 
 def _run_collective(works: list[_Work], number: int) -> None:

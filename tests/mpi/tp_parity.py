@@ -1,4 +1,4 @@
-"""Rank script: the tensor-parallel GPT under real MPI equals one process.
+"""Rank script: the GPT made tensor parallel under real MPI equals one process.
 
 Run by tests/test_mpi_tensor_parallel.py as ``mpiexec -n 4 python tests/mpi/tp_parity.py``. For both
 backends (hand-written ring collectives, MPI's own) and the layouts tp=4 and dp=2 x tp=2 (two
@@ -13,8 +13,9 @@ import numpy as np
 import minidist
 from minidist.model import GPT, GPTConfig
 from minidist.parallel.mesh import DeviceMesh
-from minidist.parallel.tensor.tensor_parallel import shard_for, sync_sequence_parallel_grads
-from minidist.parallel.tensor.model import build_tp_gpt
+from minidist.parallel.tensor.apply import tensor_parallel
+from minidist.parallel.compose.complete import sync_sequence_parallel_grads
+from minidist.parallel.tensor.tensor_parallel import shard_for
 
 CONFIG = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=4, n_embd=16)  # vocab padded to 12
 
@@ -29,7 +30,7 @@ for backend in ("ring", "mpi"):
     for dp, tp in ((1, 4), (2, 2)):
         mesh = DeviceMesh(world, dp=dp, tp=tp)
         for sequence_parallel in (False, True):
-            model = build_tp_gpt(CONFIG, 0, "float64", mesh.tp_group, sequence_parallel=sequence_parallel)
+            model = tensor_parallel(GPT(CONFIG, 0, "float64"), mesh.tp_group, sequence_parallel=sequence_parallel)
             _, loss = model(idx, targets)
             loss.backward()
             sync_sequence_parallel_grads(model, mesh.tp_group)

@@ -11,7 +11,9 @@ from minidist.model import GPT, GPTConfig
 from minidist.optim import SGD, AdamW, clip_grad_norm, lr_at
 from minidist.parallel.whole_model.consolidate import consolidated_state_dict
 from minidist.nn.recompute import recompute_blocks
-from minidist.parallel.tensor.model import build_tp_gpt
+from minidist.parallel.tensor.apply import tensor_parallel
+from minidist.parallel.compose.gradients import apply_gradients
+from minidist.parallel.zero.full_state import full_parameters
 from minidist.parallel.zero.optimizer import ZeroOptimizer
 
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
@@ -57,11 +59,10 @@ def zero_rank(group, stage, optimizer, steps=STEPS, micro_batches=1, config=CONF
     if mesh is None:
         model = GPT(config, seed=SEED, dtype="float64")
     else:
-        group, model = mesh.dp_group, build_tp_gpt(config, SEED, "float64", mesh.tp_group)
+        group, model = mesh.dp_group, tensor_parallel(GPT(config, SEED, "float64"), mesh.tp_group)
     if recompute:
         recompute_blocks(model)
-    zero = ZeroOptimizer(model, group, stage, optimizer, **HYPER[optimizer],
-                         tp_group=mesh.tp_group if mesh is not None else None)
+    zero = ZeroOptimizer(model, group, stage, optimizer, **HYPER[optimizer])
     rows = np.array_split(np.arange(BATCH), group.size)[group.rank]
     losses, norms = [], []
     for step in range(steps):
@@ -72,10 +73,9 @@ def zero_rank(group, stage, optimizer, steps=STEPS, micro_batches=1, config=CONF
             _, loss = model(idx[micro], targets[micro])
             (loss * (1.0 / micro_batches)).backward()
             step_loss += loss.item() / micro_batches
-        norms.append(zero.clip_grad_norm(CLIP))
-        zero.step(lr(step, optimizer))
+        norms.append(apply_gradients(zero, lr(step, optimizer), CLIP, mesh=mesh))
         losses.append(step_loss)
-    with zero.full_parameters():
+    with full_parameters(zero):
         state = model.state_dict() if mesh is None else consolidated_state_dict(model, mesh)
     return losses, norms, state, zero
 

@@ -23,6 +23,8 @@ so average its gradient, shard it under ZeRO and write it once to a checkpoint, 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 def norm_bucket(p) -> str | None:
     """Which sum of squares parameter ``p``'s gradient goes to: "sharded" (distinct on each tp rank:
@@ -54,6 +56,38 @@ def replica_group(p, dp_group, expert_group=None):
     already sums every ep rank's tokens; a mesh's ``expert_dp_group``); any other, or without
     ``expert_group``: ``dp_group`` (a mesh's ``dp_cp_group``)."""
     return expert_group if p.expert and expert_group is not None else dp_group
+
+
+@dataclass(frozen=True)
+class ReplicaGroups:
+    """Who holds the same values, for a data-parallel reduction (DataParallel) or ZeRO: ``group`` (a
+    mesh's ``dp_cp_group``, or any dp group), of whose ranks ``replicas`` are data replicas (None:
+    every rank; under context parallelism the cp ranks hold parts of one replica's gradient), and
+    ``experts`` (a mesh's ``expert_dp_group``, or None) for the expert parameters."""
+    group: object
+    replicas: int | None = None
+    experts: object = None
+
+    def of(self, p):
+        """The group ``p``'s gradient is reduced (and under ZeRO sharded) over: :func:`replica_group`."""
+        return replica_group(p, self.group, self.experts)
+
+    def reduce_op(self, flat, group) -> str:
+        """The op to reduce ``flat`` over ``group`` with: :func:`average_over_replicas`."""
+        return average_over_replicas(flat, group, self.replicas)
+
+
+def average_over_replicas(flat, group, replicas: int | None) -> str:
+    """The rule for a gradient reduction over ``group`` whose ranks hold ``replicas`` data replicas
+    (None: every rank is one): returns the reduce op to send ``flat`` with. Every rank a replica:
+    "avg". Otherwise the other ranks hold parts of one replica's gradient (context parallelism: the
+    cp ranks' tokens), which add up: ``flat`` is divided by ``replicas`` in place (before the sum,
+    as a float16 average is) and summed, "sum"."""
+    if replicas is None or replicas == group.size:
+        return "avg"
+    if replicas != 1:
+        flat *= 1.0 / replicas
+    return "sum"
 
 
 def summed_over_ep(p) -> bool:

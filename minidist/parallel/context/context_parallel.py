@@ -48,7 +48,7 @@ class AverageOverContextParallel(Function):
     @staticmethod
     def forward(ctx, loss, group):
         ctx.n = group.size
-        return group.all_reduce(loss.reshape(1).copy(), op="avg").reshape(loss.shape)
+        return group.all_reduce(loss.reshape(1).copy(), op="avg", label="metric: mean loss over cp").reshape(loss.shape)
 
     @staticmethod
     def backward(ctx, grad):
@@ -84,13 +84,15 @@ class ContextParallel:
         """This rank's tokens (B, T/cp) of ``tokens`` (B, T): the input ids or the targets."""
         return tokens[:, self.positions(tokens.shape[1], get_array_module(tokens))]
 
-    def whole_sequences(self, local):
+    def whole_sequences(self, local, what: str):
         """Every cp rank's part (B, T/cp, ...) of ``local``, gathered into whole sequences (B, T, ...)
-        in token order, the same on every rank. Sends one all-gather of ``local``."""
+        in token order, the same on every rank. Sends one all-gather of ``local`` (``what`` names it in
+        the trace's label)."""
         xp = get_array_module(local)
         n, T_local = self.size, local.shape[1]
         T = n * T_local
-        gathered = self.group.all_gather(xp.ascontiguousarray(local.swapaxes(0, 1)))  # (n T/cp, B, ...) by rank
+        gathered = self.group.all_gather(xp.ascontiguousarray(local.swapaxes(0, 1)),  # (n T/cp, B, ...) by rank
+                                         label=f"activation: {what}, every cp rank's tokens")
         order = xp.concatenate([xp.arange(a, b) for r in range(n)  # every rank's positions, in rank order
                                 for a, b in sequence_chunks(T, n, r, self.algorithm == "zigzag")])
         whole = xp.empty_like(gathered)
@@ -118,17 +120,42 @@ class ContextParallel:
         return AverageOverContextParallel.apply(loss, self.group)
 
 
+def whole_sequence_routing(moe, cp: ContextParallel) -> None:
+    """Make the mixture-of-experts layer ``moe`` (minidist/moe.py) apply its per-sequence rules to
+    whole sequences while this rank holds 1/cp of each: its :meth:`~minidist.moe.MoE.keep` (the
+    capacity, which reads a sequence's choices in order) runs on the choices all-gathered over the cp
+    group, each rank keeping its own tokens' verdicts, and its
+    :meth:`~minidist.moe.MoE.sequence_statistics` (the balance loss's counts and probability sums)
+    are summed over the group. Sends, per forward: with a capacity factor one all-gather of the
+    (B, T/cp, k) choices; with a balance loss, in grad mode, one all-reduce of (2, B, E) float64."""
+    keep, statistics = moe.keep, moe.sequence_statistics  # the one-process rules, for whole sequences
+
+    def keep_of_whole_sequences(experts):  # this rank's (B, T/cp, k) -> its verdicts (B, T/cp, k)
+        if not moe.capacity_factor:
+            return keep(experts)  # dropless: every assignment, nothing to gather
+        whole = cp.whole_sequences(experts, "each token's chosen experts")  # (B, T, k)
+        return keep(whole)[:, cp.positions(whole.shape[1], get_array_module(whole))]
+
+    def statistics_of_whole_sequences(experts, p):  # this rank's tokens -> (2, B, E), T
+        stats, T = statistics(experts, p)
+        cp.group.all_reduce(stats, label="activation: the balance loss's expert counts and router probabilities "
+                                         "per sequence, summed over cp")
+        return stats, T * cp.size
+
+    moe.keep, moe.sequence_statistics = keep_of_whole_sequences, statistics_of_whole_sequences
+
+
 def context_parallel(model, group, algorithm: str = "ring"):
-    """Make ``model`` (a GPT or a tensor-parallel GPT, before it is cut into pipeline stages) run on
-    this rank's 1/cp of every sequence: its embed keeps this rank's tokens, its attention layers
+    """Make ``model`` (a GPT or its tensor-parallel shard, before it is cut into pipeline stages) run
+    on this rank's 1/cp of every sequence: its embed keeps this rank's tokens, its attention layers
     attend over ``group`` with ``algorithm``, its head keeps this rank's targets and averages the
-    loss over the group, and a mixture-of-experts layer sums each sequence's balance statistics
-    over the group (minidist/moe.py). Returns ``model``. Sends nothing; every later forward is
+    loss over the group, and a mixture-of-experts layer reads whole sequences
+    (:func:`whole_sequence_routing`). Returns ``model``. Sends nothing; every later forward is
     collective over ``group``."""
     cp = ContextParallel(group, algorithm)
     model.context_parallel = cp
     for block in model.transformer.h:
         block.attn.attend = cp.attend
-        if isinstance(block.mlp, MoE):  # its statistics (and capacity) per sequence
-            block.mlp.context_parallel = cp
+        if isinstance(block.mlp, MoE):  # its capacity and balance statistics, per whole sequence
+            whole_sequence_routing(block.mlp, cp)
     return model

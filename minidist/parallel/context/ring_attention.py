@@ -41,6 +41,8 @@ from minidist.autograd.backend import matmul
 from minidist.comm.trace import Event
 
 TAG_KV, TAG_DKV = 1, 2  # point-to-point tags on the cp group: the K/V blocks, the dK/dV sums
+KV = ("ring sendrecv kv", "activation: ring attention K/V")  # a hop's trace event, its messages' label
+DKV = ("ring sendrecv dkv", "activation: ring attention dK/dV sums")
 
 
 def sequence_chunks(T: int, cp_size: int, cp_rank: int, zigzag: bool) -> list[tuple[int, int]]:
@@ -134,25 +136,26 @@ def _chunk_slices(chunks):
 
 class _Ring:
     """One rotation of a buffer around the cp ring: post the hop (send to r + 1, receive from
-    r - 1) before the step's compute, wait for it after, and record the span as one trace event."""
+    r - 1) before the step's compute, wait for it after, and record the span as one trace event
+    (``op``, e.g. "ring sendrecv kv"); ``label`` is the purpose of its messages."""
 
-    def __init__(self, group, tag):
-        self.group, self.tag = group, tag
+    def __init__(self, group, tag, op, label):
+        self.group, self.tag, self.op, self.label = group, tag, op, label
         self.n, self.r = group.size, group.rank
 
     def start(self, send, recv):
         self._t0 = time.perf_counter()
-        self._reqs = [self.group.irecv(recv, (self.r - 1) % self.n, self.tag),
-                      self.group.isend(send, (self.r + 1) % self.n, self.tag)]
+        self._reqs = [self.group.irecv(recv, (self.r - 1) % self.n, self.tag, label=self.label),
+                      self.group.isend(send, (self.r + 1) % self.n, self.tag, label=self.label)]
         self._nbytes = send.nbytes
 
-    def wait(self, label="ring sendrecv kv"):
+    def wait(self):
         for req in self._reqs:
             req.wait()
         trace = self.group.trace
         if trace.enabled:
-            trace.add(Event(label, self.group.name, "ring", self._nbytes, self._t0, time.perf_counter(), 0,
-                            trace.rank, (self.r + 1) % self.n, "p2p"))
+            trace.add(Event(self.op, self.group.name, "ring", self._nbytes, self._t0, time.perf_counter(), 0,
+                            trace.rank, (self.r + 1) % self.n, "p2p", label=self.label))
 
 
 class RingAttention(Function):
@@ -174,7 +177,7 @@ class RingAttention(Function):
         lse = xp.full(q.shape[:-1], -xp.inf, dtype=acc)  # (B, nh, L)
         kv = xp.ascontiguousarray(xp.stack([k, v]))  # (2, B, nh, L, hs) in k's dtype: one message per hop
         spare = xp.empty(kv.shape, kv.dtype)
-        ring = _Ring(group, TAG_KV)
+        ring = _Ring(group, TAG_KV, *KV)
         for s in range(n):
             src = (r - s) % n
             if s < n - 1:
@@ -205,7 +208,7 @@ class RingAttention(Function):
         dq = xp.zeros(q.shape, dtype=acc)
         kv = xp.ascontiguousarray(xp.stack([ctx.k, ctx.v]))  # (2, B, nh, L, hs) in k's dtype
         spare = xp.empty(kv.shape, kv.dtype)
-        kv_ring, dkv_ring = _Ring(group, TAG_KV), _Ring(group, TAG_DKV)
+        kv_ring, dkv_ring = _Ring(group, TAG_KV, *KV), _Ring(group, TAG_DKV, *DKV)
         dkv = None  # the dK/dV sum this rank sends on, once its own share is added
         for s in range(n):
             src = (r - s) % n
@@ -229,7 +232,7 @@ class RingAttention(Function):
                 dq[:, :, rows[i]] += matmul(ds, ki)
                 mine_dkv[0][:, :, rows[j]] += matmul(ds.swapaxes(-1, -2), qi)
             if s > 0:
-                dkv_ring.wait("ring sendrecv dkv")
+                dkv_ring.wait()
                 mine_dkv += incoming
             dkv = mine_dkv
             if s < n - 1:
@@ -238,7 +241,7 @@ class RingAttention(Function):
         if n > 1:  # the last hop: block r+1's sum goes home, and mine comes back complete
             home = xp.empty(dkv.shape, dkv.dtype)
             dkv_ring.start(dkv, home)
-            dkv_ring.wait("ring sendrecv dkv")
+            dkv_ring.wait()
             dkv = home
         dtype = q.dtype
         return dq.astype(dtype), dkv[0].astype(dtype), dkv[1].astype(dtype), None, None

@@ -23,22 +23,25 @@ from minidist.autograd import Function, get_array_module
 from minidist.autograd.attention import ScaledDotProductAttention
 
 
-def sequence_to_heads(x, group, head_axis: int):
+def sequence_to_heads(x, group, head_axis: int, what: str):
     """All-to-all: this rank's tokens of every head (..., nh, L, hs) -> every token of its head
-    group (..., nh/n, n L, hs), in sequence order. Sends head group j of my tokens to rank j."""
+    group (..., nh/n, n L, hs), in sequence order. Sends head group j of my tokens to rank j
+    (``what``: the arrays, for the trace's label)."""
     n, xp = group.size, get_array_module(x)
     groups = x.reshape(x.shape[:head_axis] + (n, -1) + x.shape[head_axis + 1:])  # (..., n, nh/n, L, hs)
-    recv = group.all_to_all(xp.ascontiguousarray(xp.moveaxis(groups, head_axis, 0)))  # recv[i]: rank i's tokens
+    recv = group.all_to_all(xp.ascontiguousarray(xp.moveaxis(groups, head_axis, 0)),  # recv[i]: rank i's tokens
+                            label=f"activation: {what}, my tokens of every head -> every token of my heads")
     joined = xp.moveaxis(recv, 0, -3)  # (..., nh/n, n, L, hs)
     return joined.reshape(joined.shape[:-3] + (-1, joined.shape[-1]))  # (..., nh/n, T, hs)
 
 
-def heads_to_sequence(y, group, head_axis: int):
+def heads_to_sequence(y, group, head_axis: int, what: str):
     """The inverse all-to-all: every token of my head group (..., nh/n, T, hs) -> my tokens of
-    every head (..., nh, T/n, hs). Sends the j-th sequence slice to rank j."""
+    every head (..., nh, T/n, hs). Sends the j-th sequence slice to rank j (``what``: for the label)."""
     n, xp = group.size, get_array_module(y)
     slices = y.reshape(y.shape[:-2] + (n, -1, y.shape[-1]))  # (..., nh/n, n, L, hs)
-    recv = group.all_to_all(xp.ascontiguousarray(xp.moveaxis(slices, -3, 0)))  # recv[i]: head group i, my tokens
+    recv = group.all_to_all(xp.ascontiguousarray(xp.moveaxis(slices, -3, 0)),  # recv[i]: head group i, my tokens
+                            label=f"activation: {what}, every token of my heads -> my tokens of every head")
     joined = xp.moveaxis(recv, 0, head_axis)  # (..., n, nh/n, L, hs)
     return joined.reshape(joined.shape[:head_axis] + (-1,) + joined.shape[head_axis + 2:])  # (..., nh, L, hs)
 
@@ -50,17 +53,18 @@ class UlyssesAttention(Function):
     @staticmethod
     def forward(ctx, q, k, v, group):
         xp = get_array_module(q)
-        qkv = sequence_to_heads(xp.stack([q, k, v]), group, head_axis=2)  # (3, B, nh/n, T, hs)
+        qkv = sequence_to_heads(xp.stack([q, k, v]), group, 2, "Ulysses q, k, v")  # (3, B, nh/n, T, hs)
         y = ScaledDotProductAttention.forward(ctx, qkv[0], qkv[1], qkv[2], True)  # (B, nh/n, T, hs); saves on ctx
         ctx.group = group
-        return heads_to_sequence(y, group, head_axis=1)  # (B, nh, L, hs)
+        return heads_to_sequence(y, group, 1, "Ulysses attention output")  # (B, nh, L, hs)
 
     @staticmethod
     def backward(ctx, grad):  # (B, nh, L, hs)
         group = ctx.group
-        dy = sequence_to_heads(grad, group, head_axis=1)  # (B, nh/n, T, hs)
+        dy = sequence_to_heads(grad, group, 1, "Ulysses attention output's gradient")  # (B, nh/n, T, hs)
         dq, dk, dv, _ = ScaledDotProductAttention.backward(ctx, dy)
-        grads = heads_to_sequence(get_array_module(dq).stack([dq, dk, dv]), group, head_axis=2)  # (3, B, nh, L, hs)
+        dqkv = get_array_module(dq).stack([dq, dk, dv])  # (3, B, nh/n, T, hs)
+        grads = heads_to_sequence(dqkv, group, 2, "Ulysses dq, dk, dv")  # (3, B, nh, L, hs)
         return grads[0], grads[1], grads[2], None
 
 

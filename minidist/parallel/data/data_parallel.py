@@ -25,7 +25,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from minidist.device import get_array_module
-from minidist.parallel.compose.grad_ownership import replica_group
+from minidist.parallel.compose.grad_ownership import average_over_replicas, replica_group
 
 DEFAULT_BUCKET_BYTES = 1 << 20  # 1 MiB; PyTorch DDP uses 25 MiB for models a thousand times larger
 
@@ -40,9 +40,10 @@ class Bucket:
         self.params = [p for _, p in named_params]
         xp = get_array_module(self.params[0].data)
         self.buffer = xp.zeros(sum(p.data.size for p in self.params), dtype=dtype)  # (N,)
-        self.views, offset = [], 0
+        self.views, self.offsets, offset = [], [], 0
         for p in self.params:
             self.views.append(self.buffer[offset:offset + p.data.size].reshape(p.data.shape))
+            self.offsets.append(offset)
             offset += p.data.size
         self.pending = len(self.params)  # gradients not yet final in this backward
         self.work = None  # the in-flight all-reduce
@@ -64,7 +65,7 @@ class DataParallel:
     ``replicas`` (default: every rank of the group) is how many of the group's ranks are data
     replicas; under context parallelism the group is dp x cp and the cp ranks' gradients are parts
     of one replica's gradient, so they are summed and only the dp replicas averaged
-    (:func:`average_over_replicas`).
+    (:func:`~minidist.parallel.compose.grad_ownership.average_over_replicas`).
 
     ``expert_group`` (expert parallelism): the group the expert parameters (``p.expert``) are
     broadcast from and averaged over instead, the ranks holding the same experts
@@ -83,7 +84,7 @@ class DataParallel:
         self.bucket_bytes = bucket_bytes
         group_of = lambda p: replica_group(p, dp_group, expert_group)  # noqa: E731
         for _, p in named:
-            group_of(p).broadcast(p.data, src=0)
+            group_of(p).broadcast(p.data, src=0, label="parameter: the same start on every replica")
         self.buckets = _fill_buckets(named[::-1], bucket_bytes, dtypes.pop(), group_of)
         self._sync = True
         self._next_launch = 0  # buckets launch strictly in index order, identical on every rank
@@ -143,21 +144,9 @@ class DataParallel:
             if bucket.pending > 0 and not force:
                 return
             op = average_over_replicas(bucket.buffer, bucket.group, self.replicas)
-            bucket.work = bucket.group.all_reduce(bucket.buffer, op=op, async_op=True)
+            bucket.work = bucket.group.all_reduce(bucket.buffer, op=op, async_op=True,
+                                                  label=f"gradient: DDP bucket {bucket.index} average")
             self._next_launch += 1
-
-
-def average_over_replicas(flat, group, replicas: int | None) -> str:
-    """The rule for a gradient reduction over ``group`` whose ranks hold ``replicas`` data replicas
-    (None: every rank is one): returns the reduce op to send ``flat`` with. Every rank a replica:
-    "avg". Otherwise the other ranks hold parts of one replica's gradient (context parallelism: the
-    cp ranks' tokens), which add up: ``flat`` is divided by ``replicas`` in place (before the sum,
-    as a float16 average is) and summed, "sum"."""
-    if replicas is None or replicas == group.size:
-        return "avg"
-    if replicas != 1:
-        flat *= 1.0 / replicas
-    return "sum"
 
 
 def _fill_buckets(named_params: list, bucket_bytes: int, dtype, group_of) -> list[Bucket]:

@@ -31,23 +31,30 @@ from minidist.moe import MoE
 from minidist.parallel.tensor.layout import ep_block
 
 
+DISPATCH = ("activation: tokens to their experts", "activation: the tokens' gradients back from their experts")
+COMBINE = ("activation: the experts' outputs back to their tokens",
+           "activation: the outputs' gradients to their experts")
+
+
 class AllToAll(Function):
     """Rows to the ranks of ``group``: ``send_counts[r]`` rows of x (along axis 0) to rank r, and
     ``recv_counts[r]`` rows back from each (concatenated in rank order). Backward sends the
-    gradient's rows the other way: the same all-to-all with the counts swapped."""
+    gradient's rows the other way: the same all-to-all with the counts swapped. ``name`` names
+    the step's compute span, ``labels`` the (forward, backward) calls' purposes in the trace."""
 
     @staticmethod
-    def forward(ctx, x, group, send_counts, recv_counts, label):
-        ctx.group, ctx.counts, ctx.label = group, (send_counts, recv_counts), label
-        with group.trace.record(label, group=group.name, kind="compute"):
-            return group.all_to_all(x, send_counts, recv_counts)
+    def forward(ctx, x, group, send_counts, recv_counts, name, labels):
+        ctx.group, ctx.counts, ctx.name, ctx.label = group, (send_counts, recv_counts), name, labels[1]
+        with group.trace.record(name, group=group.name, kind="compute"):
+            return group.all_to_all(x, send_counts, recv_counts, label=labels[0])
 
     @staticmethod
     def backward(ctx, grad):
         send_counts, recv_counts = ctx.counts
         xp = get_array_module(grad)
-        with ctx.group.trace.record(f"{ctx.label} backward", group=ctx.group.name, kind="compute"):
-            return ctx.group.all_to_all(xp.ascontiguousarray(grad), recv_counts, send_counts), None, None, None, None
+        with ctx.group.trace.record(f"{ctx.name} backward", group=ctx.group.name, kind="compute"):
+            rows = ctx.group.all_to_all(xp.ascontiguousarray(grad), recv_counts, send_counts, label=ctx.label)
+            return rows, None, None, None, None, None
 
 
 def regroup_by_expert(counts) -> np.ndarray:
@@ -76,15 +83,17 @@ class ExpertParallel:
         n, L = self.group.size, self.local
         xp = get_array_module(x.data)
         send = np.asarray(counts, dtype=np.int64).reshape(n, L)  # (ep, L) rows for rank r's expert e
-        recv = to_numpy(self.group.all_to_all(xp.asarray(send)))  # (ep, L) rows from rank s for my expert e
+        label = "activation: how many token rows go to each expert"
+        recv = to_numpy(self.group.all_to_all(xp.asarray(send), label=label))  # (ep, L) rows from rank s for my expert e
         to_rank, from_rank = [int(c) for c in send.sum(axis=1)], [int(c) for c in recv.sum(axis=1)]
         self.sent, self.received = send, recv
-        rows = AllToAll.apply(x, self.group, to_rank, from_rank, "moe dispatch")  # (R, C) by source, by expert
+        rows = AllToAll.apply(x, self.group, to_rank, from_rank, "moe dispatch", DISPATCH)  # (R, C) by source, expert
         perm = regroup_by_expert(recv)
         y = experts(take_rows(rows, xp.asarray(perm)), [int(c) for c in recv.sum(axis=0)])  # (R, C) by expert, by source
         back = np.empty_like(perm)  # the inverse permutation (host), then where the rows are
         back[perm] = np.arange(len(perm))
-        return AllToAll.apply(take_rows(y, xp.asarray(back)), self.group, from_rank, to_rank, "moe combine")  # (M, C)
+        y = take_rows(y, xp.asarray(back))  # (R, C) by source, by expert
+        return AllToAll.apply(y, self.group, from_rank, to_rank, "moe combine", COMBINE)  # (M, C)
 
 
 def moe_layers(model) -> list:
@@ -126,7 +135,8 @@ def expert_load(model, mesh, micro_batches: int) -> dict:
     for moe in layers.values():
         moe.reset_stats()
     xp = get_array_module(next(iter(model.parameters())).data)
-    totals = to_numpy(mesh.world.all_reduce(xp.asarray(totals)))  # in the model's memory (NCCL: GPU only)
+    label = "metric: expert load, dropped rows, aux loss and rows per rank over the world"
+    totals = to_numpy(mesh.world.all_reduce(xp.asarray(totals), label=label))  # in the model's memory (NCCL: GPU only)
     load = {i: totals[i * E:(i + 1) * E].astype(np.int64).tolist() for i in range(n_layer) if totals[i * E:(i + 1) * E].any()}
     imbalance = max((max(v) / (sum(v) / E) for v in load.values() if sum(v)), default=1.0)
     return {"expert_load": load, "expert_imbalance": imbalance, "expert_rows": totals[n_layer * E + 2:].astype(np.int64).tolist(),

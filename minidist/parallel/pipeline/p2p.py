@@ -1,46 +1,62 @@
-"""Point-to-point between neighbouring pipeline stages: activations forward, gradients backward.
+"""Point-to-point between pipeline stages: activations forward, gradients backward, a round at a time.
 
-Both directions move one (mb, T, C) array per micro-batch, whose shape every rank knows from the
-micro-batch and the config, so nothing but the data is sent. Sends are non-blocking (``isend``): the
-sender goes on computing while its message waits for the receiver, and keeps the buffer alive until
-:meth:`StageLink.wait_sends` at the end of the step. Receives block until the data is there. Since
-sends never block, a schedule deadlocks only if some receive waits for a send that comes after it,
-which the dry run in ``validate.py`` rules out before anything is sent.
+Both directions move one (mb, T, C) array per micro-batch, whose shape every rank knows, so only
+the data is sent. The executor hands over each ROUND of messages (those between two of its compute
+actions) at once, and the link posts it as ONE batch (``ProcessGroup.batch_isend_irecv``: Megatron's
+batched isend/irecv, one NCCL group over NCCL) and waits for its receives; the sends are waited for
+at the end of the step. Over NCCL a batch completes only once all its messages have, so each receive
+sits in the round its message is sent in (lowering.py), and ``validate.check_rounds`` has shown
+before anything runs that no two ranks wait on each other.
 
-Each (sending stage, direction) has its own tag (:meth:`Action.channel_tag`), so the messages of one
-edge arrive in the order they were sent, as the validator checked.
+Each (sending stage, direction) has its own tag (:meth:`Action.channel_tag`); NCCL, which has no
+tags, matches the messages between two ranks in posting order, the same on both sides.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from minidist.parallel.pipeline.actions import Action, stage_rank
+from minidist.comm.group import P2POp
+from minidist.parallel.pipeline.actions import SENDS, Action, stage_rank
+
+
+def label(a: Action) -> str:
+    """What message ``a`` carries, for the trace: "activation: gradient to stage 2", ..."""
+    what = "forward activations" if a.op.endswith("F") else "gradient"
+    return f"activation: {what} {'to' if a.op in SENDS else 'from'} stage {a.peer_stage()}"
 
 
 class StageLink:
-    """This rank's sends and receives over ``pp_group`` (which rank holds which stage: ``placement``,
-    actions.py); received arrays are made by ``xp`` (NumPy, or CuPy: in the memory the stage
-    computes in)."""
+    """This rank's messages over ``pp_group`` for one step (which rank holds which stage:
+    ``placement``, actions.py); it receives (mb, T, C) arrays ``shape`` of ``dtype`` made by ``xp``
+    (NumPy, or CuPy: in the memory the stage computes in)."""
 
-    def __init__(self, pp_group, xp=np, placement: str = "loop"):
-        self.group, self.xp, self.placement = pp_group, xp, placement
-        self.pending = []  # (request, buffer): isends not yet known to be complete
+    def __init__(self, pp_group, xp=np, placement: str = "loop", shape=(), dtype=np.float32):
+        self.group, self.xp, self.placement, self.shape, self.dtype = pp_group, xp, placement, shape, dtype
+        self.arrived = {}  # RECV action -> the array it brought, until a compute action takes it
+        self.sending = []  # (request, array) of this step's sends, until they are known delivered
 
-    def send(self, action: Action, x) -> None:
-        """SEND_F / SEND_B: start sending array ``x`` to the rank of ``action``'s peer stage."""
-        x = self.xp.ascontiguousarray(x)
-        dst = stage_rank(action.peer_stage(), self.group.size, self.placement)
-        self.pending.append((self.group.isend(x, dst, tag=action.channel_tag()), x))
+    def post(self, messages) -> None:
+        """One round: ``messages`` are (SEND action, the array it sends) and (RECV action, None)
+        pairs, posted as one batch; returns once the receives have arrived. Sends each SEND's array
+        to the rank of its peer stage."""
+        ops = []
+        for a, x in messages:
+            buffer = self.xp.ascontiguousarray(x) if a.op in SENDS else self.xp.empty(self.shape, self.dtype)
+            peer = stage_rank(a.peer_stage(), self.group.size, self.placement)
+            ops.append(P2POp("isend" if a.op in SENDS else "irecv", buffer, peer, a.channel_tag(), label(a)))
+        for (a, _), op, request in zip(messages, ops, self.group.batch_isend_irecv(ops)):
+            if a.op in SENDS:
+                self.sending.append((request, op.buffer))
+            else:
+                request.wait()
+                self.arrived[a] = op.buffer
 
-    def recv(self, action: Action, shape, dtype) -> np.ndarray:
-        """RECV_F / RECV_B: the (mb, T, C) array sent by the rank of ``action``'s peer stage."""
-        buf = self.xp.empty(shape, dtype)
-        src = stage_rank(action.peer_stage(), self.group.size, self.placement)
-        self.group.irecv(buf, src, tag=action.channel_tag()).wait()
-        return buf
+    def take(self, recv: Action):
+        """The (mb, T, C) array that RECV ``recv`` brought (or that a stage on this rank handed over)."""
+        return self.arrived.pop(recv)
 
     def wait_sends(self) -> None:
-        """Wait until every send of this step has been delivered; the buffers may then be freed."""
-        for request, _ in self.pending:
+        """Wait until every send of this step has been delivered; the arrays may then be freed."""
+        for request, _ in self.sending:
             request.wait()
-        self.pending.clear()
+        self.sending.clear()

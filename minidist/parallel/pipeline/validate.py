@@ -14,7 +14,10 @@ position and the action:
   for activations, s -> s-1 for gradients) the receiver takes the micro-batches in the order they were
   sent (messages of one tag never overtake each other);
 - no deadlock: :func:`simulate` runs all ranks' lists together (sends never block, a RECV waits for
-  its SEND) and reports the ranks stuck, each at the action it waits on.
+  its SEND) and reports the ranks stuck, each at the action it waits on;
+- none either under NCCL's rules (:func:`check_rounds`): the executor posts each round (the messages
+  between two compute actions) as one batch that waits for all of its messages, and messages
+  between two ranks match in posting order, whatever their tags.
 
 The dry run also yields the ideal timeline: when each F, B and W would start and end if an F took
 ``forward_cost`` and a whole backward ``backward_cost`` time units (split, a W ``weight_cost`` and B
@@ -31,6 +34,21 @@ from minidist.parallel.pipeline.actions import RECVS, SENDS, Action, stage_rank
 
 class ScheduleError(ValueError):
     """A schedule breaks a rule; the message names the rank, the position and the action."""
+
+
+_WORDS = {"F": "forward", "B": "backward", "W": "weight gradients", "SEND_F": "send activation",
+          "RECV_F": "receive activation", "SEND_B": "send gradient", "RECV_B": "receive gradient"}
+
+
+def describe(a: Action) -> str:
+    """An action in words: ``1B2 (backward of micro-batch 2 on stage 1)``."""
+    return f"{a} ({_WORDS[a.op]} of micro-batch {a.microbatch} on stage {a.stage})"
+
+
+def matching(a: Action) -> Action:
+    """The RECV that pairs with SEND ``a`` on the peer stage, or the SEND that pairs with RECV ``a``."""
+    return Action({"SEND_F": "RECV_F", "RECV_F": "SEND_F", "SEND_B": "RECV_B", "RECV_B": "SEND_B"}[a.op],
+                  a.peer_stage(), a.microbatch)
 
 
 @dataclass(frozen=True)
@@ -84,7 +102,7 @@ class Timeline:
 
 
 def _where(rank: int, index: int, action: Action) -> str:
-    return f"rank {rank}, action #{index} {action.describe()}"
+    return f"rank {rank}, action #{index} {describe(action)}"
 
 
 def validate(schedule: list[list[Action]], pp_size: int, micro_batches: int, virtual_stages: int = 1,
@@ -111,7 +129,7 @@ def validate(schedule: list[list[Action]], pp_size: int, micro_batches: int, vir
                 raise ScheduleError(f"{where}: stage {a.stage} lives on rank {rank_of(a.stage)}")
             if forward_only and a.op in ("B", "W", "SEND_B", "RECV_B"):
                 raise ScheduleError(f"{where}: a forward-only schedule has no backward")
-            peer = a.peer_stage()
+            peer = None if a.is_compute else a.peer_stage()
             if peer is not None and not 0 <= peer < n_stages:
                 raise ScheduleError(f"{where}: there is no stage {peer} to talk to")
             if peer is not None and rank_of(peer) == r:
@@ -129,9 +147,11 @@ def validate(schedule: list[list[Action]], pp_size: int, micro_batches: int, vir
         for mb in range(micro_batches):
             for op in ("F",) if forward_only else ("F", "B", "W") if split else ("F", "B"):
                 if (op, s, mb) not in done[r]:
-                    raise ScheduleError(f"rank {r} never runs {Action(op, s, mb).describe()}")
+                    raise ScheduleError(f"rank {r} never runs {describe(Action(op, s, mb))}")
     _check_pairs_and_order(schedule, pp_size, placement)
-    return simulate(schedule, pp_size, forward_cost, backward_cost, weight_cost, placement)
+    timeline = simulate(schedule, pp_size, forward_cost, backward_cost, weight_cost, placement)
+    check_rounds(schedule, pp_size, placement)
+    return timeline
 
 
 def _needs(a: Action, n_stages: int, rank_of):
@@ -171,14 +191,14 @@ def _check_pairs_and_order(schedule, pp_size, placement) -> None:
         sends, recvs = sent[channel], received[channel]
         posted = {a for _, _, a in recvs}
         for r, i, a in sends:
-            if a.matching() not in posted:
+            if matching(a) not in posted:
                 raise ScheduleError(f"{_where(r, i, a)}: rank {channel[1]} never posts the matching "
-                                    f"{a.matching()}")
+                                    f"{matching(a)}")
         posted = {a for _, _, a in sends}
         for r, i, a in recvs:
-            if a.matching() not in posted:
+            if matching(a) not in posted:
                 raise ScheduleError(f"{_where(r, i, a)}: rank {channel[0]} never sends the matching "
-                                    f"{a.matching()}")
+                                    f"{matching(a)}")
         for (_, _, s), (r, i, a) in zip(sends, recvs):
             if s.microbatch != a.microbatch:
                 raise ScheduleError(f"{_where(r, i, a)}: rank {channel[0]} sends micro-batch {s.microbatch} "
@@ -227,3 +247,51 @@ def simulate(schedule: list[list[Action]], pp_size: int, forward_cost: float = 1
                           f"{stage_rank(schedule[r][position[r]].peer_stage(), pp_size, placement)}" for r in stuck)
         raise ScheduleError(f"deadlock: {waits}")
     return Timeline(spans, max(clock))
+
+
+def rounds_of(actions: list[Action]) -> list[list[Action]]:
+    """The rounds of one rank's list: each run of SENDs and RECVs between two compute actions."""
+    rounds, current = [], []
+    for a in actions + [Action("F", 0, 0)]:  # a compute action at the end closes the last round
+        if a.is_compute and current:
+            rounds.append(current)
+            current = []
+        elif not a.is_compute:
+            current.append(a)
+    return rounds
+
+
+def check_rounds(schedule: list[list[Action]], pp_size: int, placement: str = "loop") -> None:
+    """Dry-run ``schedule`` as the executor posts it over NCCL: each round one batch that completes
+    once every peer holding one of its messages has reached that message's round (a send waits
+    for its receive), messages between two ranks matched in posting order (NCCL has no tags).
+    Raises :class:`ScheduleError` where a receive would get another message, or ranks would wait on
+    each other for ever."""
+    rounds = [rounds_of(actions) for actions in schedule]
+    posted = defaultdict(list)  # (sending rank, receiving rank, "SEND" / "RECV") -> [(round, action)]
+    for r, batches in enumerate(rounds):
+        for k, batch in enumerate(batches):
+            for a in batch:
+                src, dst, _ = _channel(a, r, pp_size, placement)
+                posted[src, dst, a.op[:4]].append((k, a))
+    partners, crossed = defaultdict(list), []  # (rank, round) -> [(peer, its round)]; mismatched pairs
+    for (src, dst, kind), sends in list(posted.items()):
+        for (k, send), (j, recv) in zip(sends, posted[src, dst, "RECV"] if kind == "SEND" else []):
+            crossed += [f"rank {dst} receives {recv} where rank {src} sends {send}"] if matching(send) != recv else []
+            partners[src, k].append((dst, j))
+            partners[dst, j].append((src, k))
+    reached = [0] * pp_size  # each rank's current round (the ones before are complete)
+    moved = True
+    while moved:
+        moved = False
+        for r in range(pp_size):
+            while reached[r] < len(rounds[r]) and all(reached[q] >= j for q, j in partners[r, reached[r]]):
+                reached[r] += 1
+                moved = True
+    stuck = [r for r in range(pp_size) if reached[r] < len(rounds[r])]
+    if stuck:
+        waits = "; ".join(f"rank {r} posts {' '.join(map(str, rounds[r][reached[r]]))} and waits for rank "
+                          f"{next(q for q, j in partners[r, reached[r]] if reached[q] < j)}" for r in stuck)
+        raise ScheduleError(f"deadlock over NCCL (each round one batch): {waits}")
+    if crossed:
+        raise ScheduleError(f"{crossed[0]}: messages between two ranks match in posting order over NCCL")

@@ -27,10 +27,26 @@ on the costs F, B and W of one chunk: each rank, whenever it is free, runs
 
 A micro-batch's activations are held from its F until its W (W still needs the layer inputs).
 The result is a compute order, lowered and checked like every schedule (schedules.py, validate.py).
+The executor runs B and W with the extension split_backward.py.
 """
 from __future__ import annotations
 
 from minidist.parallel.pipeline.actions import Action, rank_stages, stage_rank
+
+
+def zb_h1(one_f_one_b: list[list[Action]], micro_batches: int, costs=(1.0, 1.0, 1.0)) -> list[list[Action]]:
+    """ZB-H1's compute order: ``one_f_one_b``'s forwards and backwards (1F1B's order; B now only
+    the input gradient), each W placed by the list scheduler where the rank would idle, at most p
+    micro-batches in flight."""
+    p = len(one_f_one_b)
+    return list_schedule(p, micro_batches, 1, "loop", limit=p, costs=costs, fixed=one_f_one_b)
+
+
+def zbv(pp_size: int, micro_batches: int, costs=(0.5, 0.5, 0.5)) -> list[list[Action]]:
+    """ZB-V's compute order: two chunks per rank in a V, F, B and W all placed by the list
+    scheduler, at most 2p chunk-micro-batches in flight (the activations of p whole stages: 1F1B's
+    peak). ``costs``: (F, B, W) of one chunk."""
+    return list_schedule(pp_size, micro_batches, 2, "v", limit=2 * pp_size, costs=costs)
 
 
 def list_schedule(pp_size: int, micro_batches: int, virtual_stages: int, placement: str, limit: int,

@@ -46,7 +46,7 @@ def train_parameter_server(group, model, cfg, tokens, *, servers: int = 1, stale
     workers = group.size - servers
     layout = FlatLayout(model, servers)
     servers_group = group.split(0 if group.rank < servers else -1, name="servers")
-    group.barrier()  # a common start for the wall-clock times
+    group.barrier(label="setup: a common start for the wall-clock times")
     t0 = time.perf_counter()
     if group.rank >= servers:
         delay = straggler if group.rank == servers else 0.0

@@ -28,6 +28,12 @@ from minidist.optim import decays
 
 PUSH_HEADER, PUSH, PULL_HEADER, PULL, GATHER = 1, 2, 3, 4, 5  # message tags
 DONE = -1  # the step of a push header that carries no gradient: the worker has stopped
+PUSH_LABELS = ("gradient: a push's header (its step, the parameter version it used)",  # the messages' labels
+               "gradient: a push, a gradient piece and the loss")
+PULL_LABELS = ("parameter: a pull's header (the shard's version, stop)",
+               "parameter: a pull, a server's parameter shard")
+DONE_LABEL = "setup: a push header saying this worker stops"
+GATHER_LABEL = "parameter: a server's final shard, to server 0"
 
 FIRST_SLEEP, MAX_SLEEP = 50e-6, 1e-3  # wait_any's polling pauses: doubling from the first to the max
 

@@ -27,7 +27,8 @@ import time
 import numpy as np
 
 from minidist.optim import adamw_update, clip_coef, lr_at, sgd_update
-from minidist.parallel.ps.protocol import DONE, GATHER, PULL, PULL_HEADER, PUSH, PUSH_HEADER, wait_any
+from minidist.parallel.ps.protocol import (DONE, GATHER, GATHER_LABEL, PULL, PULL_HEADER, PULL_LABELS, PUSH,
+                                           PUSH_HEADER, PUSH_LABELS, wait_any)
 
 ADAMW_BETAS, ADAMW_EPS = (0.9, 0.95), 1e-8  # as minidist.train.build.build_optimizer
 
@@ -77,14 +78,15 @@ class ParameterServer:
         header = np.array([self.version, stop], dtype=np.int64)
         requests = []
         for rank in ranks:
-            requests += [self.group.isend(header, rank, PULL_HEADER), self.group.isend(self.shard, rank, PULL)]
+            requests += [self.group.isend(header, rank, PULL_HEADER, label=PULL_LABELS[0]),
+                         self.group.isend(self.shard, rank, PULL, label=PULL_LABELS[1])]
         for r in requests:
             r.wait()  # each worker posted its pull before pushing, so this is quick
 
     def recv_push(self, rank: int) -> np.ndarray:
         """The payload of a push whose header has arrived: [grad piece..., loss], shape (n+1,)."""
         payload = np.empty(self.shard.size + 1, self.shard.dtype)
-        return self.group.recv(payload, rank, PUSH)
+        return self.group.recv(payload, rank, PUSH, label=PUSH_LABELS[1])
 
     # ---- synchronous -----------------------------------------------------------------------------
 
@@ -97,8 +99,8 @@ class ParameterServer:
         for t in range(self.cfg.steps):
             for w, rank in enumerate(self.workers):
                 with trace.record("wait gradient", kind="wait", peer=rank):
-                    self.group.recv(headers[w], rank, PUSH_HEADER)
-                    self.group.recv(pushes[w], rank, PUSH)
+                    self.group.recv(headers[w], rank, PUSH_HEADER, label=PUSH_LABELS[0])
+                    self.group.recv(pushes[w], rank, PUSH, label=PUSH_LABELS[1])
                 if tuple(headers[w]) != (t, self.version):
                     raise RuntimeError(f"server {self.server}: worker rank {rank} pushed step {headers[w][0]} "
                                        f"on version {headers[w][1]}, expected step {t} on version {self.version}")
@@ -116,7 +118,8 @@ class ParameterServer:
         """L2 norm of the whole gradient: every server's squared norm of its piece, all-reduced over
         the servers (a few bytes; the servers are the only ranks that hold the averaged gradient)."""
         norm_sq = np.array([float((grad * grad).sum())])
-        return float(self.servers_group.all_reduce(norm_sq)[0]) ** 0.5
+        label = "metric: squared gradient norm over the servers"
+        return float(self.servers_group.all_reduce(norm_sq, label=label)[0]) ** 0.5
 
     # ---- asynchronous ----------------------------------------------------------------------------
 
@@ -130,7 +133,8 @@ class ParameterServer:
         clock = {rank: 0 for rank in self.workers}  # steps each worker has pushed
         active = set(self.workers)  # workers that have not stopped
         headers = {rank: np.empty(2, dtype=np.int64) for rank in self.workers}
-        posted = {rank: self.group.irecv(headers[rank], rank, PUSH_HEADER) for rank in self.workers}
+        posted = {rank: self.group.irecv(headers[rank], rank, PUSH_HEADER, label=PUSH_LABELS[0])
+                  for rank in self.workers}
         held: list[int] = []  # workers whose next parameters are held back
         self.send_params(self.workers)
         while active:
@@ -153,7 +157,7 @@ class ParameterServer:
                     active.discard(rank)
                     self.send_params([rank], stop=True)
                 else:
-                    posted[rank] = self.group.irecv(headers[rank], rank, PUSH_HEADER)
+                    posted[rank] = self.group.irecv(headers[rank], rank, PUSH_HEADER, label=PUSH_LABELS[0])
                     held.append(rank)
             slowest = min((clock[r] for r in active), default=0)
             free = [r for r in held if clock[r] - slowest <= staleness]
@@ -166,12 +170,12 @@ class ParameterServer:
         """Every server sends its shard to server 0 (world rank 0), which returns the whole flat
         vector (total,); other servers return None."""
         if self.server != 0:
-            self.group.send(self.shard, 0, GATHER)
+            self.group.send(self.shard, 0, GATHER, label=GATHER_LABEL)
             return None
         flat = np.empty(layout.total, self.shard.dtype)
         for j, (lo, hi) in enumerate(layout.bounds):
             if j == 0:
                 flat[lo:hi] = self.shard
             else:
-                self.group.recv(flat[lo:hi], j, GATHER)
+                self.group.recv(flat[lo:hi], j, GATHER, label=GATHER_LABEL)
         return flat

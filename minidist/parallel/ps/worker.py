@@ -22,7 +22,8 @@ import numpy as np
 
 from minidist.data import get_batch, inputs_and_targets
 from minidist.optim import clip_coef
-from minidist.parallel.ps.protocol import DONE, PULL, PULL_HEADER, PUSH, PUSH_HEADER
+from minidist.parallel.ps.protocol import (DONE, DONE_LABEL, PULL, PULL_HEADER, PULL_LABELS, PUSH, PUSH_HEADER,
+                                           PUSH_LABELS)
 
 
 class Worker:
@@ -60,7 +61,7 @@ class Worker:
             step += 1
             if stop.any():
                 for j in np.flatnonzero(~stop):  # servers that expect another push
-                    self.group.send(np.array([DONE, 0], dtype=np.int64), int(j), PUSH_HEADER)
+                    self.group.send(np.array([DONE, 0], dtype=np.int64), int(j), PUSH_HEADER, label=DONE_LABEL)
                 return
 
     def exchange(self, push) -> np.ndarray:
@@ -70,14 +71,16 @@ class Worker:
         headers = np.empty((self.servers, 2), dtype=np.int64)  # (k, [version, stop])
         pulls = []
         for j, (lo, hi) in enumerate(self.layout.bounds):  # server j is world rank j
-            pulls.append((g.irecv(headers[j], j, PULL_HEADER), g.irecv(self.flat[lo:hi], j, PULL)))
+            pulls.append((g.irecv(headers[j], j, PULL_HEADER, label=PULL_LABELS[0]),
+                          g.irecv(self.flat[lo:hi], j, PULL, label=PULL_LABELS[1])))
         pushes = []
         if push is not None:
             step, grad, loss = push
             for j, (lo, hi) in enumerate(self.layout.bounds):
                 header = np.array([step, self.versions[j]], dtype=np.int64)
                 payload = np.append(grad[lo:hi], grad.dtype.type(loss))  # (n_j + 1,) gradient piece, loss
-                pushes.append((header, payload, g.isend(header, j, PUSH_HEADER), g.isend(payload, j, PUSH)))
+                pushes.append((header, payload, g.isend(header, j, PUSH_HEADER, label=PUSH_LABELS[0]),
+                               g.isend(payload, j, PUSH, label=PUSH_LABELS[1])))
         for j, (header_request, shard_request) in enumerate(pulls):
             with g.trace.record("wait parameters", kind="wait", peer=j):
                 header_request.wait()

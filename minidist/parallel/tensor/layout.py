@@ -1,6 +1,6 @@
 """How tensor parallelism splits each GPT-2 parameter over n ranks: ONE table, read by the model
 (:func:`shard_for`), consolidation (:func:`unshard`), checkpoints (:func:`regions`) and
-``--explain`` (:func:`global_shape`).
+``--explain`` (:func:`global_shape`, :func:`full_shape`).
 
     GPT-2 name                          kind        axis   rank r of n holds
     transformer.wte.weight, lm_head     vocab       0      rows [r V_pad/n, (r+1) V_pad/n), V_pad = V
@@ -106,6 +106,14 @@ def global_shape(name: str, local_shape, tp_size: int, vocab_size: int | None = 
     elif axis is not None:
         shape[axis] *= tp_size
     return tuple(shape)
+
+
+def full_shape(name: str, local_shape, config, tp_size: int) -> tuple:
+    """The single-process shape of parameter ``name`` whose shard on one of ``tp_size`` ranks has
+    ``local_shape`` (:func:`global_shape` with the vocabulary of ``config``, a GPTConfig; a stacked
+    expert parameter has all ``config.n_experts`` experts, whatever block of them it holds)."""
+    shape = global_shape(name, local_shape, tp_size, config.vocab_size)
+    return (config.n_experts,) + shape[1:] if is_expert(name) else shape
 
 
 def regions(name: str, global_shape, tp_rank: int, tp_size: int, ep_rank: int = 0, ep_size: int = 1) -> list:

@@ -24,45 +24,49 @@ An all-reduce *is* a reduce-scatter plus an all-gather, so the bytes sent stay t
 activations between layers shrink n times.
 
 Which rank holds what, by GPT-2 parameter name, is the table in :mod:`minidist.parallel.tensor.layout`
-(:func:`tp_layout`, :func:`shard_for`, :func:`unshard`, imported here under their old home).
+(:func:`tp_layout`, :func:`shard_for`, :func:`unshard`, imported here under their old home);
+:func:`~minidist.parallel.tensor.apply.tensor_parallel` cuts a GPT by it and switches its forwards to
+the operators and layers here.
 """
-import numpy as np
-
-from minidist import nn
 from minidist.autograd import Function, get_array_module, linear
 from minidist.parallel.compose.grad_ownership import summed_over_tp
-from minidist.parallel.tensor.layout import divide, padded_vocab_size, shard_for, tp_layout, unshard
+from minidist.parallel.tensor.layout import padded_vocab_size, shard_for, tp_layout, unshard
 
 __all__ = ["CopyToTensorParallelRegion", "ReduceFromTensorParallelRegion", "GatherFromSequenceParallelRegion",
            "ReduceScatterToSequenceParallelRegion", "GatherFromTensorParallelRegion", "ScatterToSequenceParallelRegion",
            "gather_from_tensor_parallel_region", "scatter_to_sequence_parallel_region", "copy_to_tensor_parallel_region",
            "reduce_from_tensor_parallel_region", "gather_from_sequence_parallel_region",
            "reduce_scatter_to_sequence_parallel_region", "enter_tensor_parallel_region", "exit_tensor_parallel_region",
-           "ColumnParallelLinear", "RowParallelLinear", "sync_sequence_parallel_grads",
+           "row_parallel",
            "tp_layout", "padded_vocab_size", "shard_for", "unshard"]  # the last four: from tp_layout.py
 
 # ---- the communication operators (autograd Functions) ---------------------------------------------
+# Each takes ``what``, the activation it moves in words, for the label of its calls in the trace
+# ("activation: <what>, partial sums added over tp (g)"); the defaults name the layer it stands by.
+
+COLUMN_INPUT, ROW_OUTPUT = "the column-parallel input", "the row-parallel output"
 
 
 class CopyToTensorParallelRegion(Function):
-    """f: identity forward; backward all-reduces (sum) the gradient over the tensor-parallel group."""
+    """f: identity forward; backward all-reduces (sum) the gradient over the tensor-parallel group.
+    ``what`` names the activation in the trace's label (the call site says which)."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, what=COLUMN_INPUT):
+        ctx.group, ctx.what = group, what
         return x
 
     @staticmethod
-    def backward(ctx, grad):
-        return ctx.group.all_reduce(grad.copy()), None  # copy: never write into a received gradient
+    def backward(ctx, grad):  # copy: never write into a received gradient
+        return ctx.group.all_reduce(grad.copy(), label=f"activation: {ctx.what}'s gradient, summed over tp (f)"), None
 
 
 class ReduceFromTensorParallelRegion(Function):
     """g: forward all-reduces (sum) the partial outputs over the group; identity backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        return group.all_reduce(x.copy())
+    def forward(ctx, x, group, what=ROW_OUTPUT):
+        return group.all_reduce(x.copy(), label=f"activation: {what}, partial sums added over tp (g)")
 
     @staticmethod
     def backward(ctx, grad):
@@ -79,13 +83,15 @@ class GatherFromSequenceParallelRegion(Function):
     whole sequence (B, T, C); backward reduce-scatters the gradient (sum over ranks, keep my tokens)."""
 
     @staticmethod
-    def forward(ctx, x, group):  # (B, T/n, C)
-        ctx.group = group
-        return group.all_gather(_sequence_first(x)).swapaxes(0, 1)  # (B, T, C)
+    def forward(ctx, x, group, what=COLUMN_INPUT):  # (B, T/n, C)
+        ctx.group, ctx.what = group, what
+        label = f"activation: {what}, the whole sequence gathered over tp (SP f)"
+        return group.all_gather(_sequence_first(x), label=label).swapaxes(0, 1)  # (B, T, C)
 
     @staticmethod
     def backward(ctx, grad):  # (B, T, C)
-        return ctx.group.reduce_scatter(_sequence_first(grad)).swapaxes(0, 1), None  # (B, T/n, C)
+        label = f"activation: {ctx.what}'s gradient, summed over tp, my tokens kept (SP f)"
+        return ctx.group.reduce_scatter(_sequence_first(grad), label=label).swapaxes(0, 1), None  # (B, T/n, C)
 
 
 class ReduceScatterToSequenceParallelRegion(Function):
@@ -93,13 +99,15 @@ class ReduceScatterToSequenceParallelRegion(Function):
     this rank's tokens (B, T/n, C) (a reduce-scatter); backward all-gathers the gradient."""
 
     @staticmethod
-    def forward(ctx, x, group):  # (B, T, C)
-        ctx.group = group
-        return group.reduce_scatter(_sequence_first(x)).swapaxes(0, 1)  # (B, T/n, C)
+    def forward(ctx, x, group, what=ROW_OUTPUT):  # (B, T, C)
+        ctx.group, ctx.what = group, what
+        label = f"activation: {what}, partial sums added over tp, my tokens kept (SP g)"
+        return group.reduce_scatter(_sequence_first(x), label=label).swapaxes(0, 1)  # (B, T/n, C)
 
     @staticmethod
     def backward(ctx, grad):  # (B, T/n, C)
-        return ctx.group.all_gather(_sequence_first(grad)).swapaxes(0, 1), None  # (B, T, C)
+        label = f"activation: {ctx.what}'s gradient, the whole sequence gathered over tp (SP g)"
+        return ctx.group.all_gather(_sequence_first(grad), label=label).swapaxes(0, 1), None  # (B, T, C)
 
 
 class GatherFromTensorParallelRegion(Function):
@@ -107,10 +115,11 @@ class GatherFromTensorParallelRegion(Function):
     every rank; backward keeps this rank's block of the gradient (every rank's is the same)."""
 
     @staticmethod
-    def forward(ctx, x, group):  # (N, E/n)
+    def forward(ctx, x, group, what="the column-parallel output"):  # (N, E/n)
         ctx.group, ctx.width = group, x.shape[-1]
         xp = get_array_module(x)
-        gathered = group.all_gather(xp.ascontiguousarray(x.T))  # (E, N): blocks along axis 0
+        label = f"activation: {what}, every rank's columns gathered over tp"
+        gathered = group.all_gather(xp.ascontiguousarray(x.T), label=label)  # (E, N): blocks along axis 0
         return xp.ascontiguousarray(gathered.T)  # (N, E)
 
     @staticmethod
@@ -124,120 +133,79 @@ class ScatterToSequenceParallelRegion(Function):
     all-gathers the tokens' gradients (B, T, C), so every rank again holds the same one."""
 
     @staticmethod
-    def forward(ctx, x, group):  # (B, T, C)
-        ctx.group = group
+    def forward(ctx, x, group, what="the block's output"):  # (B, T, C)
+        ctx.group, ctx.what = group, what
         T, n, r = x.shape[1], group.size, group.rank
         return x[:, r * T // n:(r + 1) * T // n]  # (B, T/n, C)
 
     @staticmethod
     def backward(ctx, grad):  # (B, T/n, C)
-        return ctx.group.all_gather(_sequence_first(grad)).swapaxes(0, 1), None  # (B, T, C)
+        label = f"activation: {ctx.what}'s gradient, the whole sequence gathered over tp"
+        return ctx.group.all_gather(_sequence_first(grad), label=label).swapaxes(0, 1), None  # (B, T, C)
 
 
-def gather_from_tensor_parallel_region(x, group):
+def gather_from_tensor_parallel_region(x, group, what="the column-parallel output"):
     """All-gather of the last axis forward, this rank's block of the gradient backward."""
-    return GatherFromTensorParallelRegion.apply(x, group)
+    return GatherFromTensorParallelRegion.apply(x, group, what=what)
 
 
-def scatter_to_sequence_parallel_region(x, group):
+def scatter_to_sequence_parallel_region(x, group, what="the block's output"):
     """This rank's block of the sequence (axis 1) forward, all-gather of the gradient backward."""
-    return ScatterToSequenceParallelRegion.apply(x, group)
+    return ScatterToSequenceParallelRegion.apply(x, group, what=what)
 
 
-def copy_to_tensor_parallel_region(x, group):
+def copy_to_tensor_parallel_region(x, group, what=COLUMN_INPUT):
     """f: identity forward, all-reduce of the gradient backward."""
-    return CopyToTensorParallelRegion.apply(x, group)
+    return CopyToTensorParallelRegion.apply(x, group, what=what)
 
 
-def reduce_from_tensor_parallel_region(x, group):
+def reduce_from_tensor_parallel_region(x, group, what=ROW_OUTPUT):
     """g: all-reduce forward, identity backward."""
-    return ReduceFromTensorParallelRegion.apply(x, group)
+    return ReduceFromTensorParallelRegion.apply(x, group, what=what)
 
 
-def gather_from_sequence_parallel_region(x, group):
+def gather_from_sequence_parallel_region(x, group, what=COLUMN_INPUT):
     """All-gather along the sequence (axis 1) forward, reduce-scatter backward."""
-    return GatherFromSequenceParallelRegion.apply(x, group)
+    return GatherFromSequenceParallelRegion.apply(x, group, what=what)
 
 
-def reduce_scatter_to_sequence_parallel_region(x, group):
+def reduce_scatter_to_sequence_parallel_region(x, group, what=ROW_OUTPUT):
     """Reduce-scatter along the sequence (axis 1) forward, all-gather backward."""
-    return ReduceScatterToSequenceParallelRegion.apply(x, group)
+    return ReduceScatterToSequenceParallelRegion.apply(x, group, what=what)
 
 
-def enter_tensor_parallel_region(x, group, sequence_parallel: bool):
+def enter_tensor_parallel_region(x, group, sequence_parallel: bool, what=COLUMN_INPUT):
     """What stands before a column-parallel layer: f, or the all-gather under sequence parallelism.
-    Returns the full input (B, T, C), the same on every rank."""
+    Returns the full input (B, T, C), the same on every rank. ``what`` names ``x`` in the labels of
+    the calls (f's backward all-reduce; the all-gather and its backward reduce-scatter)."""
     if sequence_parallel:
-        return gather_from_sequence_parallel_region(x, group)
-    return copy_to_tensor_parallel_region(x, group)
+        return gather_from_sequence_parallel_region(x, group, what)
+    return copy_to_tensor_parallel_region(x, group, what)
 
 
-def exit_tensor_parallel_region(x, group, sequence_parallel: bool):
-    """What stands after a row-parallel layer: g, or the reduce-scatter under sequence parallelism."""
+def exit_tensor_parallel_region(x, group, sequence_parallel: bool, what=ROW_OUTPUT):
+    """What stands after a row-parallel layer: g, or the reduce-scatter under sequence parallelism.
+    ``what`` names ``x`` in the labels of the calls."""
     if sequence_parallel:
-        return reduce_scatter_to_sequence_parallel_region(x, group)
-    return reduce_from_tensor_parallel_region(x, group)
+        return reduce_scatter_to_sequence_parallel_region(x, group, what)
+    return reduce_from_tensor_parallel_region(x, group, what)
 
 
-# ---- the layers ----------------------------------------------------------------------------------
+# ---- the layers: a Linear holding this rank's block of its weight ---------------------------------
+# Column-parallel (c_attn, c_fc, the LM head): weight (out/n, in) and bias (out/n,) are this rank's
+# block of output features, and the one-process Linear's forward runs unchanged, y_r = x @ A_r.T + b_r.
+# No communication there: its input must be the same on every rank, so it is passed through
+# enter_tensor_parallel_region (f, or the sequence all-gather) first; its output stays split.
 
 
-def _shard(p):
-    """Tag ``p`` as a tensor-parallel shard (a distinct part on each rank of the group)."""
-    p.tensor_parallel = True
-    return p
-
-
-class ColumnParallelLinear(nn.Module):
-    """``y_r = x @ A_r.T + b_r``: this rank's block of output features (``out_features / n`` of them).
-
-    weight (out/n, in) and bias (out/n,) are shards (``tensor_parallel = True``). No communication
-    here: the input must be the same on every rank, so the model passes it through
-    :func:`enter_tensor_parallel_region` (f, or the sequence all-gather) first; the output stays split.
-    """
-
-    def __init__(self, in_features: int, out_features: int, tp_group, bias: bool = True, dtype="float32"):
-        super().__init__()
-        self.in_features = in_features
-        self.out_features = divide(out_features, tp_group.size, "out_features")  # local width
-        self.weight = _shard(nn.Parameter(np.zeros((self.out_features, in_features), dtype=dtype)))
-        self.bias = _shard(nn.Parameter(np.zeros(self.out_features, dtype=dtype))) if bias else None
-
-    def forward(self, x):  # (B, T, in) -> (B, T, out/n)
-        return linear(x, self.weight, self.bias)
-
-
-class RowParallelLinear(nn.Module):
-    """``y = sum_r x_r @ B_r.T + b``: this rank multiplies its block of input features and the ranks
-    sum the partial outputs with g (all-reduce), or under sequence parallelism reduce-scatter them
-    along the sequence. weight (out, in/n) is a shard; the bias is replicated and added once, after
-    the sum."""
-
-    def __init__(self, in_features: int, out_features: int, tp_group, bias: bool = True, dtype="float32",
-                 sequence_parallel: bool = False):
-        super().__init__()
-        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
-        self.in_features = divide(in_features, tp_group.size, "in_features")  # local width
-        self.out_features = out_features
-        self.weight = _shard(nn.Parameter(np.zeros((out_features, self.in_features), dtype=dtype)))
-        self.bias = nn.Parameter(np.zeros(out_features, dtype=dtype)) if bias else None  # replicated
-
-    def forward(self, x):  # (B, T, in/n) -> (B, T, out), or (B, T/n, out) under sequence parallelism
-        y = exit_tensor_parallel_region(linear(x, self.weight), self.tp_group, self.sequence_parallel)
-        return y + self.bias if self.bias is not None else y
-
-
-def sync_sequence_parallel_grads(model, tp_group) -> None:
-    """Under sequence parallelism a replicated parameter (LayerNorm, row-parallel bias, position
-    embedding: marked ``sequence_parallel = True``) sees only this rank's tokens, so its gradient is a
-    partial sum: add them over the tensor-parallel group, all in ONE all-reduce of a flat buffer.
-    Call after backward, before clipping. A no-op (nothing sent) without sequence parallelism."""
-    grads = [p.grad for p in model.parameters() if summed_over_tp(p) and p.grad is not None]
-    if not grads:
-        return
-    flat = get_array_module(grads[0]).concatenate([g.reshape(-1) for g in grads])  # (sum of sizes,)
-    tp_group.all_reduce(flat)
-    offset = 0
-    for g in grads:
-        g[...] = flat[offset:offset + g.size].reshape(g.shape)
-        offset += g.size
+def row_parallel(layer, tp_group, sequence_parallel: bool = False, what: str = ROW_OUTPUT) -> None:
+    """Make the Linear ``layer`` row-parallel: its weight (out, in/n) is this rank's block of input
+    features, its bias replicated, and ``y = sum_r x_r @ B_r.T + b``: this rank multiplies its
+    block, the ranks sum the partial outputs with g (all-reduce), or under sequence parallelism
+    reduce-scatter them along the sequence, and the bias is added once, after the sum. Installs the
+    forward on ``layer`` (an instance attribute, as recompute does); ``what`` names its output in the
+    labels of the calls."""
+    def forward(x):  # (B, T, in/n) -> (B, T, out), or (B, T/n, out) under sequence parallelism
+        y = exit_tensor_parallel_region(linear(x, layer.weight), tp_group, sequence_parallel, what)
+        return y + layer.bias if layer.bias is not None else y
+    layer.forward = forward

@@ -6,9 +6,6 @@ rows ``[r * V_pad/n, (r+1) * V_pad/n)`` of the token embedding (and of the LM he
 "vocab" row of the table in tp_layout.py.
 Padded rows start at zero; their logits are masked out of the softmax, so they get no gradient.
 """
-import numpy as np
-
-from minidist import nn
 from minidist.autograd import Function, embedding, get_array_module
 from minidist.parallel.tensor.tensor_parallel import exit_tensor_parallel_region
 from minidist.parallel.tensor.layout import padded_vocab_size
@@ -20,26 +17,29 @@ def vocab_range(vocab_size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
     return tp_rank * per_rank, (tp_rank + 1) * per_rank
 
 
-class VocabParallelEmbedding(nn.Module):
-    """Token embedding with the table split by vocabulary rows.
+def vocab_parallel_embedding(layer, vocab_size: int, tp_group, sequence_parallel: bool = False) -> None:
+    """Make the Embedding ``layer``, whose weight (V_pad/n, C) holds this rank's rows of the token
+    table (:func:`vocab_range`), vocab-parallel: each rank looks up the tokens that fall in its rows
+    and writes zeros for the others; summing over the ranks (g: all-reduce, or under sequence
+    parallelism a reduce-scatter along the sequence, keeping this rank's T/n tokens) completes every
+    row. Installs the forward on ``layer`` (an instance attribute, as recompute does)."""
+    start, end = vocab_range(vocab_size, tp_group.rank, tp_group.size)
 
-    Each rank looks up the tokens that fall in its rows and writes zeros for the others; summing over
-    the ranks (g: all-reduce, or a reduce-scatter along the sequence under sequence parallelism)
-    completes every row. weight (V_pad/n, C) is a shard (``tensor_parallel = True``)."""
+    def forward(idx):  # (B, T) ints -> (B, T, C), or (B, T/n, C) under sequence parallelism
+        T, n = idx.shape[1], tp_group.size
+        if sequence_parallel and T % n:
+            raise ValueError(f"sequence parallelism splits the sequence: T = {T} is not divisible by tp = {n}")
+        mine = (idx >= start) & (idx < end)  # (B, T)
+        local_idx = get_array_module(idx).where(mine, idx - start, 0)  # others look up row 0, then get zeroed
+        partial = embedding(local_idx, layer.weight) * mine[..., None].astype(layer.weight.dtype)  # (B, T, C)
+        what = "the vocab-parallel embedding lookup"
+        return exit_tensor_parallel_region(partial, tp_group, sequence_parallel, what)
+    layer.forward = forward
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, tp_group, dtype="float32",
-                 sequence_parallel: bool = False):
-        super().__init__()
-        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
-        self.vocab_start, self.vocab_end = vocab_range(num_embeddings, tp_group.rank, tp_group.size)
-        self.weight = nn.Parameter(np.zeros((self.vocab_end - self.vocab_start, embedding_dim), dtype=dtype))
-        self.weight.tensor_parallel = True
 
-    def forward(self, idx):  # (B, T) ints -> (B, T, C), or (B, T/n, C) under sequence parallelism
-        mine = (idx >= self.vocab_start) & (idx < self.vocab_end)  # (B, T)
-        local_idx = get_array_module(idx).where(mine, idx - self.vocab_start, 0)  # others look up row 0, then get zeroed
-        partial = embedding(local_idx, self.weight) * mine[..., None].astype(self.weight.dtype)  # (B, T, C)
-        return exit_tensor_parallel_region(partial, self.tp_group, self.sequence_parallel)
+CROSS_ENTROPY = ("cross-entropy 1/3, each token's largest logit over the vocabulary shards",
+                 "cross-entropy 2/3, each token's softmax denominator summed over the vocabulary shards",
+                 "cross-entropy 3/3, each token's target logit from the rank holding it")  # the labels of its calls
 
 
 class VocabParallelCrossEntropy(Function):
@@ -64,16 +64,16 @@ class VocabParallelCrossEntropy(Function):
         real = (start + xp.arange(per_rank)) < vocab_size  # (V/n,) False on padded columns
         z = xp.where(real, z, -xp.inf)  # padded logits masked out (a copy: logits stay untouched)
         row_max = z.max(axis=-1)  # (N,)
-        group.all_reduce(row_max, op="max")  # 1
+        group.all_reduce(row_max, op="max", label=f"activation: {CROSS_ENTROPY[0]}")  # 1
         z -= row_max[:, None]
         exp = xp.exp(z)  # (N, V/n)
         sum_exp = exp.sum(axis=-1)  # (N,)
-        group.all_reduce(sum_exp)  # 2
+        group.all_reduce(sum_exp, label=f"activation: {CROSS_ENTROPY[1]}")  # 2
         t = targets.reshape(-1) - start  # (N,) target column on this rank, if it is here
         here = (t >= 0) & (t < per_rank)
         rows = xp.arange(len(t))
         target_logit = xp.where(here, z[rows, xp.where(here, t, 0)], 0.0)  # (N,)
-        group.all_reduce(target_logit)  # 3
+        group.all_reduce(target_logit, label=f"activation: {CROSS_ENTROPY[2]}")  # 3
         ctx.probs, ctx.t, ctx.here, ctx.shape, ctx.dtype = exp / sum_exp[:, None], t, here, logits.shape, logits.dtype
         return (xp.log(sum_exp) - target_logit).mean()
 

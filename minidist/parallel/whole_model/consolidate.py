@@ -39,7 +39,8 @@ def consolidated_state_dict(model, mesh) -> dict:
 
 def _gather_blocks(value, group) -> list:
     """Every rank of ``group``'s ``value`` (one shape on all), in rank order: one all-gather."""
-    gathered = group.all_gather(value.reshape(-1).copy())  # (n * size,)
+    gathered = group.all_gather(value.reshape(-1).copy(), label=f"parameter: every {group.name.split('[')[0]} "
+                                "rank's shard, for the whole model")  # (n * size,)
     return [block.reshape(value.shape) for block in gathered.reshape(group.size, -1)]
 
 
@@ -50,8 +51,9 @@ def gather_state_dicts(state: dict, group, dst: int = 0) -> dict | None:
     No pickle: each rank sends two ``group.gather_bytes``, a JSON header (name, shape, dtype per
     array) and the arrays' bytes back to back in the header's order."""
     header = json.dumps([[name, value.shape, value.dtype.str] for name, value in state.items()]).encode()
-    headers = group.gather_bytes(header, dst)
-    payloads = group.gather_bytes(b"".join(np.ascontiguousarray(v).tobytes() for v in state.values()), dst)
+    headers = group.gather_bytes(header, dst, label="parameter: each stage's names, shapes and dtypes, to rank 0")
+    payloads = group.gather_bytes(b"".join(np.ascontiguousarray(v).tobytes() for v in state.values()), dst,
+                                  label="parameter: each stage's whole parameters, to rank 0")
     if headers is None:
         return None
     merged = {}

@@ -68,7 +68,7 @@ def generate(model, idx, max_new_tokens: int, temperature: float = 1.0, top_k=No
                 nxt[:] = sample_token(to_numpy(last), u, temperature, top_k)
             if pipeline:
                 last_rank = stage_rank(model.n_stages - 1, pp_group.size, model.placement)
-                pp_group.broadcast(nxt, src=last_rank)  # the last stage's choice, to every stage
+                pp_group.broadcast(nxt, src=last_rank, label="activation: the sampled tokens, from the last stage")
             idx = np.concatenate([idx, nxt[:, None].astype(idx.dtype)], axis=1)
     return idx
 
@@ -100,7 +100,8 @@ def position_logits(model, logits, position: int, T: int):
     owner, local = cp.owner(position, T)
     xp = get_array_module(logits)
     row = xp.ascontiguousarray(logits[:, local, :]) if cp.group.rank == owner else xp.empty_like(logits[:, 0, :])
-    return cp.group.broadcast(row, src=owner)
+    label = "activation: the last position's logits, from the cp rank holding it"
+    return cp.group.broadcast(row, src=owner, label=label)
 
 
 def gather_vocab(model, logits):
@@ -112,7 +113,8 @@ def gather_vocab(model, logits):
         return logits
     xp = get_array_module(logits)
     B, per_rank = logits.shape
-    full = group.all_gather(xp.ascontiguousarray(logits)[None])  # (tp, B, V_pad/tp)
+    full = group.all_gather(xp.ascontiguousarray(logits)[None], label="activation: the next token's logits, every "
+                            "rank's vocabulary shard")  # (tp, B, V_pad/tp)
     return full.transpose(1, 0, 2).reshape(B, group.size * per_rank)[:, :model.config.vocab_size]  # (B, V)
 
 
@@ -122,16 +124,18 @@ def pipeline_logits(stage: PipelineStage, idx, pp_group, dtype):
     sending its output to the next one's: one (B, T, C) activation per stage boundary, with the
     pipeline's own tags and placement, see p2p.py). Returns the logits (B, T, V_pad/tp) on the rank
     holding the last stage, None elsewhere."""
-    link = StageLink(pp_group, get_array_module(idx), stage.placement)
     shape = stage.activation_shape(*idx.shape)  # (B, T, C), T/tp under sequence parallelism
+    link = StageLink(pp_group, get_array_module(idx), stage.placement, shape, dtype)
     logits = out = None
     for chunk, s in enumerate(stage.stages):
         local = s > 0 and s - 1 in stage.stages  # the previous stage is this rank's too (ZB-V's V): handed over
-        x = idx if s == 0 else out if local else Tensor(link.recv(Action("RECV_F", s, 0), shape, dtype))
+        if s > 0 and not local:
+            link.post([(Action("RECV_F", s, 0), None)])  # a round of its own
+        x = idx if s == 0 else out if local else Tensor(link.take(Action("RECV_F", s, 0)))
         out = stage(chunk, x)  # (B, T, C), or the logits (B, T, V_pad/tp) on the last stage
         if s == stage.n_stages - 1:
             logits = out
         elif s + 1 not in stage.stages:
-            link.send(Action("SEND_F", s, 0), out.data)
+            link.post([(Action("SEND_F", s, 0), out.data)])
     link.wait_sends()
     return logits

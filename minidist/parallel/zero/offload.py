@@ -189,6 +189,36 @@ class Offload:
             device_array[...] = host_array
         self.moved["up"] += host_array.nbytes
 
+    def to_update(self, shards) -> list:
+        """Each shard's reduced gradient in its host buffer, where the update runs: copied down now
+        unless :meth:`download_early` already did (then waited for)."""
+        for s in shards:
+            if s.downloaded is not s.grad:
+                self.down(s.grad, s.host_grad)
+            s.downloaded = None
+        self.wait()
+        return [s.host_grad for s in shards]
+
+    def download_early(self, s) -> None:
+        """Start copying the shard's gradient down during backward (it is final: nothing adds to it)."""
+        self.down(s.grad, s.host_grad)
+        s.downloaded = s.grad
+
+    def publish(self, value, compute) -> None:
+        """The new parameter shard ``value`` where the model reads it: up to the device (waited for:
+        an all-gather reads it next), or, with the parameter shards offloaded, into the store."""
+        if value is compute:
+            return
+        if self.params:
+            compute[...] = value
+        else:
+            self.up(value, compute)
+            self.wait()
+
+    def begin_step(self) -> None:
+        """From here on :attr:`moved` counts this step's bytes."""
+        self.moved.clear()
+
     def fetch(self, stored, xp):
         """A new device array (of ``xp``: NumPy or CuPy) holding the stored array ``stored``: read
         from disk if it lives there (then dropped from memory again), and up to the device."""

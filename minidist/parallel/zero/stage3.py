@@ -82,7 +82,9 @@ class Gatherer:
             if id(s) not in self._full and id(s) not in self._queued:
                 full = s.unit.xp.empty(s.unit.numel, dtype=s.unit.dtype)  # (numel,)
                 shard = s.compute if self.offload is None else self.offload.fetch(s.compute, s.unit.xp)  # up first
-                self._queued[id(s)] = (full, s.group.all_gather(shard, count=s.unit.numel, out=full, async_op=True))
+                gather = s.group.all_gather(shard, count=s.unit.numel, out=full, async_op=True,
+                                            label=f"parameter: ZeRO-3 gathers {s.unit.name} for its use")
+                self._queued[id(s)] = (full, gather)
 
     def free(self, shards) -> None:
         """Drop the full parameters of every unit of ``shards`` (only the shards remain)."""
