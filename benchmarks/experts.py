@@ -55,10 +55,10 @@ from minidist.parallel.expert.experts import moe_layers
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.data.sampler import DistributedSampler
 from minidist.parallel.step import train_step
-from minidist.parallel.zero.optimizer import SLOTS
 from minidist.train.build import build_parallel, load_data
 from minidist.train.config import TrainConfig
 from minidist.inspect import zero_memory
+from minidist.optim import OPTIMIZERS
 
 HERE = Path(__file__).resolve().parent
 PARTS = ("traffic", "memory")
@@ -267,7 +267,7 @@ def part_memory(world, reps):
                         optimizer=sum(a.nbytes for s in expert_shards for a in s.state.values()),
                         dense_parameters=sum(p.data.nbytes for p in others))
         formula = dict(parameters=n_moe * unit * ITEMSIZE, gradients=n_moe * unit * ITEMSIZE,
-                       optimizer=n_moe * shard * len(SLOTS[cfg.optimizer]) * ITEMSIZE)
+                       optimizer=n_moe * shard * len(OPTIMIZERS[cfg.optimizer].slots) * ITEMSIZE)
         for name, value in formula.items():
             assert measured[name] == value, (ep, world.rank, name, measured[name], value)
         total, want = zero_memory.model_state_bytes(optimizer), zero_memory.formula(optimizer)

@@ -165,10 +165,6 @@ def test_each_rank_takes_the_gpu_of_its_local_rank(cupy, data_dir):
     (dict(backend="nccl"), "--backend nccl moves GPU buffers only: it needs --device cuda"),
     (dict(device="cuda", backend="mpi"), "--device cuda with --backend mpi is not supported"),
     (dict(device="cuda", mode="ps", servers=1), "--device cuda with --mode ps is not supported"),
-    (dict(device="cuda", backend="nccl", pp=2, schedule="interleaved", micro_batches=4, n_layer=4,
-          virtual_stages=2), "--schedule interleaved with --backend nccl is not supported"),
-    (dict(device="cuda", backend="nccl", pp=2, schedule="zbv", micro_batches=4, n_layer=4,
-          virtual_stages=2), "--schedule zbv with --backend nccl is not supported"),
 ])
 def test_combinations_the_device_path_cannot_run_are_refused(changes, message):
     world = 2 if changes.get("mode") or changes.get("pp") else 1

@@ -7,7 +7,7 @@ import pytest
 
 import minidist
 from minidist import run_local
-from minidist.comm.group import DEFAULT_THRESHOLD_BYTES
+from minidist.comm.dispatch import DEFAULT_THRESHOLD_BYTES
 
 
 def test_auto_picks_by_size_and_group_size():

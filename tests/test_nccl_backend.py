@@ -21,7 +21,7 @@ from minidist.comm.group import ProcessGroup
 from minidist.comm.local_transport import LocalTransport
 from minidist.comm.nccl import select_device
 from minidist.comm.transport import CommTimeoutError
-from minidist.comm.group import P2POp
+from minidist.comm.point_to_point import P2POp
 from minidist.data import get_batch
 from minidist.model import GPT
 from minidist.optim import SGD
@@ -29,7 +29,7 @@ from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.pipeline import PipelineEngine, PipelineStage, split_micro_batches
 from minidist.parallel.pipeline.actions import RECVS, SENDS, stage_rank
 from minidist.parallel.pipeline.interleaved import interleaved_1f1b
-from minidist.parallel.pipeline.lowering import add_communication
+from minidist.parallel.pipeline.one_f_one_b import add_communication
 from minidist.parallel.pipeline.schedules import build_schedule, placement_of
 from minidist.parallel.pipeline.validate import ScheduleError, check_rounds, matching, rounds_of
 from minidist.parallel.pipeline.zero_bubble import zbv
@@ -239,6 +239,32 @@ def test_two_blocking_sends_at_each_other_time_out_as_on_real_nccl(cp):
         run_nccl(body, 2, timeout=0.3)
 
 
+@pytest.mark.parametrize("backend", ["ring", "nccl"])
+def test_batch_isend_irecv_checks_every_op_then_posts_them_together(cp, backend):
+    """One batch of sends and receives: refused whole when any op is wrong (nothing posted), else
+    every op posted, each recorded in the trace with its label; both ranks send first and receive
+    second, which a batch allows (one NCCL group)."""
+    xp = cp if backend == "nccl" else np
+
+    def body(g):
+        peer, theirs = 1 - g.rank, xp.zeros(3)
+        mine = xp.full(3, float(g.rank))
+        with pytest.raises(ValueError, match="a P2POp is 'isend' or 'irecv', got 'send'"):
+            g.batch_isend_irecv([P2POp("isend", mine, peer), P2POp("send", mine, peer)])
+        with pytest.raises(ValueError, match=r"peer must be a rank of group 'world' \(0\.\.1\), got 5"):
+            g.batch_isend_irecv([P2POp("isend", mine, peer), P2POp("irecv", theirs, 5)])
+        assert g.p2p_seq == 0
+        requests = g.batch_isend_irecv([P2POp("isend", mine, peer, label="activation: mine"),
+                                        P2POp("irecv", theirs, peer, label="activation: theirs")])
+        for request in requests:
+            request.wait()
+        return theirs.get() if backend == "nccl" else theirs, [(e.op, e.label) for e in g.trace.events]
+    run = run_nccl if backend == "nccl" else run_local
+    for rank, (theirs, events) in enumerate(run(body, 2)):
+        assert theirs.tolist() == [1.0 - rank] * 3
+        assert events == [("isend", "activation: mine"), ("irecv", "activation: theirs")]
+
+
 def test_a_later_launch_waits_behind_a_send_that_waits_for_its_peer(cp):
     """A stream runs in order: a lone send holds back everything launched after it on the rank until
     its peer receives. Two ranks that each launch a send, then a receive, wait for ever, though both
@@ -299,7 +325,7 @@ def test_pipeline_schedules_run_over_nccl_point_to_point(cp, schedule, p, m, v):
 
 @pytest.mark.parametrize("schedule, p, m, v", [("interleaved", 2, 4, 2), ("zbv", 2, 4, 2)])
 def test_receives_left_before_their_compute_deadlock_as_the_validator_says(cp, schedule, p, m, v):
-    """Without lowering.receive_when_sent (each receive right before the compute action that needs
+    """Without rounds.receive_when_sent (each receive right before the compute action that needs
     it), interleaved 1F1B and ZB-V deadlock in rounds: validate says so first, and the double agrees."""
     compute = interleaved_1f1b(p, m, v) if schedule == "interleaved" else zbv(p, m)
     naive = add_communication(compute, p * v, placement_of(schedule))
@@ -324,12 +350,13 @@ def test_interleaved_and_zbv_train_over_nccl_like_over_the_ring(cp):
         optimizer = SGD(stage.named_parameters(), lr=0.1, momentum=0.9)
         losses = []
         for step in range(3):
-            batch = get_batch(TOKENS, step, B, 8, seed=3)
+            batch = get_batch(TOKENS, step, B, 8, seed=3)  # (B, T+1) token ids, on the stage's device
+            micro = split_micro_batches(cp.asarray(batch) if device else batch, m)
             optimizer.zero_grad()
-            losses.append(engine.forward_backward(split_micro_batches(cp.asarray(batch) if device else batch, m)))
+            losses.append(engine.forward_backward(micro))
             engine.all_reduce_tied_grads()
             optimizer.step()
-        return losses, engine.evaluate(split_micro_batches(cp.asarray(batch) if device else batch, m)), stage.state_dict()
+        return losses, engine.evaluate(micro), stage.state_dict()
 
     for schedule, p, m, v in [("interleaved", 2, 4, 2), ("interleaved", 4, 4, 2), ("zbv", 2, 4, 2), ("zbv", 4, 8, 2)]:
         over_nccl = run_nccl(lambda g: body(g, schedule, p, m, v, True), p)
@@ -427,12 +454,14 @@ def test_a_receive_nobody_sends_ends_in_a_timeout_naming_the_peer(cp):
 
 @pytest.mark.parametrize("layout", [dict(dp=2), dict(dp=2, zero=1), dict(dp=2, zero=3), dict(tp=2),
                                     dict(pp=2, micro_batches=2), dict(dp=2, ep=2, n_experts=4, zero=1),
-                                    dict(pp=2, micro_batches=4, schedule="zb-h1")],
-                         ids=["dp", "zero1", "zero3", "tp", "pp", "ep", "zb-h1"])
+                                    dict(pp=2, micro_batches=4, schedule="zb-h1"),
+                                    dict(pp=2, micro_batches=4, schedule="interleaved", virtual_stages=2, n_layer=4),
+                                    dict(pp=2, micro_batches=4, schedule="zbv", virtual_stages=2, n_layer=4)],
+                         ids=["dp", "zero1", "zero3", "tp", "pp", "ep", "zb-h1", "interleaved", "zbv"])
 def test_the_trainer_over_nccl_trains_bitwise_like_the_host_run(cp, tmp_path, layout):
     """``--device cuda --backend nccl`` on 2 ranks (threads, a fake GPU each) against the same run on
     NumPy over the ring. Two ranks' sums do not depend on the order of addition, so: bitwise."""
-    cfg = TrainConfig(**TINY, data_dir=str(tmp_path), optimizer="sgd", momentum=0.9, **layout)
+    cfg = TrainConfig(**{**TINY, **layout}, data_dir=str(tmp_path), optimizer="sgd", momentum=0.9)
 
     def body(group):
         model, history = train(dataclasses.replace(cfg, device="cuda", backend="nccl"), progress=False, world=group)

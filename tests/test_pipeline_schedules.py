@@ -6,8 +6,8 @@ import pytest
 from minidist.parallel.pipeline import (SCHEDULES, Action, ScheduleError, build_schedule, format_timeline,
                                         placement_of, rank_stages, validate)
 from minidist.parallel.pipeline.interleaved import interleaved_1f1b
-from minidist.parallel.pipeline.lowering import add_communication
-from minidist.parallel.pipeline.one_f_one_b import gpipe, one_f_one_b
+from minidist.parallel.pipeline.one_f_one_b import add_communication, one_f_one_b
+from minidist.parallel.pipeline.schedules import gpipe
 
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)]
 

@@ -42,7 +42,7 @@ from minidist.plan.models import from_gpt_config
 
 CONFIG = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=4, n_embd=8)  # vocab 11: padded
 B, T = 2, 8
-PIECES = ["embedding"] + [f"h.{i}" for i in range(CONFIG.n_layer)] + ["head"]  # module_spans.py's names
+PIECES = ["embedding"] + [f"h.{i}" for i in range(CONFIG.n_layer)] + ["head"]  # inspect/spans.py's names
 SPLIT = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")  # drawn
 
 

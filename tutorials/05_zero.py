@@ -38,6 +38,13 @@ state O. ZeRO cuts them by offset into N shards (minidist/parallel/zero/flat_buf
    so it sets ``group.threshold_bytes = 0``: bandwidth-optimal all-reduces, as for a real model's
    megabyte buffers (Rabenseifner's on a power-of-two group, else the ring; both send 2(n-1)/n).
 
+The step: every layout runs one gradient pipeline (minidist/parallel/compose/gradients.py,
+``apply_gradients``): reduce, complete, unscale, clip, update, publish. ZeRO supplies three of those
+steps and nothing else: how gradients are reduced (``zero.reduce()``: reduce-scatters instead of
+all-reduces), where the optimizer state lives and is updated (the shards), and how parameters are
+published (all-gathered). The lesson calls ``zero.reduce()`` itself to measure the bytes at their
+largest, then ``apply_gradients`` for the rest: the same code a plain data-parallel step runs.
+
 Picture: ``--png PATH`` draws P, G and O per rank per stage, in float64 (with ZeRO-3's gathered
 peak) and in mixed precision (bytes per parameter, with the paper's totals).
 """

@@ -125,11 +125,11 @@ class Stopwatch:
     def __getattr__(self, name):  # size, rank, trace, ...: the group's
         return getattr(self.group, name)
 
-    def isend(self, *args):
-        return self.timed(self.group.isend(*args))
+    def isend(self, *args, **labelled):
+        return self.timed(self.group.isend(*args, **labelled))
 
-    def irecv(self, *args):
-        return self.timed(self.group.irecv(*args))
+    def irecv(self, *args, **labelled):
+        return self.timed(self.group.irecv(*args, **labelled))
 
     def timed(self, request):
         def wait(untimed=request.wait):
@@ -165,8 +165,8 @@ def part3(group):
     n, T = group.size, 4 * group.size
     mine = np.arange(group.rank * T // n, (group.rank + 1) * T // n)  # contiguous tokens
     x = np.zeros((1, NH, T // n, HS)) + (100 * np.arange(NH)[:, None] + mine)[None, :, :, None]  # (1, nh, T/n, hs)
-    y = sequence_to_heads(x, group, head_axis=1)  # (1, nh/n, T, hs)
-    back = heads_to_sequence(y, group, head_axis=1)  # (1, nh, T/n, hs)
+    y = sequence_to_heads(x, group, head_axis=1, what="x")  # (1, nh/n, T, hs)
+    back = heads_to_sequence(y, group, head_axis=1, what="y")  # (1, nh, T/n, hs)
     heads, toks = y[0, :, :, 0] // 100, y[0, :, :, 0] % 100  # (nh/n, T) each
     assert (toks == np.arange(T)).all() and (heads == heads[:, :1]).all() and np.array_equal(back, x)
     return group.all_gather(np.array([[*x.shape, *y.shape, heads[0, 0], heads[-1, 0]]]))  # (n, 10)

@@ -58,7 +58,7 @@ def _written_here(p, mesh) -> bool:
 
 def _regions(stored: str, shape, mesh) -> list:
     """This rank's boxes of tensor ``stored`` (global ``shape``): its tp shard, and of a stacked
-    expert parameter its ep block (tp_layout.py)."""
+    expert parameter its ep block (tensor/layout.py)."""
     return tp_regions(stored, shape, mesh.tp_rank, mesh.tp_group.size, mesh.ep_rank, mesh.shape.ep)
 
 

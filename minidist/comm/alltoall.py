@@ -91,7 +91,16 @@ def exchange_counts(t, send_counts, recv_counts=None) -> tuple[list[int], list[s
 
     Sends: two int64 to every rank, ``send_counts[j]`` and what this rank expects from j
     (``recv_counts[j]``, or -1 when it does not know), a scattered all-to-all on
-    ``TAG_ALL_TO_ALL_COUNTS``; host memory, whatever the data's device."""
+    ``TAG_ALL_TO_ALL_COUNTS``; host memory, whatever the data's device.
+
+    ``ProcessGroup.all_to_all`` calls it when the counts are learned (``send_counts`` alone: how each
+    rank learns what it will receive, and sizes its output only then), and when they are given on
+    backends "mpi" and "nccl" with ``check_calls`` (the default), or in ``debug`` mode on every
+    backend: MPI and NCCL do not notice a message shorter than its receive, so what each rank expects
+    is compared with what its peers send first (both ranks of a pair that disagree raise
+    CollectiveMismatchError; ``check_calls=False`` trusts the counts, as MPI and NCCL do). On backend
+    "ring" the transport checks each message's size against its receive buffer, so no exchange is
+    needed there."""
     n, r = t.size, t.rank
     mine = np.empty((n, 2), np.int64)  # (peer, [sent to it, expected from it])
     mine[:, 0] = send_counts

@@ -1,67 +1,32 @@
 """ProcessGroup: the collectives a training script calls, on any transport.
 
-Every collective takes one path: it checks its arguments on the spot (``checks.py``: a clear
-``ValueError`` before anything is sent) and picks its algorithm, then ``_dispatch`` numbers it
-(``seq``, the same on every rank), checks its fingerprint, records it in the trace and runs it, now
-or queued. Before each collective every rank compares what it was asked to do (collective, reduce
-op, dtype, count, root, number) with its ring neighbours and raises :class:`CollectiveMismatchError`
-where they disagree, instead of hanging or mixing up data (``fingerprint.py``; ``check_calls=False``
-skips it, ``debug=True`` compares with every rank instead, so that every rank raises). A peer that
-never answers surfaces as :class:`CommTimeoutError` naming the operation, its number, this rank and
-the peer, and, from a census of the group (``census.py``), the rank that never arrived. Message tags:
-``tags.py``.
-
-``async_op=True`` (all_reduce, reduce_scatter, all_gather, all_to_all) queues the collective on the
-group's communication thread and returns a :class:`~minidist.comm.work.Work` at once (see
-``work.py``): queued collectives run in issue order, and a blocking collective waits for them first.
+Each collective checks its arguments on the spot (``checks.py``: a clear ``ValueError`` before
+anything is sent), picks its algorithm, and takes the one path of every call (``dispatch.py``):
+numbered, its fingerprint compared with the ring neighbours (a CollectiveMismatchError instead of a
+hang), recorded in the trace with its call site's label, run now or, with ``async_op=True``, queued
+on the group's communication thread (``work.py``). Point-to-point calls are ``point_to_point.py``'s.
 
 ``backend="ring"`` runs the hand-written algorithms (``ring``, ``doubling``, ``halving``, ``rooted``,
-``alltoall``) over the transport, chosen by size and group size (``_all_reduce_algorithm``,
-``_halving``); ``backend="mpi"`` hands the collectives to MPI's own (``native``),
-which needs an ``MPITransport``; ``backend="nccl"`` hands collectives and point-to-point calls on GPU
-(CuPy) arrays to NCCL (``nccl``), one communicator per group, while host (NumPy) arrays, such as a
-flag or a gathered log line, still go over the transport with the hand-written algorithms.
-``algorithm="ring"``, ``"doubling"`` or ``"halving"`` (Rabenseifner's) forces a hand-written
-all-reduce on any.
+``alltoall``) over the transport, chosen by size and group size; ``backend="mpi"`` hands the
+collectives to MPI's own (``native``); ``backend="nccl"`` hands those on GPU (CuPy) arrays to NCCL
+(``nccl``), while host arrays still go over the transport. ``algorithm="ring"``, ``"doubling"`` or
+``"halving"`` (Rabenseifner's) forces a hand-written all-reduce on any.
 """
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import partial
 
-import numpy as np
-
-from minidist.comm import alltoall, census, checks, doubling, halving, ring, rooted
-from minidist.comm.fingerprint import check_call
+from minidist.comm import alltoall, checks, doubling, halving, ring, rooted
+from minidist.comm.dispatch import DEFAULT_RING_FROM_BYTES, DEFAULT_THRESHOLD_BYTES, Dispatch
 from minidist.comm.ops import Workspace, averages_first, divide_by_size, split_counts
-from minidist.comm.tags import TAG_GATHER_BYTES
+from minidist.comm.point_to_point import PointToPoint
 from minidist.comm.trace import Trace
-from minidist.comm.transport import CollectiveMismatchError, CommTimeoutError, PeerTimeout, Request
+from minidist.comm.transport import CollectiveMismatchError
 from minidist.comm.work import CommStream
-from minidist.device import device_of, is_cupy
-
-DEFAULT_THRESHOLD_BYTES = 256 * 1024
-"""All-reduces smaller than this use recursive doubling. In the usual cost model (a message costs a
-latency a plus its bytes times b), doubling costs log2(n) (a + N b), Rabenseifner's about
-2 log2(n) a + 2(n-1)/n N b and the ring 2(n-1) a + 2(n-1)/n N b: doubling sends fewest messages,
-the other two fewest bytes. Measured by ``benchmarks/collectives.py --algorithms`` on 2 cores (2 and
-4 ranks): doubling is fastest up to 128 KiB, level with Rabenseifner's at 256 KiB, and slower from
-512 KiB (4 ranks, 1 MiB: 522 us against 432 us). Every rank sees the same size, so all pick the same
-algorithm."""
-
-DEFAULT_RING_FROM_BYTES = 8 * 1024 * 1024
-"""On a power-of-two group, all-reduces from ``threshold_bytes`` up to this use Rabenseifner's
-algorithm (``halving.py``), and reduce-scatters and all-gathers below it recursive halving and
-doubling (log2(n) rounds); the ring from here on, and on other groups at every size. Measured on 2
-cores (``--algorithms``): Rabenseifner's all-reduce beat the ring by 18-35% from 256 KiB to 2 MiB at
-4 ranks (3-4 rounds against 6), was level at 4 MiB and lost by 5-30% from 8 MiB, at 2 and 4 ranks
-(probably because its unsegmented halves, up to half the buffer, no longer fit in the cache, where
-the ring streams 1 MiB segments)."""
 
 
-class ProcessGroup:
+class ProcessGroup(Dispatch, PointToPoint):
     """The ranks of one transport, and the collectives among them.
 
     ``rank``/``size`` are this rank's number and the group's size; ``trace`` records every call
@@ -104,8 +69,6 @@ class ProcessGroup:
 
     def __repr__(self) -> str:
         return f"ProcessGroup(name={self.name!r}, rank={self.rank}, size={self.size}, backend={self.backend!r})"
-
-    # ---- collectives -------------------------------------------------------------------------------
 
     def all_reduce(self, x, op: str = "sum", algorithm: str = "auto", async_op: bool = False, *, label: str = ""):
         """Every rank's ``x`` becomes the elementwise ``op`` over all ranks, in place; returns ``x``
@@ -220,24 +183,11 @@ class ProcessGroup:
 
         What it sends: this rank's chunk j to rank j, one message per peer (``alltoall.py``: n-1
         sendrecv steps, or all at once when its mean chunk is under ``scattered_below_bytes``;
-        ``MPI_Alltoall(v)`` on backend "mpi"; one NCCL group of sends and receives on "nccl"); its own
-        chunk is a local copy. (n-1)/n of ``x`` crosses the links. Before the chunks, a small
-        all-to-all of the counts (``alltoall.exchange_counts``: 2 int64 per pair of ranks, over the
-        host transport) when the counts are
-
-        - learned: it is how each rank learns what it will receive (``out`` is sized, and checked,
-          only then);
-        - given, on backends "mpi" and "nccl" with ``check_calls`` (the default): what each rank
-          expects is compared with what its peers send before the library gets the counts, since
-          MPI and NCCL do not notice a message shorter than its receive. Both ranks of a pair that
-          disagree raise CollectiveMismatchError. ``check_calls=False`` trusts the counts, as MPI
-          and NCCL do;
-        - given, in ``debug`` mode, on every backend (the same check).
-
-        On backend "ring" each message's size is checked against its receive buffer by the
-        transport, so a peer that sends other than given ``recv_counts`` say fails there (a
-        ValueError naming it) with no exchange needed. As for every collective, the fingerprint
-        checked first covers the dtype and the elements per row (as its ``count``)."""
+        ``MPI_Alltoall(v)`` on backend "mpi"; one NCCL group on "nccl"); its own chunk is a local copy:
+        (n-1)/n of ``x`` crosses the links. Before the chunks, when the counts are learned (and, given,
+        on "mpi" and "nccl" with ``check_calls``, or in ``debug`` mode), a small all-to-all of the counts
+        (``alltoall.exchange_counts``, whose docstring says when and why: MPI and NCCL do not notice
+        a message shorter than its receive)."""
         checks.check_array(self, x, "x", writeable=False, min_ndim=1)
         send_rows, recv_rows = checks.all_to_all_rows(self, x, send_counts, recv_counts)
         row = math.prod(x.shape[1:])  # elements per row
@@ -319,31 +269,11 @@ class ProcessGroup:
         None on the other ranks. For results whose size differs between ranks (JSON, text, raw array
         bytes) without pickling.
 
-        What it sends: each rank other than ``dst`` sends ``dst`` its length (one int64), then, when
-        not empty, the bytes as one uint8 buffer, point-to-point with the reserved collective tag
-        ``TAG_GATHER_BYTES``; ``dst`` receives them in rank order."""
+        What it sends: :func:`~minidist.comm.rooted.gather_bytes` (each length, then the bytes, to ``dst``)."""
         checks.check_bytes(self, data)
         checks.check_rank(self, dst, "dst")
-
-        def run():
-            if self.rank != dst:
-                self.transport.send(np.array([len(data)], dtype=np.int64), dst, TAG_GATHER_BYTES)
-                if data:
-                    self.transport.send(np.frombuffer(data, dtype=np.uint8), dst, TAG_GATHER_BYTES)
-                return None
-            gathered = []
-            for src in range(self.size):
-                if src == dst:
-                    gathered.append(bytes(data))
-                    continue
-                size = np.empty(1, dtype=np.int64)
-                self.transport.recv(size, src, TAG_GATHER_BYTES)
-                buf = np.empty(int(size[0]), dtype=np.uint8)  # (length,)
-                if buf.size:
-                    self.transport.recv(buf, src, TAG_GATHER_BYTES)
-                gathered.append(buf.tobytes())
-            return gathered
-        return self._dispatch("gather_bytes", run, "direct", len(data), root=dst, label=label)
+        return self._dispatch("gather_bytes", partial(rooted.gather_bytes, self.transport, data, dst), "direct",
+                              len(data), root=dst, label=label)
 
     def split(self, color: int, key: int | None = None, name: str | None = None) -> "ProcessGroup | None":
         """Collective: ranks passing the same ``color`` form a new group, ranked by (``key``, rank);
@@ -363,185 +293,8 @@ class ProcessGroup:
                             check_calls=self.check_calls, scattered_below_bytes=self.scattered_below_bytes,
                             flight_recorder=self.flight_recorder, name=name if name is not None else f"{self.name}/split{self._splits}.{color}")
 
-    # ---- point to point -----------------------------------------------------------------------------
-
-    def send(self, x, dst: int, tag: int = 0, *, label: str = "") -> None:
-        """Send ``x`` to rank ``dst``; returns once ``x`` may be reused."""
-        checks.check_p2p(self, x, dst, tag, writeable=False)
-        with self._p2p("send", dst, x.nbytes, label):
-            self._links_for(x).send(x, dst, tag)
-
-    def recv(self, x, src: int, tag: int = 0, *, label: str = ""):
-        """Receive ``src``'s message (same dtype and size as ``x``) into ``x``; returns ``x``."""
-        checks.check_p2p(self, x, src, tag)
-        with self._p2p("recv", src, x.nbytes, label):
-            self._links_for(x).recv(x, src, tag)
-        return x
-
-    def isend(self, x, dst: int, tag: int = 0, *, label: str = "") -> Request:
-        """Start sending ``x`` to ``dst``; don't touch ``x`` until the request's ``wait()`` returns.
-        (The trace times the posting; the transfer overlaps whatever runs until ``wait``.)"""
-        checks.check_p2p(self, x, dst, tag, writeable=False)
-        with self._p2p("isend", dst, x.nbytes, label) as seq:
-            return _GroupRequest(self._links_for(x).isend(x, dst, tag), self, "isend", seq)
-
-    def irecv(self, x, src: int, tag: int = 0, *, label: str = "") -> Request:
-        """Start receiving ``src``'s message into ``x``; it is there once ``wait()`` returns."""
-        checks.check_p2p(self, x, src, tag)
-        with self._p2p("irecv", src, x.nbytes, label) as seq:
-            return _GroupRequest(self._links_for(x).irecv(x, src, tag), self, "irecv", seq)
-
-    def sendrecv(self, sendbuf, dst: int, recvbuf, src: int, tag: int = 0, *, label: str = ""):
-        """Send ``sendbuf`` to ``dst`` while receiving ``recvbuf`` from ``src`` (deadlock-free even
-        when two ranks exchange with each other). Returns ``recvbuf``."""
-        checks.check_p2p(self, sendbuf, dst, tag, writeable=False)
-        checks.check_p2p(self, recvbuf, src, tag, like=sendbuf)
-        with self._p2p("sendrecv", dst, sendbuf.nbytes + recvbuf.nbytes, label):
-            self._links_for(sendbuf).sendrecv(sendbuf, dst, recvbuf, src, tag)
-        return recvbuf
-
-    def batch_isend_irecv(self, ops: list["P2POp"]) -> list[Request]:
-        """Post the point-to-point ops ``ops`` (:class:`P2POp`) together and return their requests,
-        in order (torch.distributed's ``batch_isend_irecv``); touch no buffer before its request's
-        ``wait()``. What it sends: each "isend" op's buffer to its peer. On backend "nccl" the ops on GPU
-        buffers are one NCCL group (``ncclGroupStart``/``ncclGroupEnd``), launched now, whose sends
-        and receives progress together and complete together; elsewhere each op is posted as
-        ``isend`` / ``irecv`` posts it. Every op is checked before any is posted."""
-        for op in ops:
-            if op.op not in ("isend", "irecv"):
-                raise ValueError(f"rank {self.rank}: a P2POp is 'isend' or 'irecv', got {op.op!r}")
-            checks.check_p2p(self, op.buffer, op.peer, op.tag, writeable=op.op == "irecv")
-        requests = [getattr(self, op.op)(op.buffer, op.peer, op.tag, label=op.label) for op in ops]
-        if self.backend == "nccl":
-            self._native.p2p.flush()  # what the GPU ops queued: one NCCL group
-        return requests
-
-    # ---- bookkeeping ------------------------------------------------------------------------------
-
-    def _dispatch(self, name, run, algorithm, nbytes, *, async_op=False, like=None, op=None, dtype=None, count=0,
-                  root=-1, recv_counts=None, label=""):
-        """The one path of every collective, once its arguments are checked: after the collectives
-        queued before it, number it, check its fingerprint, record it in the trace and ``run()`` it,
-        now or (``async_op``) on the group's communication thread, returning its Work. ``op``,
-        ``dtype``, ``count``, ``root`` and ``recv_counts`` describe the call for the fingerprint. A GPU
-        array's kernels must run on its own GPU, so the communication thread makes ``like``'s GPU
-        current for the call. ``label`` is the call site's purpose, recorded in the trace."""
-        def collective():
-            with self._collective(name, algorithm, nbytes, op=op, dtype=dtype, count=count, root=root,
-                                  recv_counts=recv_counts, label=label):
-                return run()
-        if async_op:
-            def on_its_gpu():
-                with device_of(like):
-                    return collective()
-            return self._stream.submit(on_its_gpu, f"{name} on group '{self.name}'")
-        self._stream.synchronize()
-        return collective()
-
-    def _native_for(self, x):
-        """The backend's own collectives for ``x``, or None for the hand-written ones: backend "nccl"
-        takes GPU arrays only, so host arrays on an NCCL group go over the transport."""
-        if self.backend == "nccl" and not is_cupy(x):
-            return None
-        return self._native
-
-    def _links_for(self, x):
-        """Where a point-to-point message with buffer ``x`` goes: NCCL for a GPU buffer on backend
-        "nccl", else the transport."""
-        return self._native.p2p if self.backend == "nccl" and is_cupy(x) else self.transport
-
-    def _all_reduce_algorithm(self, nbytes: int) -> str:
-        """``all_reduce(algorithm="auto")``'s choice for a buffer of ``nbytes``: recursive doubling
-        below ``threshold_bytes``; from there, on a power-of-two group, Rabenseifner's ("halving")
-        below ``ring_from_bytes``; else the ring. It depends only on the size and the group's size,
-        which every rank shares, so every rank picks the same."""
-        if nbytes < self.threshold_bytes:
-            return "doubling"
-        if nbytes < self.ring_from_bytes and _power_of_two(self.size):
-            return "halving"
-        return "ring"
-
-    def _halving(self, nbytes: int) -> bool:
-        """Whether reduce_scatter (recursive halving) and all_gather (recursive doubling) of a full
-        buffer of ``nbytes`` take log2(n) rounds rather than the ring's n - 1: on a power-of-two group,
-        below ``ring_from_bytes``. The same on every rank."""
-        return self.size > 1 and _power_of_two(self.size) and nbytes < self.ring_from_bytes
-
-    def _algorithm(self, hand_written: str, x) -> str:
-        """The name the trace records: the backend's ("mpi", "nccl") when it runs the call."""
-        return self.backend if self._native_for(x) else hand_written
-
-    @contextmanager
-    def _collective(self, name, algorithm, nbytes, *, op=None, dtype=None, count=0, root=-1, recv_counts=None,
-                    label=""):
-        """Number a collective, record it in the trace, check that the ranks called the same one
-        (``fingerprint.py``: with the ring neighbours, or in debug mode with everyone), and report a
-        peer that never answers as CommTimeoutError naming the ranks that never arrived."""
-        self.seq += 1
-        with self._timeouts(name, self.seq, collective=True), self.trace.record(
-                name, group=self.name, algorithm=algorithm, nbytes=nbytes, seq=self.seq, label=label):
-            if self.debug or self.check_calls:
-                check_call(self.transport, self.name, name, op, dtype, count, root, self.seq, everyone=self.debug,
-                           recv_counts=recv_counts)
-            yield
-
-    @contextmanager
-    def _p2p(self, name, peer, nbytes, label=""):
-        """Number and record a point-to-point call (with the call site's ``label``); yields its number."""
-        self.p2p_seq += 1
-        with self._timeouts(name, self.p2p_seq), self.trace.record(
-                name, group=self.name, nbytes=nbytes, seq=self.p2p_seq, peer=peer, kind="p2p", label=label):
-            yield self.p2p_seq
-
-    @contextmanager
-    def _timeouts(self, name, seq, collective=False):
-        """Turn a transport's PeerTimeout into CommTimeoutError; for a collective, first take a census
-        of the group (``census.py``, at most ``census.GRACE_SECONDS``) to name the ranks that never
-        arrived. The flight recorder dumps the error, census included."""
-        try:
-            yield
-        except PeerTimeout as e:
-            found, missing = "", []
-            if collective and self.size > 1:
-                found, missing, pending = census.explain(self.transport, seq, name)
-                self._census_sends += pending
-            error = CommTimeoutError(name, seq, self.rank, e.peer, e.waited, self.name, found, missing)
-            if self.flight_recorder is not None:
-                self.flight_recorder.dump(self.trace, error)
-            raise error from e
-
-
-class _GroupRequest(Request):
-    """A transport request whose ``wait`` reports a lost peer as CommTimeoutError, like the group."""
-
-    def __init__(self, request: Request, group: ProcessGroup, op: str, seq: int):
-        self.request, self.group, self.op, self.seq = request, group, op, seq
-
-    def test(self) -> bool:
-        return self.request.test()
-
-    def wait(self) -> None:
-        with self.group._timeouts(self.op, self.seq):
-            self.request.wait()
-
-
-def _power_of_two(n: int) -> bool:
-    return n & (n - 1) == 0
-
 
 def _summed(op: str) -> str:
     """The reduction the algorithms run: "avg" is a "sum" the group divides, afterwards (float16:
     before, :func:`~minidist.comm.ops.averages_first`)."""
     return "sum" if op == "avg" else op
-
-
-@dataclass(frozen=True)
-class P2POp:
-    """One op of :meth:`ProcessGroup.batch_isend_irecv` (torch.distributed's ``P2POp``): "isend"
-    ``buffer`` to rank ``peer``, or "irecv" into ``buffer`` from it, with ``tag`` and the call site's
-    ``label`` ("<purpose>: <what>", recorded in the trace)."""
-    op: str
-    buffer: object
-    peer: int
-    tag: int = 0
-    label: str = ""

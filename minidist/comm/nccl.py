@@ -17,16 +17,18 @@ NCCL's reduce-scatter and all-gather move equal parts. Our parts follow ``numpy.
 run NCCL on the equal parts and compact the result; equal parts skip the copies.
 
 Point-to-point (``NCCLCollectives.p2p``, an :class:`NCCLTransport`): NCCL has no tags (messages
-between two ranks match in the order they were posted) and a lone ``ncclSend`` may hold its stream
-until the peer posts the receive, so a rank that sends and receives at once must post both in one
-``groupStart()``/``groupEnd()``. Hence the rule: ``isend``/``irecv`` only queue; the first ``wait``
-or ``test`` of a queued request launches everything this rank has queued, in one NCCL group, and
-``wait`` returns once that whole group is done. (A collective also launches what is queued first.)
-The limit: waiting on a request launches its whole batch and waits for all of it, so a wait
-deadlocks, then times out, when any op in its batch needs the peer to post an op that it posts only
-after this wait has returned. ``sendrecv`` puts both of its requests in one batch, so two ranks may
-exchange with it at once; two ranks that both ``send`` before they ``recv`` deadlock, as with MPI's
-synchronous sends. The pipeline's pattern is discussed in ``NCCLTransport``.
+between two ranks match in the order they were posted), and a stream runs its work in order, so a
+lone ``ncclSend`` holds everything launched after it on the rank's stream until the peer receives.
+A rank that sends and receives at once must post both in one ``groupStart()``/``groupEnd()``, which
+NCCL runs together and completes together. Hence the rule: ``isend``/``irecv`` only queue, and one
+NCCL group launches everything this rank has queued, at ``ProcessGroup.batch_isend_irecv`` (the
+batch it queued, at once: :meth:`NCCLTransport.flush`), at the first ``wait`` or ``test`` of a
+queued request, or before a collective. ``wait`` returns once the request's whole group is done.
+The limit: a group completes only with all of its messages, so two ranks deadlock, then time out,
+when each waits in a group for a message the other posts only in a later group. ``sendrecv`` puts
+both of its requests in one group, so two ranks may exchange with it at once; two ranks that both
+``send`` before they ``recv`` deadlock, as with MPI's synchronous sends. The pipeline posts each
+round of its schedule as one batch, placed so that this cannot happen (parallel/pipeline/rounds.py).
 """
 from __future__ import annotations
 
@@ -233,24 +235,10 @@ class NCCLCollectives:
 class NCCLTransport(Transport):
     """Point-to-point over a group's NCCL communicator, in batches (see the module docstring).
 
-    ``isend``/``irecv`` queue a request; the first ``wait`` or ``test`` of any queued request launches
-    every queued one in a single ``groupStart()``/``groupEnd()``, and ``wait`` returns when that batch
-    is done. Tags are not sent: between two ranks, messages match in posting order.
-
-    The pipeline (``minidist/parallel/pipeline/p2p.py``) posts each send with ``isend``, waits on each
-    receive at once (``irecv(...).wait()``) and waits for its sends at the end of the step. Here that
-    means: a rank's queued sends leave with its next receive, and that receive returns only once those
-    sends have been received too. Messages match by order alone, which is safe because every schedule
-    sends and receives the messages between two ranks in the same order on both sides (checked by
-    ``tests/test_nccl_backend.py``). GPipe and 1F1B never deadlock (each send queued before a receive
-    is received by the peer before it needs anything more from this rank; tested for 2..4 ranks and
-    1..8 micro-batches). Interleaved 1F1B with more micro-batches than ranks does deadlock: with 2
-    ranks, rank 0 launches {send 2B0, send 0F3, receive 2B1} together, while rank 1 receives 0F3 only
-    after rank 0's next receive (2F2), which waits behind that batch. It times out with
-    CommTimeoutError; NCCL's one stream per communicator runs a rank's batches in order, so it needs
-    sends that complete on their own (a communicator and stream per direction) or a schedule whose
-    rounds are paired sendrecvs (as Megatron-LM batches them). Queued sends also cost overlap: a send
-    waits in the queue until the sender's next wait.
+    ``isend``/``irecv`` queue a request; :meth:`flush` launches every queued one in a single
+    ``groupStart()``/``groupEnd()``, called by ``ProcessGroup.batch_isend_irecv`` and by the first
+    ``wait`` or ``test`` of a queued request; ``wait`` returns when that group is done. Tags are not
+    sent: between two ranks, messages match in posting order.
     """
 
     def __init__(self, collectives: NCCLCollectives):

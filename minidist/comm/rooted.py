@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from minidist.comm.ops import Workspace, reduce_ufunc
-from minidist.comm.tags import TAG_BROADCAST, TAG_REDUCE
+from minidist.comm.tags import TAG_BROADCAST, TAG_GATHER_BYTES, TAG_REDUCE
 from minidist.comm.transport import wait_all
 
 
@@ -69,3 +69,27 @@ def barrier(t) -> None:
     token = np.empty(0, np.uint8)
     reduce(t, token, 0, "max")
     broadcast(t, token, 0)
+
+
+def gather_bytes(t, data: bytes, dst: int) -> list[bytes] | None:
+    """Every rank's ``data`` (any length, 0 included) on rank ``dst`` in rank order; None elsewhere.
+    Sends: each rank other than ``dst`` sends ``dst`` its length (one int64), then, when not empty,
+    the bytes as one uint8 buffer, point-to-point with the reserved tag ``TAG_GATHER_BYTES``; ``dst``
+    receives them in rank order."""
+    if t.rank != dst:
+        t.send(np.array([len(data)], dtype=np.int64), dst, TAG_GATHER_BYTES)
+        if data:
+            t.send(np.frombuffer(data, dtype=np.uint8), dst, TAG_GATHER_BYTES)
+        return None
+    gathered = []
+    for src in range(t.size):
+        if src == dst:
+            gathered.append(bytes(data))
+            continue
+        size = np.empty(1, dtype=np.int64)
+        t.recv(size, src, TAG_GATHER_BYTES)
+        buf = np.empty(int(size[0]), dtype=np.uint8)  # (length,)
+        if buf.size:
+            t.recv(buf, src, TAG_GATHER_BYTES)
+        gathered.append(buf.tobytes())
+    return gathered

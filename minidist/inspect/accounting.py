@@ -71,7 +71,8 @@ def activation_bytes(loss, exclude=()) -> int:
 def zero_formula(stage: int, param_bytes: int, optimizer_bytes: int, n: int) -> dict:
     """The ZeRO paper's model-state bytes per rank: P = G = ``param_bytes`` (the model's dtype),
     O = ``optimizer_bytes`` (K bytes per parameter: SGD's momentum, AdamW's two moments, and under
-    mixed precision the float32 masters; the paper's K = 12 for mixed-precision Adam). Stage 0:
+    mixed precision the float32 masters; the paper's K = 12 for mixed-precision Adam; the table is
+    ``minidist.optim.optimizer_bytes_per_parameter``). Stage 0:
     P + G + O; 1: P + G + O/N; 2: P + (G + O)/N; 3: (P + G + O)/N."""
     P = G = param_bytes
     shard = {"parameters": stage >= 3, "gradients": stage >= 2, "optimizer": stage >= 1}

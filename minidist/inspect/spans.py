@@ -7,7 +7,7 @@ records them again in reverse. A timeline then shows which block's collective ov
 compute, and ``--explain`` says which block a call belongs to. Sends nothing.
 
 How, for the length of one forward: each block's ``forward`` is wrapped (a per-instance attribute,
-as recompute.py and zero3.py do; restored on exit), the wrapper times the block and routes its input
+as recompute.py and zero/stage3.py do; restored on exit), the wrapper times the block and routes its input
 and output through :class:`Boundary`, an identity Function whose backward notes when the gradient
 crossed it. A block's backward runs from its output's crossing to its input's; the head's from the
 start of backward to the last block's output; the embedding's from the first block's input to the end

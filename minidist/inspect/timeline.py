@@ -3,7 +3,7 @@ idle time between.
 
 Two rows per rank. Compute: the passes (forward blue, backward orange, weight red, optimizer green;
 pipeline spans are labelled with their micro-batch, F3 / B3), cut into their module spans
-(module_spans.py: embedding, h.0 ... head, outlined and named where there is room), with the time the
+(inspect/spans.py: embedding, h.0 ... head, outlined and named where there is room), with the time the
 rank sat blocked inside a collective it called from that thread cut OUT of compute: there it was
 communicating. Communication: one colour per mesh axis of the call's group (dp, tp, pp, cp, ep,
 world; ``accounting.axis_of``), so tensor parallelism's all-reduces and data parallelism's read

@@ -61,7 +61,7 @@ DEVICE = ("parameters", "gradients", "optimizer")  # a memory row's device colum
 
 def step_peak_bytes(trace, held: dict) -> int:
     """The most device bytes this rank held during the last step in ``trace`` (cut by its
-    "optimizer" spans, ``timeline.step_window``): the largest a module span (module_spans.py) saw
+    "optimizer" spans, ``timeline.step_window``): the largest a module span (inspect/spans.py) saw
     of parameters, gradients and live activations, plus the optimizer state of ``held`` (a memory
     row, measured after the step; the state does not change size within it), and never less than
     ``held``'s own device total: the end of the step is a moment of it."""

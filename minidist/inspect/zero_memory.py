@@ -6,14 +6,14 @@ nothing. The formulas themselves are accounting.py's (:func:`zero_formula`, :fun
 from __future__ import annotations
 
 from minidist.inspect.accounting import offload_formula, unique_nbytes, zero_formula
+from minidist.optim import state_bytes
 
 
 def optimizer_bytes_per_parameter(zero) -> int:
-    """K of the ZeRO paper: slots x 4 (+ 4 for the float32 masters) under mixed precision, slots x the
-    model's itemsize without it (mixed-precision AdamW: 12)."""
-    itemsize = zero.shards[0].unit.dtype.itemsize if zero.shards else 0
-    slots = len(zero.optimizer.slots)
-    return slots * (4 if zero.mixed_precision else itemsize) + 4 * bool(zero.mixed_precision)
+    """K of the ZeRO paper for ``zero``'s optimizer, parameter dtype and precision, from the one table
+    (``minidist.optim.optimizer_bytes_per_parameter``; mixed-precision AdamW: 12)."""
+    dtype = zero.shards[0].unit.dtype if zero.shards else "float32"
+    return state_bytes.optimizer_bytes_per_parameter(zero.optimizer, dtype, zero.mixed_precision)
 
 
 def model_state_bytes(zero) -> dict:

@@ -9,7 +9,7 @@ so the gradients are identical, for the price of one more forward per block.
 
     recompute_blocks(model)      # every transformer block of a GPT now recomputes in backward
 
-Recompute is its own choice: ZeRO-3 (``zero3.py``) does not need it, because it gets its freed
+Recompute is its own choice: ZeRO-3 (``zero/stage3.py``) does not need it, because it gets its freed
 weights back for backward through saved-tensor hooks; with both, the block's forward re-runs inside
 ZeRO-3's gathered call.
 """

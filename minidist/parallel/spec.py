@@ -73,6 +73,7 @@ class LayoutSpec:
 
     @property
     def world(self) -> int:
+        """The ranks the layout needs: dp x pp x cp x tp."""
         return self.dp * self.pp * self.cp * self.tp
 
 
@@ -85,7 +86,8 @@ class Problem:
 
 
 def problems(spec: LayoutSpec) -> list[str]:
-    """Everything wrong with ``spec``, one line each, all at once (empty: it can run)."""
+    """Everything wrong with ``spec``, one line each, all at once (empty: it can run). Reads only
+    ``spec``, so every rank reaches the same verdict before anything is sent; sends nothing."""
     return [p.text for p in findings(spec)]
 
 
@@ -107,6 +109,7 @@ def findings(spec: LayoutSpec) -> list[Problem]:
 
 
 def flag(name: str) -> str:
+    """The command-line flag of field ``name``: ``micro_batches`` -> ``--micro-batches``."""
     return "--" + name.replace("_", "-")
 
 
@@ -155,8 +158,7 @@ def name_problems(spec: LayoutSpec) -> list[Problem]:
 
 
 def backend_problems(spec: LayoutSpec) -> list[Problem]:
-    """What --device and --backend cannot run. The interleaved and ZB-V schedules over NCCL are
-    refused HERE ONLY, until the pipeline posts each step's sends and receives as one group."""
+    """What --device and --backend cannot run."""
     found = []
     if spec.backend == "nccl" and spec.device != "cuda":
         found.append(Problem("--backend nccl moves GPU buffers only: it needs --device cuda"))
@@ -164,11 +166,6 @@ def backend_problems(spec: LayoutSpec) -> list[Problem]:
         found.append(Problem("--device cuda with --backend mpi is not supported: MPI's own collectives would be "
                              "handed GPU buffers, which only a CUDA-aware MPI reads (use --backend ring, which stages "
                              "them through host memory, or --backend nccl)"))
-    if spec.backend == "nccl" and spec.schedule in ("interleaved", "zbv") and spec.pp > 1:
-        found.append(Problem(f"--schedule {spec.schedule} with --backend nccl is not supported: NCCL runs one rank's "
-                             f"sends and receives in order on one stream, and the {spec.schedule} schedule has a rank "
-                             f"wait for a receive whose peer sends it only after a later receive (a deadlock); use "
-                             f"--schedule zb-h1, 1f1b or gpipe, or --backend ring"))
     return found
 
 
@@ -203,7 +200,8 @@ def sequence_parallel_problems(spec: LayoutSpec) -> list[Problem]:
         return []
     if spec.tp == 1:
         why = "sequence parallelism splits the sequence over the tp ranks: with tp 1 there is nothing to split"
-        return [Problem(f"--sequence-parallel needs --tp > 1 ({why})", lacks=why)]
+        return [Problem(f"--sequence-parallel needs --tp > 1 ({why}): add --tp, or drop --sequence-parallel",
+                        lacks=why)]
     if spec.seq % spec.tp:
         return [Problem(f"the sequence of {spec.seq} tokens is not divisible by tp {spec.tp} (sequence parallelism "
                         f"splits the sequence over the tp ranks)")]
@@ -220,8 +218,8 @@ def context_parallel_problems(spec: LayoutSpec) -> list[Problem]:
         if spec.cp_algorithm == DEFAULT_CP_ALGORITHM:
             return []
         why = "a cp algorithm says how attention reaches the other cp ranks' tokens: with cp 1 every one is the same run"
-        return [Problem(f"--cp-algorithm {spec.cp_algorithm} needs --cp > 1 ({why}: leave it at "
-                        f"{DEFAULT_CP_ALGORITHM})", lacks=why)]
+        return [Problem(f"--cp-algorithm {spec.cp_algorithm} needs --cp > 1 ({why}): add --cp, or leave "
+                        f"--cp-algorithm at {DEFAULT_CP_ALGORITHM}", lacks=why)]
     found = []
     parts = tokens_multiple(spec.cp, spec.cp_algorithm)
     if spec.seq % parts:
@@ -272,8 +270,8 @@ def pipeline_problems(spec: LayoutSpec) -> list[Problem]:
     found = []
     if spec.pp == 1 and spec.schedule != DEFAULT_SCHEDULE:
         why = "a schedule orders the micro-batches of pipeline stages: with pp 1 every schedule is the same run"
-        found.append(Problem(f"--schedule {spec.schedule} needs --pp > 1 ({why}: leave it at {DEFAULT_SCHEDULE})",
-                             lacks=why))
+        found.append(Problem(f"--schedule {spec.schedule} needs --pp > 1 ({why}): add --pp, or leave --schedule at "
+                             f"{DEFAULT_SCHEDULE}", lacks=why))
     if spec.pp * spec.virtual_stages > spec.n_layer:
         found.append(Problem(f"pp * virtual_stages = {spec.pp} * {spec.virtual_stages} pipeline stages need at least "
                              f"as many blocks, n_layer is {spec.n_layer}"))

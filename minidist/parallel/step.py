@@ -40,7 +40,7 @@ def forward_backward(model, batches, no_sync=contextlib.nullcontext, trace=None,
     the last). Returns the mean loss. (A pipeline engine's ``forward_backward`` replaces exactly
     this function.)"""
     trace = trace or Trace(enabled=False)
-    spans = ModuleSpans(trace)  # embedding, h.0 ... head inside each pass (module_spans.py)
+    spans = ModuleSpans(trace)  # embedding, h.0 ... head inside each pass (inspect/spans.py)
     m, losses = len(batches), []
     for i, batch in enumerate(batches):
         idx, targets = inputs_and_targets(batch)          # (b/m, T), (b/m, T)

@@ -68,7 +68,7 @@ def _zero3_held(shards) -> dict[int, tuple[tuple, int, int]]:
 
 def holdings(model, tp_size: int, ep_rank: int = 0, ep_size: int = 1, shards=None) -> list[str]:
     """One line per parameter of ``model`` (blocks folded: ``h.{0,1}``): its shape on this rank
-    and, when tensor parallelism cuts it, which shard of which full shape (tp_layout.py's table: the
+    and, when tensor parallelism cuts it, which shard of which full shape (tensor/layout.py's table: the
     vocabulary's full shape has ``model.config.vocab_size`` rows, its padding is not part of it);
     when expert parallelism cuts it (ep rank ``ep_rank`` of ``ep_size``), which experts; a
     pipeline stage's copy of the tied embedding says so. With ZeRO-3's ``shards`` (the parameters
@@ -156,7 +156,7 @@ def step_story(events, members: dict[str, list[int]], me: int) -> list[str]:
     """The events of one step as lines, in start order: a compute span as a heading, each call made
     inside it (or under ``after <span>:``, once it ended) as ``op bytes group partners (algorithm) —
     label [during module spans]`` (:func:`label_text`: the purpose its call site gave); consecutive
-    calls that differ only in the module span (module_spans.py) they were made during fold into
+    calls that differ only in the module span (inspect/spans.py) they were made during fold into
     ``k x``, those modules listed. Module spans are not headings: they say when a call was made (a
     prefetch made during h.0 may fetch h.1: its label says what it moves)."""
     lines, span, heading = [], None, None  # span: the last compute event, while not yet left

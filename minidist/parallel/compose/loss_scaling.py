@@ -7,7 +7,7 @@ the dp size. So each micro-batch's backward starts from
     d(loss_scale * loss_i / m) / d loss_i = loss_scale / m
 
 (``loss_scale``: mixed precision's dynamic loss scale, which keeps float16 gradients out of the
-underflow zone; 1 otherwise). The optimizer side unscales (amp/master_weights.py, zero.py).
+underflow zone; 1 otherwise). The optimizer side unscales (amp/master_weights.py, zero/optimizer.py).
 
 A mixture-of-experts layer's load-balancing loss is part of the same objective, so its gradient
 starts from the same seed: :func:`seed_aux_losses` hands it to every MoE layer of the model (on any

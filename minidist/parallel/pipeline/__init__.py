@@ -2,19 +2,20 @@
 
 A schedule is data. To read 1F1B, in this order:
 
-    actions.py       Action: forward / backward of one micro-batch on one stage, the messages between
-                     stages, and which rank holds a stage
-    one_f_one_b.py   GPipe's and 1F1B's compute orders
-    lowering.py      the messages added to a compute order, each receive in the round its message is sent in
+    actions.py       Action: the forward / backward of one micro-batch on one stage, the messages
+                     between stages, and which rank holds a stage
+    one_f_one_b.py   1F1B's compute order, then the messages added (add_communication)
     executor.py      PipelineExecutor: the loop that runs one rank's list for a training step
-    p2p.py           each round of messages posted as one batch
+    p2p.py           each round of messages (those between two compute actions) posted as one batch
     stages.py        PipelineStage: the blocks one rank holds
 
-Then: schedules.py (every schedule by name), validate.py (static checks and the dry runs that
-prove a schedule cannot deadlock), engine.py (PipelineEngine: a schedule by name with the
+Then: rounds.py (each receive placed in the round its message is sent in: no deadlock over NCCL),
+validate.py (static checks and the dry runs that show a schedule cannot deadlock), schedules.py
+(every schedule by name, GPipe's too), engine.py (PipelineEngine: a schedule by name run with the
 extensions it needs), timeline.py (a schedule drawn), partition.py (blocks split by cost),
 tied_embeddings.py, interleaved.py and zero_bubble.py (more schedules), and the executor's
-extensions: split_backward.py, handover.py, peak_memory.py, module_spans.py.
+extensions, each wrapping every compute action: split_backward.py (zero-bubble's B and W),
+handover.py (ZB-V's two stages on one rank), peak_memory.py, module_spans.py.
 """
 from minidist.parallel.pipeline.actions import Action, rank_stages, stage_rank
 from minidist.parallel.pipeline.engine import PipelineEngine, split_micro_batches

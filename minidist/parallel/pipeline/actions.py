@@ -1,14 +1,12 @@
 """Action: one thing a pipeline rank does during a step. A schedule is a list of them per rank.
 
     F       forward of micro-batch ``microbatch`` through stage ``stage``
-    B       backward of it (only the input's gradient in a zero-bubble schedule: zero_bubble.py)
-    W       the weight gradients of that backward (zero-bubble schedules only)
+    B       backward of it (in a zero-bubble schedule only the input's gradient, and W the weights')
     SEND_F  send F's output (mb, T, C) to the next stage, where RECV_F receives it
     SEND_B  send the gradient of B's input (mb, T, C) to the previous stage, where RECV_B receives it
 
-``stage`` is global: with p ranks and v chunks per rank there are p * v stages, stage s being chunk
-``s // p`` of rank ``s % p`` (Megatron's "loop" placement), or of rank ``p - 1 - s % p`` in the odd
-chunks of ZB-V's "v" placement (0 1 2 3 | 3 2 1 0). With v = 1, stage and rank coincide.
+With p ranks and v chunks per rank there are p * v stages: stage s is chunk ``s // p`` of rank
+``s % p`` (Megatron's "loop" placement), or in ZB-V's "v" placement, of rank p-1 - s % p in odd chunks.
 """
 from __future__ import annotations
 

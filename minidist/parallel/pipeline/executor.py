@@ -1,14 +1,11 @@
-"""PipelineExecutor: run a schedule, this rank's list of actions, for one training step.
+"""PipelineExecutor: run this rank's list of actions (a schedule) for one training step.
 
-The loop gathers the messages between two compute actions (a round), posts them as one batch
-(p2p.py), then runs the compute action: F, a micro-batch's forward through a stage, or B, its
-backward. Per micro-batch and stage boundary a step sends one (mb, T, C) activation forward and one
-(mb, T, C) gradient backward; at the end the last stage broadcasts the mean loss. The gradients are
-one process's on the whole batch: the last stage seeds each backward with loss_scale / m.
-
-Anything more is an extension whose ``around(action, step)`` wraps every compute action, not a
-branch here (engine.py adds what a schedule needs): split_backward.py (zero-bubble's W),
-handover.py (two stages on one rank: ZB-V), peak_memory.py, module_spans.py.
+The loop posts the messages between two compute actions (a round) as one batch (p2p.py), then runs
+the compute action: F, a micro-batch's forward through a stage, or B, its backward, which the last
+stage seeds with loss_scale / m (one process's gradients on the whole batch). Per micro-batch and
+stage boundary a step sends one (mb, T, C) activation forward and one (mb, T, C) gradient back; at
+the end the last stage broadcasts the mean loss. Anything more is an extension, not a branch here:
+an object whose ``around(action, step)`` wraps each compute action (engine.py, split_backward.py).
 """
 from __future__ import annotations
 
@@ -22,9 +19,8 @@ from minidist.parallel.pipeline.p2p import StageLink
 
 
 class Step:
-    """One step's state: the micro-batches, the loss scale, the link, per (stage, micro-batch) the
-    input a stage got (a leaf Tensor: its gradient goes back) and the output it made (kept for B),
-    and the mean loss so far (on the last stage)."""
+    """One step's state: per (stage, micro-batch) the input a stage got (a leaf Tensor: its gradient
+    goes back) and the output it made (kept for B); the mean loss so far (on the last stage)."""
 
     def __init__(self, micro_batches, loss_scale: float, link: StageLink):
         self.micro_batches, self.loss_scale, self.link = micro_batches, loss_scale, link
@@ -46,9 +42,8 @@ class PipelineExecutor:
         self.dtype, self.xp = first.dtype, get_array_module(first.data)  # received arrays go there
 
     def forward_backward(self, micro_batches, loss_scale: float = 1.0) -> float:
-        """One step's forwards and backwards over ``micro_batches`` (m arrays (mb, T+1), the same list
-        on every pp rank: stage 0 reads the inputs, the last stage the targets); the gradients
-        accumulate into the stage's parameters. Returns the mean loss, on every rank."""
+        """One step over ``micro_batches`` (m arrays (mb, T+1), the same on every pp rank); the
+        gradients accumulate into the stage's parameters. Returns the mean loss, on every rank."""
         return self.run_step(self.schedule[self.group.rank], micro_batches, loss_scale)
 
     def run_step(self, actions, micro_batches, loss_scale: float = 1.0) -> float:

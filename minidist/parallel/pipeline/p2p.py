@@ -1,21 +1,16 @@
 """Point-to-point between pipeline stages: activations forward, gradients backward, a round at a time.
 
 Both directions move one (mb, T, C) array per micro-batch, whose shape every rank knows, so only
-the data is sent. The executor hands over each ROUND of messages (those between two of its compute
-actions) at once, and the link posts it as ONE batch (``ProcessGroup.batch_isend_irecv``: Megatron's
-batched isend/irecv, one NCCL group over NCCL) and waits for its receives; the sends are waited for
-at the end of the step. Over NCCL a batch completes only once all its messages have, so each receive
-sits in the round its message is sent in (lowering.py), and ``validate.check_rounds`` has shown
-before anything runs that no two ranks wait on each other.
-
-Each (sending stage, direction) has its own tag (:meth:`Action.channel_tag`); NCCL, which has no
-tags, matches the messages between two ranks in posting order, the same on both sides.
+the data is sent. The link posts each ROUND (the messages between two compute actions) as ONE batch
+(``ProcessGroup.batch_isend_irecv``: Megatron's batched isend/irecv, one NCCL group over NCCL) and
+waits for its receives; the sends, at the end of the step. Each (sending stage, direction) has its
+own tag; NCCL, which has none, matches the messages between two ranks in posting order.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from minidist.comm.group import P2POp
+from minidist.comm.point_to_point import P2POp
 from minidist.parallel.pipeline.actions import SENDS, Action, stage_rank
 
 

@@ -1,16 +1,17 @@
-"""Every schedule by name: its compute order (one_f_one_b.py, interleaved.py, zero_bubble.py),
-lowered into a full schedule (lowering.py), one list of actions per rank.
+"""Every schedule by name: its compute order, lowered (one_f_one_b.add_communication) and its
+receives placed in rounds (rounds.py); one list of actions per rank.
 
-    gpipe, 1f1b    the classics; (p-1)/(m+p-1) of the step idle
-    interleaved    v chunks per rank: (p-1)/(v m+p-1) idle, v times the messages (Megatron-LM)
-    zb-h1, zbv     backward split into B and W, W filling the bubble (Qi et al.)
+    gpipe          all m forwards, then all m backwards: m micro-batches held; (p-1)/(m+p-1) idle
+    1f1b           one_f_one_b.py: GPipe's bubble, at most p micro-batches held
+    interleaved    interleaved.py, v chunks per rank: (p-1)/(v m+p-1) idle, v times the messages
+    zb-h1, zbv     zero_bubble.py: backward split into B and W, W filling the bubble (Qi et al.)
 """
 from __future__ import annotations
 
 from minidist.parallel.pipeline.actions import Action, rank_stages
 from minidist.parallel.pipeline.interleaved import interleaved_1f1b
-from minidist.parallel.pipeline.lowering import add_communication, receive_when_sent
-from minidist.parallel.pipeline.one_f_one_b import gpipe, one_f_one_b
+from minidist.parallel.pipeline.one_f_one_b import add_communication, one_f_one_b
+from minidist.parallel.pipeline.rounds import receive_when_sent
 from minidist.parallel.pipeline.validate import simulate
 from minidist.parallel.pipeline.zero_bubble import zb_h1, zbv
 
@@ -26,6 +27,12 @@ def placement_of(name: str) -> str:
 def splits_backward(name: str) -> bool:
     """Whether schedule ``name`` runs each backward as B then W (the zero-bubble schedules)."""
     return name in ("zb-h1", "zbv")
+
+
+def gpipe(pp_size: int, micro_batches: int) -> list[list[Action]]:
+    """GPipe's compute order: every rank forwards micro-batches 0..m-1, then backwards 0..m-1."""
+    return [[Action("F", r, i) for i in range(micro_batches)] + [Action("B", r, i) for i in range(micro_batches)]
+            for r in range(pp_size)]
 
 
 def build_schedule(name: str, pp_size: int, micro_batches: int, virtual_stages: int = 1,

@@ -1,9 +1,7 @@
 """PipelineStage: the part of the model one pipeline rank holds, as a module.
 
 The GPT is cut where ``minidist.model`` cuts it: ``embed`` on the first stage, then the blocks in
-order, then ``head`` (final LayerNorm, LM head, loss) on the last. With p ranks and v chunks per
-rank there are S = p * v stages, placed as actions.py says; the blocks are split by cost
-(partition.py). The tied embedding's two ends: tied_embeddings.py.
+order (split by cost: partition.py), then ``head`` (final LayerNorm, LM head, loss) on the last.
 """
 from __future__ import annotations
 
@@ -18,11 +16,11 @@ _SHARED_ATTRIBUTES = ("config", "tp_group", "sequence_parallel", "context_parall
 
 
 class PipelineStage(nn.Module):
-    """The part of ``model`` (a GPT, maybe made tensor-, context- or expert-parallel) that pipeline
-    rank ``pp_rank`` of ``pp_size`` holds: its ``virtual_stages`` chunks, chunk c being global stage
-    ``self.stages[c]``. ``layers_per_stage`` (one count per stage, summing to n_layer) overrides the
-    split by ``costs`` (partition.py). Parameters keep their GPT names, so optimizers, data
-    parallelism and state dicts work unchanged; the blocks of other stages are not referenced."""
+    """The part of ``model`` (a GPT, maybe already tensor-, context- or expert-parallel) that rank
+    ``pp_rank`` of ``pp_size`` holds: ``virtual_stages`` chunks, chunk c being global stage
+    ``self.stages[c]`` (placed as actions.py says). ``layers_per_stage`` (one count per stage)
+    overrides the split by ``costs`` (partition.py). Parameters keep their GPT names, so optimizers,
+    data parallelism and state dicts work unchanged. The tied embedding's ends: tied_embeddings.py."""
 
     def __init__(self, model, pp_rank: int, pp_size: int, virtual_stages: int = 1, layers_per_stage=None,
                  costs=None, placement: str = "loop"):
@@ -40,6 +38,7 @@ class PipelineStage(nn.Module):
         self.layers_per_stage = list(layers_per_stage)
         self.pp_rank, self.pp_size, self.n_stages, self.placement = pp_rank, pp_size, n_stages, placement
         self.stages = rank_stages(pp_rank, pp_size, virtual_stages, placement)  # chunk -> global stage
+        self.holds_first, self.holds_last = 0 in self.stages, n_stages - 1 in self.stages
         self.layers = [range(int(starts[s]), int(starts[s + 1])) for s in self.stages]  # chunk -> blocks
         t = model.transformer
         parts = dict(wte=t.wte, wpe=t.wpe) if self.holds_first else {}
@@ -49,14 +48,6 @@ class PipelineStage(nn.Module):
         self.transformer = nn.ModuleDict(parts)
         if self.holds_last:
             self.lm_head = tied_head(self, model)
-
-    @property
-    def holds_first(self) -> bool:
-        return 0 in self.stages
-
-    @property
-    def holds_last(self) -> bool:
-        return self.n_stages - 1 in self.stages
 
     def forward(self, chunk: int, x, targets=None):
         """Chunk ``chunk``: ids (B, T) or activations (B, T, C) in; activations (B, T, C) out, or on

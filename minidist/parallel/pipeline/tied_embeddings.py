@@ -37,7 +37,7 @@ def tied_head(stage, model):
 def embedding_group(stage, pp_group):
     """Collective over ``pp_group``: the 2-rank group of the first and the last stage that hold the
     tied embedding copies, or None (on other ranks, with untied embeddings, or both ends on one rank)."""
-    ends = {stage_rank(0, stage.pp_size, stage.placement), stage_rank(stage.n_stages - 1, stage.pp_size, stage.placement)}
+    ends = {stage_rank(s, stage.pp_size, stage.placement) for s in (0, stage.n_stages - 1)}
     member = stage.config.tie_embeddings and len(ends) == 2 and pp_group.rank in ends
     return pp_group.split(0 if member else -1, name=f"{pp_group.name}/embedding")
 

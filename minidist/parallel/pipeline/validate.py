@@ -241,12 +241,16 @@ def simulate(schedule: list[list[Action]], pp_size: int, forward_cost: float = 1
                     clock[r] += cost[a.op]
                 position[r] += 1
                 moved = True
-    stuck = [r for r in range(pp_size) if position[r] < len(schedule[r])]
-    if stuck:
-        waits = "; ".join(f"{_where(r, position[r], schedule[r][position[r]])} waits for rank "
-                          f"{stage_rank(schedule[r][position[r]].peer_stage(), pp_size, placement)}" for r in stuck)
-        raise ScheduleError(f"deadlock: {waits}")
+    _stuck("deadlock", [r for r in range(pp_size) if position[r] < len(schedule[r])],
+           lambda r: f"{_where(r, position[r], schedule[r][position[r]])} waits for rank "
+                     f"{stage_rank(schedule[r][position[r]].peer_stage(), pp_size, placement)}")
     return Timeline(spans, max(clock))
+
+
+def _stuck(what: str, ranks: list[int], waits) -> None:
+    """Raise :class:`ScheduleError` "``what``: " and what each of ``ranks`` waits for, if any is stuck."""
+    if ranks:
+        raise ScheduleError(f"{what}: " + "; ".join(waits(r) for r in ranks))
 
 
 def rounds_of(actions: list[Action]) -> list[list[Action]]:
@@ -288,10 +292,8 @@ def check_rounds(schedule: list[list[Action]], pp_size: int, placement: str = "l
             while reached[r] < len(rounds[r]) and all(reached[q] >= j for q, j in partners[r, reached[r]]):
                 reached[r] += 1
                 moved = True
-    stuck = [r for r in range(pp_size) if reached[r] < len(rounds[r])]
-    if stuck:
-        waits = "; ".join(f"rank {r} posts {' '.join(map(str, rounds[r][reached[r]]))} and waits for rank "
-                          f"{next(q for q, j in partners[r, reached[r]] if reached[q] < j)}" for r in stuck)
-        raise ScheduleError(f"deadlock over NCCL (each round one batch): {waits}")
+    _stuck("deadlock over NCCL (each round one batch)", [r for r in range(pp_size) if reached[r] < len(rounds[r])],
+           lambda r: f"rank {r} posts {' '.join(map(str, rounds[r][reached[r]]))} and waits for rank "
+                     f"{next(q for q, j in partners[r, reached[r]] if reached[q] < j)}")
     if crossed:
         raise ScheduleError(f"{crossed[0]}: messages between two ranks match in posting order over NCCL")

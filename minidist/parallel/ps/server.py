@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from minidist.optim import adamw_update, clip_coef, lr_at, sgd_update
+from minidist.optim import OPTIMIZERS, adamw_update, clip_coef, lr_at, sgd_update
 from minidist.parallel.ps.protocol import (DONE, GATHER, GATHER_LABEL, PULL, PULL_HEADER, PULL_LABELS, PUSH,
                                            PUSH_HEADER, PUSH_LABELS, wait_any)
 
@@ -48,8 +48,7 @@ class ParameterServer:
         lo, hi = layout.bounds[self.server]
         self.shard = layout.flat_params()[lo:hi].copy()  # (n,) this server's parameters
         self.rates = layout.weight_decay_rates(cfg.weight_decay)[lo:hi]  # (n,) per-element decay
-        slots = ("exp_avg", "exp_avg_sq") if cfg.optimizer == "adamw" else ("momentum_buf",)
-        self.state = {slot: np.zeros_like(self.shard) for slot in slots}
+        self.state = {slot: np.zeros_like(self.shard) for slot in OPTIMIZERS[cfg.optimizer].slots}
         self.version = 0  # updates applied so far
         self.workers = list(range(servers_group.size, servers_group.size + workers))  # their world ranks
         self.staleness: list[int] = []  # per applied update (async)

@@ -29,7 +29,6 @@ Which rank holds what, by GPT-2 parameter name, is the table in :mod:`minidist.p
 the operators and layers here.
 """
 from minidist.autograd import Function, get_array_module, linear
-from minidist.parallel.compose.grad_ownership import summed_over_tp
 from minidist.parallel.tensor.layout import padded_vocab_size, shard_for, tp_layout, unshard
 
 __all__ = ["CopyToTensorParallelRegion", "ReduceFromTensorParallelRegion", "GatherFromSequenceParallelRegion",
@@ -38,7 +37,7 @@ __all__ = ["CopyToTensorParallelRegion", "ReduceFromTensorParallelRegion", "Gath
            "reduce_from_tensor_parallel_region", "gather_from_sequence_parallel_region",
            "reduce_scatter_to_sequence_parallel_region", "enter_tensor_parallel_region", "exit_tensor_parallel_region",
            "row_parallel",
-           "tp_layout", "padded_vocab_size", "shard_for", "unshard"]  # the last four: from tp_layout.py
+           "tp_layout", "padded_vocab_size", "shard_for", "unshard"]  # the last four: from layout.py
 
 # ---- the communication operators (autograd Functions) ---------------------------------------------
 # Each takes ``what``, the activation it moves in words, for the label of its calls in the trace

@@ -3,7 +3,7 @@ building the full (B, T, V) logits on one rank.
 
 The vocabulary V is padded to a multiple of the group size n (``padded_vocab_size``) and rank r holds
 rows ``[r * V_pad/n, (r+1) * V_pad/n)`` of the token embedding (and of the LM head, tied or not): the
-"vocab" row of the table in tp_layout.py.
+"vocab" row of the table in tensor/layout.py.
 Padded rows start at zero; their logits are masked out of the softmax, so they get no gradient.
 """
 from minidist.autograd import Function, embedding, get_array_module

@@ -1,7 +1,7 @@
 """One full-model state_dict from a model spread over tensor-parallel ranks and pipeline stages.
 
 Replicated parameters are already whole on every rank. A tensor-parallel parameter is a distinct
-shard on each tp rank: the tp group all-gathers the shards and ``unshard`` (tp_layout.py's inverse
+shard on each tp rank: the tp group all-gathers the shards and ``unshard`` (tensor/layout.py's inverse
 of ``shard_for``) puts them back together. Pipeline stages hold different parameters under their
 GPT-2 names: pp rank 0 receives every other stage's dict and takes the union. The result uses GPT-2
 names and full shapes, the same dict a single-process ``GPT.state_dict()`` gives, so it can be

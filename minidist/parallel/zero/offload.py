@@ -1,11 +1,11 @@
 """ZeRO-Offload and ZeRO-Infinity: ZeRO's shards kept off the device, and the step run where they live.
 
-ZeRO (zero.py) cuts the model states over the dp ranks, but each rank still keeps its shards in
+ZeRO (zero/optimizer.py) cuts the model states over the dp ranks, but each rank still keeps its shards in
 device memory. The largest is the optimizer's (mixed-precision AdamW: float32 masters and two
 moments, 12 of the 16 bytes per parameter), and it is touched once per step by an element-wise
 update that needs no GPU. ZeRO-Offload (Ren et al., 2021) keeps it in host memory and runs the
 update there; ZeRO-Infinity (Rajbhandari et al., 2021) goes on to the disk, and under ZeRO-3 moves
-the parameter shards too. Per rank, with N dp ranks and P, G, O as in zero.py:
+the parameter shards too. Per rank, with N dp ranks and P, G, O as in zero/optimizer.py:
 
     --offload                 device                 host                    disk (--offload-dir DIR)
     optimizer                 P, G as the stage says O/N, gradient shard     -
@@ -15,7 +15,7 @@ the parameter shards too. Per rank, with N dp ranks and P, G, O as in zero.py:
 Without mixed precision the master IS the parameter shard, so the host keeps a copy of it (P/N)
 beside O/N; with it the masters are part of O (K = 12 for Adam).
 
-What moves in one step (zero.py calls this class; the bytes are counted in :attr:`Offload.moved`):
+What moves in one step (zero/optimizer.py calls this class; the bytes are counted in :attr:`Offload.moved`):
 
     down    each reduced gradient shard, device -> host, once it is final (during backward
             under ZeRO-2/3, where nothing else adds to it)                     G/N, the model's dtype

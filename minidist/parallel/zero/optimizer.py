@@ -43,7 +43,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from minidist.amp import to_compute, unscale
-from minidist.optim import SGD, AdamW
+from minidist.optim import OPTIMIZERS
 from minidist.parallel.compose.clip import clip_shards
 from minidist.parallel.compose.complete import complete_shards, tied_copies
 from minidist.parallel.compose.grad_ownership import ReplicaGroups
@@ -51,8 +51,6 @@ from minidist.parallel.zero import stage3
 from minidist.parallel.zero.flat_buffer import FlatUnit, units_by_module
 from minidist.parallel.zero.shard import Shard, make_shard
 from minidist.parallel.zero.storage import OnDevice
-
-OPTIMIZERS = {"sgd": SGD, "adamw": AdamW}  # run over the shards, one update per shard
 
 
 @dataclass(frozen=True)

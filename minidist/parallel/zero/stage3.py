@@ -12,7 +12,7 @@ call of the model (the embedding, every block, the head; or a pipeline stage's c
     backward:  a pre-backward node on the call's outputs all-gathers the units again (and prefetches
                the call before it); the hooks unpack each reference into the gathered weight
                when the grad-ready hooks see a unit's gradients complete, ZeRO reduce-scatters
-               them (zero.py) and frees the full parameters again
+               them (zero/optimizer.py) and frees the full parameters again
 
 Nothing is recomputed: a Linear that saved its weight gets it back, gathered, from ``unpack``
 (minidist/autograd/saved_tensors.py). So ZeRO-3 costs ZeRO-2's compute and keeps the activations
