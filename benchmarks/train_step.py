@@ -44,6 +44,7 @@ import pstats
 import statistics
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -51,7 +52,7 @@ from minidist.allocator import keep_freed_memory
 from minidist.data import default_corpus, get_batch, inputs_and_targets, load_tokens, train_val_split
 from minidist.device import to_device
 from minidist.model import GPT, GPTConfig
-from minidist.optim import adamw_update, blocks, clip_grad_norm, decay_spans, decays
+from minidist.optim import AdamW, adamw_update, blocks, clip_grad_norm, decays
 from minidist.parallel.step import train_step
 from minidist.train.build import build_model, build_optimizer
 from minidist.train.config import TrainConfig
@@ -200,46 +201,45 @@ def copy_bandwidth(n, repeats=5):
     return 2 * src.nbytes / min(timed(lambda: np.copyto(dst, src)) for _ in range(repeats))
 
 
-def adamw_alone(shapes, repeats, lr=6e-4, weight_decay=0.1):
-    """The AdamW update by itself over float32 parameters of ``shapes`` (nanoGPT's decay rule, betas
-    0.9, 0.95), median seconds per update, all variants timed in turn: minidist per tensor before
-    blocking and blocked (what AdamW.step runs), one flat buffer with decay spans (bitwise the
-    per-tensor update) or a 0/1 mask (ZeRO's shards) and unblocked with the mask; torch.optim.AdamW
-    on tensors of the same shapes; and the floor: bytes moved / copy bandwidth."""
-    sizes = [math.prod(s) for s in shapes]
+def adamw_alone(named_shapes, repeats, lr=6e-4, weight_decay=0.1):
+    """The AdamW update by itself over float32 parameters of ``named_shapes`` (nanoGPT's decay rule,
+    betas 0.9, 0.95), median seconds per update, all variants timed in turn on the same memory: one
+    minidist AdamW whose parameters and state are laid in one flat buffer (``flatten``, as the step
+    does on data-parallel buckets) updated per tensor (``step``) before blocking and blocked, and flat
+    (``step_flat``: one call per run of parameters sharing a decay rate, bitwise per tensor);
+    ``adamw_update`` over the whole buffer with a 0/1 decay mask (ZeRO's shards), blocked and not;
+    torch.optim.AdamW on tensors of the same shapes; and the floor: bytes moved / copy bandwidth."""
+    sizes = [math.prod(s) for _, s in named_shapes]
     n, bounds = sum(sizes), np.cumsum([0] + sizes)
     bandwidth = copy_bandwidth(n)
     rng = np.random.default_rng(0)
-    p, g = 0.02 * rng.standard_normal(n, dtype=np.float32), 1e-3 * rng.standard_normal(n, dtype=np.float32)
-    m, v = np.zeros(n, np.float32), np.zeros(n, np.float32)
-    tensors = [[a[lo:hi].reshape(s) for a in (p, g, m, v)] for lo, hi, s in zip(bounds, bounds[1:], shapes)]
-    spans = decay_spans(shapes, weight_decay)
-    mask = np.zeros(n, np.float32)
-    for lo, hi, _ in spans:
-        mask[lo:hi] = 1
+    grad = 1e-3 * rng.standard_normal(n, dtype=np.float32)      # (n,) the flat gradient, a bucket's
+    params = [(name, SimpleNamespace(data=0.02 * rng.standard_normal(shape, dtype=np.float32),
+                                     grad=grad[lo:hi].reshape(shape)))
+              for (name, shape), lo, hi in zip(named_shapes, bounds, bounds[1:])]
+    opt = AdamW(params, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
+    opt.flatten([[name for name, _ in named_shapes]])
+    values, state, _ = opt.flat_groups[0]                        # (n,) each
+    mask = np.concatenate([np.full(size, float(decays(shape)), np.float32)
+                           for size, (_, shape) in zip(sizes, named_shapes)])
     mask *= weight_decay     # (n,) per-element rates, as ZeRO builds them
     count = iter(range(1, 1 << 30))
-    hyper = dict(lr=lr, beta1=0.9, beta2=0.95, eps=1e-8)
 
-    def per_tensor():
-        step = next(count)
-        for (tp, tg, tm, tv), shape in zip(tensors, shapes):
-            adamw_update(tp, tg, tm, tv, step=step, **hyper, weight_decay=weight_decay if decays(shape) else 0.0)
-
-    def flat(decay, blocked=True):
+    def masked(blocked=True):
         def update():
             with contextlib.nullcontext() if blocked else unblocked():
-                adamw_update(p, g, m, v, step=next(count), **hyper, weight_decay=decay)
+                adamw_update(values, grad, state["exp_avg"], state["exp_avg_sq"], step=next(count), lr=lr,
+                             beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=mask)
         return update
 
     def before():
         with unblocked():
-            per_tensor()
+            opt.step()
 
-    cases = {"minidist per tensor, before blocking": before, "minidist per tensor, blocked": per_tensor,
-             "minidist flat, blocked, decay spans": flat(spans), "minidist flat, blocked, 0/1 mask": flat(mask),
-             "minidist flat, unblocked, 0/1 mask": flat(mask, blocked=False)}
-    cases.update(torch_adamw(p, g, bounds, shapes, lr, weight_decay))
+    cases = {"minidist per tensor, before blocking": before, "minidist per tensor, blocked (step)": opt.step,
+             "minidist flat, blocked (step_flat)": lambda: opt.step_flat([grad]),
+             "minidist flat, blocked, 0/1 mask": masked(), "minidist flat, unblocked, 0/1 mask": masked(False)}
+    cases.update(torch_adamw(values, grad, bounds, [s for _, s in named_shapes], lr, weight_decay))
     names = list(cases)
     medians = time_alternating([cases[k] for k in names], repeats, warmup=1)
     return {"n_params": int(n), "block": blocks.BLOCK, "copy_bandwidth_GBps": bandwidth / 1e9,
@@ -310,7 +310,7 @@ def measure(name, cfg, tokens, torch, repeats):
         row["phases"] = dict(zip(("minidist", "torch"), median_phases(steps[::2], row["repeats"])))
     print(json.dumps(row))
     if name in SLOW:
-        row["shapes"] = [p.data.shape for p in ours.model.parameters()]
+        row["shapes"] = [(name, p.data.shape) for name, p in ours.model.named_parameters()]
     return row
 
 

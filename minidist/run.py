@@ -11,8 +11,11 @@ running job (torchrun's elastic agent does the same). ``--elastic-n M`` restarts
 the checkpoint reshards on load; write ``{n}`` in the script's arguments where the rank count
 belongs (``--dp {n}``).
 
-Two failures are never retried, since a restart would fail the same way: a configuration the job
-refused (exit status 2) and ranks calling different collectives (exit status 4, a bug). SIGTERM,
+Three failures are never retried, since a restart would fail the same way: a configuration the job
+refused (exit status 2), ranks calling different collectives (exit status 4, a bug) and a run that
+diverged (exit status 5: a NaN or inf loss; its newest checkpoint is from before the divergence, and
+resuming it with the same settings would diverge again, so it is treated like 2, not as a crash to
+retry). A collective that timed out (3) and a rank that died are retried. SIGTERM,
 SIGHUP and SIGINT (Ctrl-C) stop the launcher: it passes the signal to the whole job (mpiexec and
 every rank), kills what is left after ``--grace`` seconds, restarts nothing, and exits with
 128 + the signal's number, as a shell reports a process the signal ended.
@@ -33,7 +36,7 @@ import time
 from pathlib import Path
 
 from minidist.checkpoint.reader import latest_valid
-from minidist.comm.transport import EXIT_COMM_TIMEOUT, EXIT_CONFIG, EXIT_MISMATCH
+from minidist.comm.transport import EXIT_COMM_TIMEOUT, EXIT_CONFIG, EXIT_DIVERGED, EXIT_MISMATCH
 from minidist.process_tree import descendants, signal_processes, wait_gone
 
 TIME_LIMIT = 124
@@ -42,6 +45,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 NOT_RETRIED = {  # exit status -> what it means; a restart would end the same way
     EXIT_CONFIG: "the job refused its configuration (bad flags or data)",
     EXIT_MISMATCH: "the ranks called different collectives (a bug)",
+    EXIT_DIVERGED: "the run diverged (a NaN or inf loss or gradient norm; lower --lr, or add --warmup or --grad-clip)",
 }
 
 

@@ -1,7 +1,7 @@
 """Asynchronous collectives: ``async_op=True`` returns a Work at once; queued collectives of a group
 run in issue order on its communication thread; a blocking collective waits its turn; errors come
 back from ``wait()``."""
-import time
+import threading
 
 import numpy as np
 import pytest
@@ -11,22 +11,23 @@ from minidist.comm import CommTimeoutError
 
 
 def test_async_all_reduce_returns_before_the_peers_arrive_and_wait_gives_the_sum():
-    def fn(group):
-        if group.rank == 1:
-            time.sleep(0.3)  # rank 0's call cannot complete before this
-        x = np.full(5, group.rank + 1.0)
-        t0 = time.perf_counter()
-        work = group.all_reduce(x, async_op=True)
-        issued_in = time.perf_counter() - t0
-        done_at_once = work.is_completed()
-        result = work.wait()
-        return issued_in, done_at_once, result is x, x.copy(), work.is_completed()
+    issued = threading.Event()  # set by rank 0 once its call has returned; only then does rank 1 make its own
 
-    (issued_in, done_at_once, same, x, completed), *others = run_local(fn, world_size=2)
-    assert issued_in < 0.1 and not done_at_once  # rank 0 went on while rank 1 slept
+    def fn(group):
+        if group.rank == 1 and not issued.wait(timeout=30):  # a safety net: a blocking call never sets it
+            raise AssertionError("rank 0's async all_reduce did not return before rank 1 arrived")
+        x = np.full(5, group.rank + 1.0)
+        work = group.all_reduce(x, async_op=True)
+        done_at_once = work.is_completed()
+        issued.set()
+        result = work.wait()
+        return done_at_once, result is x, x.copy(), work.is_completed()
+
+    (done_at_once, same, x, completed), *others = run_local(fn, world_size=2)
+    assert not done_at_once  # rank 0's call returned, and was not complete, before rank 1 had even called
     assert same and completed
     np.testing.assert_array_equal(x, np.full(5, 3.0))
-    np.testing.assert_array_equal(others[0][3], np.full(5, 3.0))
+    np.testing.assert_array_equal(others[0][2], np.full(5, 3.0))
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

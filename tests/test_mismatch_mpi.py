@@ -18,7 +18,7 @@ def test_a_mismatch_by_default_aborts_the_job_with_status_4_naming_op_and_ranks(
     assert run.returncode == EXIT_MISMATCH, run.output
     assert ("CollectiveMismatchError: all_reduce #1 on group 'world': rank 1 called all_reduce with dtype float64, "
             "count 4 while rank ") in run.stderr, run.output
-    assert run.seconds < 60, run.output  # the fingerprint caught it: nobody waited for the 120 s timeout
+    assert "CommTimeoutError" not in run.stderr, run.output  # the fingerprint caught it: nobody timed out
 
 
 @needs_mpi

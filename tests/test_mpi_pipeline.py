@@ -1,6 +1,6 @@
 """Pipeline parallelism under real MPI: one ``mpiexec -n 4`` launch (tests/mpi/pp_checks.py) trains
 pp in {2, 4} with each schedule (the zero-bubble ones too), alone and with dp or tp, against one
-process; measures in-flight micro-batches and the bubble against the simulator's. (8-rank dp x tp x pp: tests/test_pipeline_3d.py, in-process.)"""
+process; measures in-flight micro-batches, and checks each rank ran the simulator's order. (8-rank dp x tp x pp: tests/test_pipeline_3d.py, in-process.)"""
 import json
 import re
 
@@ -39,8 +39,10 @@ def test_peak_in_flight_is_m_for_gpipe_and_min_p_minus_stage_m_for_1f1b(launch):
     assert max(peaks[("zb-h1", 4, 8)]) == 4, launch.output  # ZB-H1: 1F1B's peak, held until W
 
 
-def test_measured_bubble_is_close_to_the_formula(launch):
-    found = re.findall(r"BUBBLE schedule=([\w-]+) .* measured=([\d.]+) formula=([\d.]+)", launch.stdout)
-    assert {s for s, _, _ in found} == {"gpipe", "1f1b", "interleaved", "zb-h1", "zbv"}, launch.output
-    for schedule, measured, formula in found:
-        assert float(measured) == pytest.approx(float(formula), abs=0.05), (schedule, launch.output)
+def test_every_rank_runs_its_schedule_in_order_keeping_every_dependency(launch):
+    """Across processes, on the machine's shared clock: each rank's compute actions in the simulator's
+    order, no F (B) before its input (gradient) came (tests/test_pipeline_engine.py's ``as_scheduled``).
+    The measured bubble is printed beside the formula (BUBBLE lines), not asserted: it is a timing."""
+    found = re.findall(r"SCHEDULED schedule=([\w-]+) .* problems=(\d+)", launch.stdout)
+    assert {s for s, _ in found} == {"gpipe", "1f1b", "interleaved", "zb-h1", "zbv"}, launch.output
+    assert all(n == "0" for _, n in found), launch.output

@@ -1,13 +1,16 @@
 """The cache-blocked updates: ``adamw_update`` and ``sgd_update`` walk NumPy arrays in blocks of
 ``minidist.optim.blocks.BLOCK`` elements, and must give bitwise what the whole-array code gave (kept
 here as the reference) for every size (0, 1, odd, not a multiple of the block, several blocks), dtype,
-weight-decay form and step; weight-decay spans must give bitwise the per-tensor update of each slice."""
+weight-decay form and step; and the optimizers' flat buffers (``flatten`` / ``step_flat``) must give
+bitwise the per-tensor update."""
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minidist.optim import adamw_update, decay_spans, sgd_update
+from minidist.optim import SGD, AdamW, adamw_update, sgd_update
 from minidist.optim import blocks
 
 
@@ -86,7 +89,7 @@ def run_sgd(update, p, buf, grads, decay, momentum):
 def assert_bitwise(got, want):
     for a, b in zip(got, want):
         assert a.dtype == b.dtype and a.shape == b.shape
-        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+        np.testing.assert_array_equal(np.atleast_1d(a).view(np.uint8), np.atleast_1d(b).view(np.uint8))
 
 
 SIZES = [0, 1, 7, 63, 64, 65, 128, 129, 64 * 5 + 17]
@@ -152,7 +155,8 @@ def test_numpy_scalar_hyperparameters_keep_their_dtype_rules(small_block):
     p, m, v, grads = arrays(150, np.float32, seed=8)
     mask = decay_forms(150, np.float32, seed=9)["mask"]
     for lr in (np.float64(3e-3), np.float32(3e-3)):
-        assert_bitwise(run_adamw(adamw_update, p, m, v, grads, mask, lr), run_adamw(adamw_unblocked, p, m, v, grads, mask, lr))
+        assert_bitwise(run_adamw(adamw_update, p, m, v, grads, mask, lr),
+                       run_adamw(adamw_unblocked, p, m, v, grads, mask, lr))
 
 
 @pytest.mark.parametrize("shape", [(7, 30), (3, 5, 20)])
@@ -164,77 +168,51 @@ def test_multidimensional_and_strided_tensors(small_block, shape):
     assert_bitwise(run_adamw(adamw_update, pt, mt, vt, gt, 0.1), run_adamw(adamw_unblocked, pt, mt, vt, gt, 0.1))
 
 
-# --- spans: a flat buffer of several parameters, updated once, bitwise as per tensor ----------------
+# --- flat buffers: Optimizer.flatten / step_flat, one call per run of one rate, bitwise per tensor -----
 
 SHAPES = [(20, 9), (9,), (9,), (5, 7), (3, 4, 2), (1,), (40, 3)]   # 180 + 9 + 9 + 35 + 24 + 1 + 120
 
 
-def per_tensor(update, flats, decay_rate, shapes):
-    """Apply ``update`` to each tensor's slice of the flat arrays, with nanoGPT's rule as a number."""
-    start = 0
-    for shape in shapes:
-        stop = start + int(np.prod(shape))
-        update([f[start:stop].reshape(shape) for f in flats], decay_rate if len(shape) >= 2 else 0.0)
-        start = stop
+def named(values):
+    """Stand-ins for model Parameters (``.data`` updated in place, ``.grad``), one per shape of SHAPES."""
+    return [(f"p{i}", SimpleNamespace(data=v.copy(), grad=None)) for i, v in enumerate(values)]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("block", [16, 64, 1024])
-def test_spans_give_bitwise_the_per_tensor_adamw(monkeypatch, dtype, block):
-    monkeypatch.setattr(blocks, "BLOCK", block)
-    n = sum(int(np.prod(s)) for s in SHAPES)
-    p, m, v, grads = arrays(n, dtype, seed=11)
-    spans = decay_spans(SHAPES, 0.1)
-    flat = [p.copy(), m.copy(), v.copy()]
-    ref = [p.copy(), m.copy(), v.copy()]
-    for t, g in enumerate(grads, start=1):
-        lr = 3e-3 * t
-        adamw_update(*flat[:1], g, *flat[1:], step=t, lr=lr, beta1=0.9, beta2=0.95, weight_decay=spans)
-        per_tensor(lambda a, wd: adamw_unblocked(a[0], a[3], a[1], a[2], step=t, lr=lr, beta1=0.9, beta2=0.95,
-                                                 weight_decay=wd), ref + [g], 0.1, SHAPES)
-    assert_bitwise(flat, ref)
-
-
-@pytest.mark.parametrize("momentum", [0.0, 0.9])
-def test_spans_give_bitwise_the_per_tensor_sgd(small_block, momentum):
-    n = sum(int(np.prod(s)) for s in SHAPES)
-    p, m, _, grads = arrays(n, np.float32, seed=12)
-    spans = decay_spans(SHAPES, 0.1)
-    flat, ref = [p.copy(), m.copy()], [p.copy(), m.copy()]
-    for t, g in enumerate(grads, start=1):
-        sgd_update(flat[0], g, flat[1], lr=0.05, momentum=momentum, weight_decay=spans)
-        per_tensor(lambda a, wd: sgd_unblocked(a[0], a[2], a[1], lr=0.05, momentum=momentum, weight_decay=wd),
-                   ref + [g], 0.1, SHAPES)
-    assert_bitwise(flat, ref)
+@pytest.mark.parametrize("make", [lambda ps: AdamW(ps, lr=3e-3, weight_decay=0.1),
+                                  lambda ps: SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.1),
+                                  lambda ps: SGD(ps, lr=0.05)], ids=["adamw", "sgd-momentum", "sgd"])
+def test_flat_groups_update_bitwise_as_per_tensor(small_block, dtype, make):
+    rng = np.random.default_rng(11)
+    values = [rng.standard_normal(s).astype(dtype) for s in SHAPES]
+    per, flat = make(named(values)), make(named(values))
+    names = list(per.params)
+    groups = [names[:4], names[4:]]        # two data-parallel buckets, each longer than a block
+    flat.flatten(groups)
+    for step in range(1, 5):
+        grads = {name: rng.standard_normal(p.data.shape).astype(dtype) for name, p in per.params.items()}
+        per.lr = flat.lr = 3e-3 * step
+        for name, p in per.params.items():
+            p.grad = grads[name]
+        per.step()
+        flat.step_flat([np.concatenate([grads[n].reshape(-1) for n in group]) for group in groups])
+    for name in names:
+        assert_bitwise([flat.params[name].data], [per.params[name].data])
+    for key, value in per.state_dict().items():
+        assert_bitwise([flat.state_dict()[key]], [value])
 
 
 def test_a_float32_mask_is_not_always_the_per_tensor_update():
-    # Why spans exist: with a float32 mask, 1 - lr * rate is computed in float32; per tensor, in Python
+    # Why step_flat updates each run of parameters with one rate as a number, not the whole buffer with
+    # a mask: with a float32 mask, 1 - lr * rate is computed in float32; with a number, in Python
     # (float64) and rounded once. For some learning rates the two factors differ in the last bit.
     lr = next(lr for lr in np.linspace(1e-4, 1e-2, 20000).tolist()   # Python floats, as the trainer's
               if np.float32(1) - np.float32(lr) * np.float32(0.1) != np.float32(1 - lr * 0.1))
-    p = np.ones(4, np.float32)
     zeros = np.zeros(4, np.float32)
-    by_mask, by_spans = p.copy(), p.copy()
-    mask = 0.1 * np.ones(4, np.float32)
-    adamw_update(by_mask, zeros, zeros.copy(), zeros.copy(), step=1, lr=lr, weight_decay=mask)
-    adamw_update(by_spans, zeros, zeros.copy(), zeros.copy(), step=1, lr=lr, weight_decay=[(0, 4, 0.1)])
-    assert by_spans[0] == np.float32(1 - lr * 0.1) != by_mask[0]
-
-
-def test_decay_spans_follow_nanogpt_and_merge_neighbours():
-    assert decay_spans([(4, 3), (2, 2), (3,), (5, 1), (2,)], 0.1) == [(0, 16, 0.1), (19, 24, 0.1)]
-    assert decay_spans([(4, 3)], 0.0) == []
-    assert decay_spans([], 0.1) == []
-
-
-@pytest.mark.parametrize("spans", [[(0, 5, 0.1), (3, 8, 0.1)], [(5, 8, 0.1), (0, 2, 0.1)], [(0, 11, 0.1)],
-                                   [(4, 2, 0.1)]])
-def test_bad_spans_are_refused_before_anything_changes(spans):
-    p = np.ones(10)
-    with pytest.raises(ValueError, match="sorted, disjoint"):
-        adamw_update(p, np.ones(10), np.zeros(10), np.zeros(10), step=1, lr=0.1, weight_decay=spans)
-    np.testing.assert_array_equal(p, 1.0)
+    by_mask, by_number = np.ones(4, np.float32), np.ones(4, np.float32)
+    adamw_update(by_mask, zeros, zeros.copy(), zeros.copy(), step=1, lr=lr, weight_decay=0.1 * np.ones(4, np.float32))
+    adamw_update(by_number, zeros, zeros.copy(), zeros.copy(), step=1, lr=lr, weight_decay=0.1)
+    assert by_number[0] == np.float32(1 - lr * 0.1) != by_mask[0]
 
 
 # --- on the GPU (the fake CuPy): whole arrays, the same numbers -------------------------------------
@@ -242,7 +220,7 @@ def test_bad_spans_are_refused_before_anything_changes(spans):
 def test_device_arrays_are_updated_whole_and_give_the_same_bits(cp, small_block):
     n = 200
     p, m, v, grads = arrays(n, np.float32, seed=13)
-    for decay in (0.1, decay_forms(n, np.float32, seed=14)["mask"], decay_spans([(10, 10), (50,), (5, 10)], 0.1)):
+    for decay in (0.1, decay_forms(n, np.float32, seed=14)["mask"]):
         dev = [cp.asarray(a) for a in (p, m, v)]
         dev_decay = cp.asarray(decay) if isinstance(decay, np.ndarray) else decay
         host = [p.copy(), m.copy(), v.copy()]

@@ -7,6 +7,9 @@ with several, no update is staler than the bound and no worker runs more than s 
 slowest (without the bound a fast worker does run ahead, so the check can fail). The trace shows
 who waits for whom, and bad layouts fail on every rank before a message is sent.
 """
+import threading
+import types
+
 import numpy as np
 import pytest
 
@@ -173,15 +176,28 @@ def test_async_staleness_bound_holds_with_a_straggler(staleness):
     assert max(map(len, done)) - min(map(len, done)) <= staleness + 1
 
 
-def test_async_without_a_tight_bound_fast_workers_run_ahead():
-    """The checks above can fail: with a loose bound the fast workers leave the straggler behind and
-    do most of the updates (the throughput asynchronous training buys), on staler parameters."""
+def test_async_without_a_tight_bound_fast_workers_run_ahead(monkeypatch):
+    """The checks above can fail: with a loose bound the fast worker leaves the straggler behind and
+    does most of the updates (the throughput asynchronous training buys), on staler parameters.
+    The straggler's delay is not a sleep here but a wait for the fast worker to stop, so the outcome
+    is exact, whatever the machine's speed: 24 updates by the fast worker, then 1 by the straggler."""
     cfg = config(steps=12)
-    history, _, _ = run_ps(cfg, 3, servers=1, staleness=100, straggler=0.02)
-    assert max(steps_ahead_of_slowest(history, [1, 2])) > 2
-    assert max(r["staleness"] for r in history) > staleness_bound(2, 0)
-    straggler, fast = (sum(r["worker"] == w for r in history) for w in (1, 2))
-    assert straggler < fast / 2
+    stopped = threading.Event()
+    monkeypatch.setattr("minidist.parallel.ps.worker.time",  # the straggler's (rank 1's) delay only
+                        types.SimpleNamespace(sleep=lambda seconds: stopped.wait(timeout=60)))  # 60 s: a safety net
+    tokens = load_data(cfg)[0]
+
+    def rank(group):
+        history = train_parameter_server(group, build_model(cfg), cfg, tokens, servers=1, staleness=100,
+                                         straggler=0.02)
+        if group.rank == 2:  # the fast worker has been told to stop: the budget is spent
+            stopped.set()
+        return history
+
+    history = minidist.run_local(rank, 3)[0]
+    assert [r["worker"] for r in history] == [2] * 24 + [1]  # the budget, 2 x 12, then the straggler's last
+    assert max(steps_ahead_of_slowest(history, [1, 2])) == 23 > 2
+    assert history[-1]["staleness"] == 24 > staleness_bound(2, 0)  # computed on version 0, applied on 24
 
 
 def test_async_training_reduces_the_loss():
@@ -191,21 +207,21 @@ def test_async_training_reduces_the_loss():
     assert last < first - 0.5
 
 
-def wait_seconds(trace, op):
-    return sum(e.duration for e in trace.events if e.op == op and e.kind == "wait")
-
-
 def test_trace_shows_who_waits_for_whom_in_sync_mode():
-    """With worker 0 (rank 1) delayed, the other workers wait for parameters much longer than it
-    does, and the server spends its waits on the straggler."""
+    """With worker 0 (rank 1) delayed, every step the other workers' wait for parameters, and the
+    server's wait for rank 1's gradient, end only after the straggler's delay has ended. Read from
+    the traces' shared clock, this is cause and effect, so exact; how long each waits is a
+    measurement (lesson 07 prints it), not asserted."""
     cfg = config(steps=5)
     _, _, traces = run_ps(cfg, 4, servers=1, straggler=0.05)
     server, straggler, fast = traces[0], traces[1], traces[2:]
+    delays = [e.end for e in straggler.events if e.op == "straggler delay"]  # one per step
+    assert len(delays) == cfg.steps
     for t in fast:
-        assert wait_seconds(t, "wait parameters") > wait_seconds(straggler, "wait parameters") + 0.1
-    waits = {peer: sum(e.duration for e in server.events if e.op == "wait gradient" and e.peer == peer)
-             for peer in (1, 2, 3)}
-    assert max(waits, key=waits.get) == 1
+        got = [e.end for e in t.events if e.op == "wait parameters"][1:]  # the first is the initial pull
+        assert len(got) == cfg.steps and all(g >= d for g, d in zip(got, delays))
+    on_straggler = [e.end for e in server.events if e.op == "wait gradient" and e.peer == 1]
+    assert len(on_straggler) == cfg.steps and all(g >= d for g, d in zip(on_straggler, delays))
     assert {e.op for e in straggler.events if e.kind == "compute"} == {"forward", "backward", "straggler delay"}
     assert {e.op for e in server.events if e.kind == "compute"} == {"optimizer"}
 

@@ -12,7 +12,7 @@ from minidist.data import get_batch, inputs_and_targets
 from minidist.model import GPT, GPTConfig
 from minidist.optim import SGD, AdamW
 from minidist.parallel.mesh import DeviceMesh
-from minidist.parallel.pipeline import (PipelineEngine, PipelineStage, compute_spans, estimate_layer_costs,
+from minidist.parallel.pipeline import (Action, PipelineEngine, PipelineStage, compute_spans, estimate_layer_costs,
                                         executed_timeline, partition_layers, placement_of, split_micro_batches)
 
 TOKENS = np.random.default_rng(0).integers(0, 256, size=4000)
@@ -205,9 +205,30 @@ def sleepy_gpt(n_layer, seconds):
     return model
 
 
+def as_scheduled(executed, ideal):
+    """What differs, exactly, between an executed timeline and the simulator's: each rank's compute
+    actions in the order they started, and any F (B, W) that started before the F of the stage
+    before it (the B of the stage after it, the B of its own stage) had ended, on the shared clock.
+    Empty: the engine ran the schedule, in order and with every dependency kept. (How long each
+    action took, and so the measured bubble, is a measurement: benchmarks, not tests.)"""
+    def order(spans):
+        return [s.action for s in sorted(spans, key=lambda s: s.start)]
+
+    problems = [f"rank {r} ran {order(e)}, scheduled {order(i)}"
+                for r, (e, i) in enumerate(zip(executed.spans, ideal.spans)) if order(e) != order(i)]
+    ends = {s.action: s.end for spans in executed.spans for s in spans}
+    for s in (s for spans in executed.spans for s in spans):
+        a = s.action
+        after = {"F": Action("F", a.stage - 1, a.microbatch), "B": Action("B", a.stage + 1, a.microbatch),
+                 "W": Action("B", a.stage, a.microbatch)}[a.op]
+        if after in ends and s.start < ends[after]:
+            problems.append(f"{a} started before {after} ended")
+    return problems
+
+
 @pytest.mark.parametrize("schedule,p,m,v", [("gpipe", 4, 4, 1), ("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2),
                                              ("zb-h1", 4, 8, 1), ("zbv", 2, 4, 2), ("zbv", 4, 8, 2)])
-def test_measured_bubble_is_close_to_the_simulators(schedule, p, m, v):
+def test_the_executed_timeline_is_the_simulators(schedule, p, m, v):
     def rank(world):
         mesh = DeviceMesh(world, pp=p)
         # 20 ms per stage forward (B and W as much), shared by the stage's blocks; embed and head
@@ -217,10 +238,10 @@ def test_measured_bubble_is_close_to_the_simulators(schedule, p, m, v):
         engine = PipelineEngine(stage, mesh, schedule, m, v)
         world.trace.clear()
         engine.forward_backward(split_micro_batches(get_batch(TOKENS, 0, B, 8), m))
-        return compute_spans(world.trace), engine.ideal.bubble()
+        return compute_spans(world.trace), engine.ideal
 
     results = minidist.run_local(rank, p)
-    measured, ideal = executed_timeline([spans for spans, _ in results]).bubble(), results[0][1]
+    executed, ideal = executed_timeline([spans for spans, _ in results]), results[0][1]
     if schedule in ("gpipe", "1f1b", "interleaved"):
-        assert ideal == pytest.approx((p - 1) / (v * m + p - 1), rel=1e-12)  # the classic formula
-    assert measured == pytest.approx(ideal, abs=0.05)
+        assert ideal.bubble() == pytest.approx((p - 1) / (v * m + p - 1), rel=1e-12)  # the classic formula
+    assert as_scheduled(executed, ideal) == []

@@ -147,7 +147,7 @@ def test_a_stop_signal_ends_the_whole_job_and_restarts_nothing(tmp_path, signum)
     try:
         pids = rank_pids(tmp_path)
         launcher.send_signal(signum)
-        _, stderr = launcher.communicate(timeout=15)
+        _, stderr = launcher.communicate(timeout=60)  # a safety net: it ends within its grace
     finally:
         launcher.kill()
     assert launcher.returncode == 128 + signum, stderr
@@ -161,7 +161,7 @@ def test_a_job_that_ignores_the_stop_signal_is_killed_after_the_grace_period(tmp
     try:
         pids = rank_pids(tmp_path)
         launcher.send_signal(signal.SIGTERM)
-        _, stderr = launcher.communicate(timeout=15)
+        _, stderr = launcher.communicate(timeout=60)  # a safety net: it ends within its grace
     finally:
         launcher.kill()
     assert launcher.returncode == 128 + signal.SIGTERM, stderr
@@ -174,7 +174,8 @@ def test_the_launchers_time_limit_ends_the_job_and_is_named_a_time_limit(tmp_pat
     run = launch("-n", 2, "--timeout", 8, "--grace", 1, "--", JOB, "sleep", tmp_path)
     assert run.returncode == 124, run.stderr
     assert "attempt 1 hit the time limit of 8s (--timeout)" in run.stderr
-    assert not [pid for pid in rank_pids(tmp_path, wait=0) if running(pid)]
+    started = [int(f.read_text()) for f in tmp_path.glob("rank*.pid") if f.read_text()]  # however many had, in 8 s
+    assert not [pid for pid in started if running(pid)]
 
 
 def test_a_collective_time_out_is_named_and_retried(tmp_path):

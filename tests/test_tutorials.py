@@ -3,8 +3,10 @@ written for, and in one process where it offers that (``--local N``, or 05 on it
 
 Each lesson checks its claims against one process and exits non-zero when one fails; the last line
 asserted here is the one it prints only once every check has passed, the others what the lesson
-shows on the way. Each must finish well under a
-minute on 2 cores (tutorials/README.md promises it).
+shows on the way. What a lesson checks is exact (values, bytes, counts, orders); the times it
+measures are printed, never asserted, here or in the lesson: a loaded machine must not fail a
+correct lesson. HANG_SECONDS only stops a lesson that hangs, far above the minute each takes on
+2 cores (tutorials/README.md promises it; ``pytest --durations`` shows it).
 """
 import os
 import re
@@ -85,7 +87,10 @@ LESSONS = [
         r"restart to the same loss\. All checks passed\."]),
     ("07_parameter_server.py", 4, ["--local", "4"], [
         r"weights vs one process: max relative error \d\.\de-1\d",
-        (r"\n  worker [12] +1\d +[\d.]+ms +[\d.]+ms +[\d.]+ms   ", 6),  # fast workers: waited vs (n - s - 1)(T_slow - T_fast)
+        r"=== 2\. synchronous, .*\n(.*\n){4}  worker 1 +12 .*\n  worker 2 +12 ",  # synchronous: 12 pushes each
+        # every fast worker's row of each run: pushes (asynchronous: as the scheduling went), waited vs
+        # (n - s - 1)(T_slow - T_fast), both measured
+        (r"\n  worker [12] +\d+ +[\d.]+ms +[\d.]+ms +-?[\d.]+ms   ", 6),
         r"max \d <= bound \(W-1\)\(2s\+1\) = 6; worker 0's first gradient: \d",
         r"max \d+ <= bound \(W-1\)\(2s\+1\) = 34; worker 0's first gradient: \d+",
         r"=== 2b\. equal data: time to 36 gradients of 2 rows \(72 sequences\) ===",
@@ -167,14 +172,16 @@ LESSONS = [
         r"= planned +256\.0 KiB;  measured 256\.0 KiB",  # recomputed: only the block input (B, T, C)
         r"a block keeps 24\.0x less: B x T x C x 8 = 262,144 B",
         r"rebuilt, one at a time \(last block first\): (6152\.0(, )?){4} KiB",
-        r"backward grew by [\d.]+ ms: the blocks' forward run again \(timed alone: [\d.]+ ms",
+        r"\n    without +h\.0 h\.1 h\.2 h\.3 +-\n",  # block forwards, counted: once each ...
+        r"\n    with recomputation +h\.0 h\.1 h\.2 h\.3 +h\.3 h\.2 h\.1 h\.0 \(last block first\)\n",  # ... twice
+        r"backward grew by -?[\d.]+ ms: the blocks' forward run again \(timed alone: [\d.]+ ms",  # timed: any value
         r"52 gradients equal bitwise \(np\.array_equal\): True",
         (r"losses( 5\.\d{10}){3}; weights vs one process: max relative error \d\.\de-1\d", 2),
         r"tp all-reduces in one step: 22 without, 30 with recompute: 2 more per block",
         r"\nTry:\n  1\. CONFIG with block_size=128",
-        r"Recomputation keeps 24\.0x less per block for \d+% more time; .*\nAll checks passed\."]),
+        r"Recomputation keeps 24\.0x less per block for one more forward of each block .*\nAll checks passed\."]),
 ]
-SECONDS = 60
+HANG_SECONDS = 300  # a safety net against a hung lesson, not a bound on its time
 
 
 def assert_printed(stdout, expected, output):
@@ -192,9 +199,8 @@ def assert_printed(stdout, expected, output):
                          [(s, n, v) for s, n, _, v in LESSONS if n is not None],
                          ids=[s[:2] for s, n, _, _ in LESSONS if n is not None])
 def test_tutorial_under_mpiexec(script, ranks, expected):
-    run = run_mpi(ranks, TUTORIALS / script, timeout=2 * SECONDS)
+    run = run_mpi(ranks, TUTORIALS / script, timeout=HANG_SECONDS)
     assert_printed(run.stdout, expected, run.output)
-    assert run.seconds < SECONDS, f"{script} took {run.seconds:.0f} s on {ranks} ranks"
 
 
 @pytest.mark.parametrize("script, args, expected",
@@ -202,7 +208,7 @@ def test_tutorial_under_mpiexec(script, ranks, expected):
                          ids=[s[:2] for s, _, a, _ in LESSONS if a is not None])
 def test_tutorial_in_one_process(script, args, expected):
     done = subprocess.run([sys.executable, str(TUTORIALS / script), *args], capture_output=True, text=True,
-                          timeout=2 * SECONDS, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          timeout=HANG_SECONDS, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stdout + done.stderr
     assert_printed(done.stdout, expected, done.stdout)
 
@@ -215,13 +221,13 @@ def test_every_tutorial_is_listed():
 def test_every_lesson_takes_png(script):
     """A design contract: every lesson draws its idea with --png PATH (here: its --help says so)."""
     done = subprocess.run([sys.executable, str(TUTORIALS / script), "--help"], capture_output=True, text=True,
-                          timeout=SECONDS, cwd=REPO)
+                          timeout=HANG_SECONDS, cwd=REPO)
     assert done.returncode == 0 and "--png" in done.stdout, done.stdout + done.stderr
 
 
 def test_the_pipeline_lesson_explains_its_first_step_per_rank():
     done = subprocess.run([sys.executable, str(TUTORIALS / "04_pipeline.py"), "--local", "2", "--explain"],
-                          capture_output=True, text=True, timeout=2 * SECONDS, cwd=REPO,
+                          capture_output=True, text=True, timeout=HANG_SECONDS, cwd=REPO,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stdout + done.stderr
     rank0, rank1 = done.stdout.split("=== rank 0:")[1].split("=== rank 1:")
@@ -235,6 +241,6 @@ def test_the_pipeline_lesson_explains_its_first_step_per_rank():
 def test_the_gpu_lesson_runs_its_staged_ring_on_the_fake_gpu():
     """Lesson 08's GPU path on the fake-CuPy double (one fake GPU, so no NCCL): the staged ring on
     device arrays, checked by the lesson against the host ring. Its timings mean nothing here."""
-    run = run_mpi(2, "on_fake_gpu.py", 1, TUTORIALS / "08_gpu.py", timeout=2 * SECONDS)
+    run = run_mpi(2, "on_fake_gpu.py", 1, TUTORIALS / "08_gpu.py", timeout=HANG_SECONDS)
     assert "not CUDA-aware: each message is staged through pinned host memory" in run.stdout, run.output
     assert "Every GPU result equals the host ring's" in run.stdout, run.output

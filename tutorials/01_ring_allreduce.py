@@ -34,16 +34,17 @@ message (latency) dominates, so fewer, larger messages win. The lesson asks "aut
 
 Part 3 shows what goes wrong when ranks do not play along, on 4 ranks as threads: one rank asks for 4
 float64 while the others ask for 8 float32 (the same 32 bytes: the ring alone would happily add them
-up), and one rank that sleeps through an all-reduce. Before every collective each rank swaps a
-56-byte fingerprint of the call with its two ring neighbours, so the first is caught before any data
-moves; the second ends in a time-out whose census names the sleeper, not the neighbour waiting on it.
+up), and one rank that stays away from an all-reduce (it leaves only once the others have given
+up on it). Before every collective each rank swaps a 56-byte fingerprint of the call with its two
+ring neighbours, so the first is caught before any data moves; the second ends in a time-out whose
+census names the absent rank, not the neighbour waiting on it.
 
 Picture: ``--png PATH`` draws this run's ring: per step (rows) and rank (columns) every chunk,
 shaded by the share of the final sum it holds (read from the buffers rank 0 gathered), the finished
 ones outlined, and which chunk went to which rank.
 """
 import argparse
-import time
+import threading
 
 import numpy as np
 
@@ -329,16 +330,22 @@ def when_ranks_disagree():
     except CollectiveMismatchError as e:
         print(f"caught before any data moved:\n  {e}")
 
-    def sleeper(group):  # rank 3 sleeps through the all-reduce that the others wait in
-        if group.rank == 3:
-            time.sleep(1.5)
+    together, gave_up = threading.Barrier(3), threading.Semaphore(0)
+
+    def absent(group):  # rank 3 stays away from the all-reduce that the others wait in
+        if group.rank == 3:  # alive but elsewhere, until every waiting rank has timed out and taken its census
+            for _ in range(3):
+                gave_up.acquire(timeout=60)  # a safety net only: they give up after the 1 s time-out
             return None
         try:
+            together.wait()  # the waiting ranks enter together, so their census windows meet
             group.all_reduce(np.ones(4))
         except CommTimeoutError as e:
             return str(e)
+        finally:
+            gave_up.release()
 
-    messages = [m for m in minidist.run_local(sleeper, 4, timeout=0.5) if m]
+    messages = [m for m in minidist.run_local(absent, 4, timeout=1.0) if m]
     # a rank that waited on another waiting rank: its own peer is not to blame, the census says who is
     shown = next((m for m in messages if "for rank 3," not in m), messages[0])
     print(f"every waiting rank's time-out names the rank that never came:\n  {shown}")

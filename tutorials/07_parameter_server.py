@@ -139,6 +139,7 @@ def lesson(group, png=None):
         print(f"{n_grads} gradients ({len(history)} updates) in {history[-1]['time']:.2f} s; "
               f"a step of worker 0 (compute + sleep): T_slow = {1e3 * t_slow:.1f} ms")
         print(f"  {'':<16} {'pushes':>6} {'T_step':>8} {'waited':>9} {'predicted':>10}   wait after each push (ms)")
+        pushes = []
         for rank, (label, t) in enumerate(zip(labels, traces)):
             if rank == 0:
                 idle = sum(spans(t, "wait gradient") + spans(t, "wait any gradient"))
@@ -147,13 +148,18 @@ def lesson(group, png=None):
                 continue
             t_step, waits = worker_profile(t)
             n = len(waits)
+            pushes.append(n)
             held = n if staleness is None else max(n - staleness - 1, 0)  # pushes that wait for the slow one
             predicted = "" if rank == 1 else f"{1e3 * held * (t_slow - t_step):8.1f}ms"
             print(f"  {label:<16} {n:>6} {1e3 * t_step:6.1f}ms {1e3 * sum(waits):7.1f}ms {predicted:>10}   "
                   + " ".join(f"{1e3 * w:.0f}" for w in waits))
-            if rank > 1:  # a fast worker: (pushes held) x (T_slow - T_fast); every push also pays a round
-                want = held * (t_slow - t_step)  # trip of a few ms (the slow worker's waits), more on busy cores
-                assert abs(sum(waits) - want) <= 0.3 * want + 0.003 * n, (label, sum(waits), want)
+        # the waits are measured (every push also pays a round trip of a few ms, more on busy cores): printed
+        # beside the prediction, not asserted. Exact: every gradient a worker pushed is one the server applied
+        # (the synchronous run: steps each; the asynchronous: the budget, plus at most one more per other worker)
+        if staleness is None:
+            assert pushes == [CFG.steps] * workers, pushes
+        else:
+            assert sum(pushes) == len(history) and budget <= len(history) < budget + workers, (pushes, len(history))
         if staleness is None:
             print("  every push of a fast worker waits for the slow one's: n x (T_slow - T_fast)")
         else:
@@ -208,8 +214,8 @@ def lesson(group, png=None):
         print("  2. BOUNDS = (0, 32). Expect s = 0 to wait like synchronous (~30 ms after every push but the last,")
         print("     0.42 s for 36 gradients; the slow worker's gradients exactly W - 1 = 2 stale); s = 32 never to")
         print("     bind: ~1 ms waits, 36 gradients in ~0.06 s, 1 or 2 of them the straggler's, about 20 stale.")
-        print("\nSynchronous = one process; asynchronous staleness <= (W-1)(2s+1); fast workers wait "
-              "(n - s - 1) x (T_slow - T_fast). All checks passed.")
+        print("\nSynchronous = one process; asynchronous staleness <= (W-1)(2s+1); every push applied once; fast "
+              "workers wait about (n - s - 1) x (T_slow - T_fast) (measured). All checks passed.")
 
 
 def draw(path, runs, labels, budget):

@@ -27,6 +27,8 @@ import os
 import re
 from pathlib import Path
 
+import numpy as np
+
 FORMAT = "minidist-checkpoint"
 VERSION = 2  # 2: the manifest carries its own sha256; saves go through a hidden folder
 MANIFEST = "manifest.json"
@@ -36,6 +38,18 @@ _STEP = re.compile(r"^step-(\d+)$")
 class CheckpointError(Exception):
     """A checkpoint that cannot be used (incomplete, truncated, corrupted, or not covering what is
     asked of it). The message names the file and what is wrong with it."""
+
+
+class NonFiniteError(CheckpointError):
+    """A checkpoint whose tensors hold NaN or inf: the run had diverged. Never written (writer.py
+    refuses it on every rank), and skipped like any other damage when read (a checkpoint written
+    before that check may hold them)."""
+
+
+def non_finite(array) -> int:
+    """How many elements of ``array`` (NumPy) are NaN or +-inf; 0 for integer and bool dtypes."""
+    array = np.asarray(array)
+    return int(array.size - np.count_nonzero(np.isfinite(array))) if array.dtype.kind in "fc" else 0
 
 
 def step_dir(root, step: int) -> Path:

@@ -22,9 +22,10 @@ from pathlib import Path
 import numpy as np
 from safetensors import safe_open
 
-from minidist.checkpoint.format import MANIFEST, CheckpointError, sha256_bytes, step_dirs
+from minidist.checkpoint.format import MANIFEST, CheckpointError, NonFiniteError, non_finite, sha256_bytes, step_dirs
 from minidist.checkpoint.paths import check_folder, open_regular, read_json_bytes, sha256_file
-from minidist.checkpoint.regions import Flat, box_shape, contains, flat_boxes, full_box, intersect, slices
+from minidist.checkpoint.regions import (Flat, box_shape, contains, coverage_problem, flat_boxes, full_box, intersect,
+                                         slices)
 from minidist.checkpoint.schema import (DTYPES, check_manifest, check_rank_meta, check_safetensors_header,
                                         parse_json)
 
@@ -47,7 +48,9 @@ def verify(step_dir) -> dict:
     naming the file and what is wrong: the manifest missing (the save never finished), unreadable,
     failing its checksum or the schema; a file it names missing, not a regular file (a link, a
     device: refused without opening it), truncated (size differs) or corrupted (sha256 differs); a
-    rank's JSON or safetensors header disagreeing with the manifest."""
+    rank's JSON or safetensors header disagreeing with the manifest; the boxes of a tensor leaving
+    part of it uncovered or covering part of it twice (counting elements is not enough: boxes that
+    add up may still overlap and leave a hole); a NaN or inf in any tensor (NonFiniteError)."""
     return _verified(step_dir)[0]
 
 
@@ -61,7 +64,8 @@ def _verified(step_dir) -> tuple[dict, dict]:
 
 def _verify_files(step_dir: Path) -> tuple[dict, dict]:
     """The manifest, then per rank: its data file's size and sha256 (regular files only), its JSON's
-    size, sha256 and schema, its safetensors header; then that every tensor has enough elements."""
+    size, sha256 and schema, its safetensors header; then that the boxes of every tensor cover it
+    exactly once (no hole, no overlap); then that every value is finite."""
     manifest = read_manifest(step_dir)
     infos = {}
     for r, entry in enumerate(manifest["ranks"]):
@@ -72,15 +76,32 @@ def _verify_files(step_dir: Path) -> tuple[dict, dict]:
         _same_digest(meta_path, sha256_bytes(data), entry["meta_sha256"])
         infos[r] = check_rank_meta(parse_json(data, meta_path), meta_path, r, manifest)
         check_safetensors_header(_safetensors_header(data_path, entry["bytes"]), data_path, infos[r])
-    stored = {}
+    boxes = {}
     for info in infos.values():
         for desc in info["tensors"].values():
-            stored[desc["name"]] = stored.get(desc["name"], 0) + math.prod(b - a for a, b in desc["box"])
+            boxes.setdefault(desc["name"], []).append(tuple(map(tuple, desc["box"])))
     for name, spec in manifest["tensors"].items():
-        if stored.get(name, 0) < math.prod(spec["global_shape"]):
-            raise CheckpointError(f"{step_dir / MANIFEST}: tensor {name} {spec['global_shape']} has only "
-                                  f"{stored.get(name, 0)} elements in the rank files")
+        problem = coverage_problem(spec["global_shape"], boxes.get(name, []))
+        if problem is not None:
+            raise CheckpointError(f"{step_dir / MANIFEST}: tensor {name} {spec['global_shape']} {problem}")
+    for r, entry in enumerate(manifest["ranks"]):  # last: it reads every value again
+        _all_finite(step_dir / entry["file"], infos[r]["tensors"])
     return manifest, infos
+
+
+def _all_finite(path, pieces: dict) -> None:
+    """NonFiniteError unless every value of the float ``pieces`` of safetensors file ``path`` is
+    finite (one piece in memory at a time). A trainer never writes NaN or inf (writer.py), but a
+    checkpoint written before that check, or by another tool, may hold them."""
+    with safe_open(path, framework="np") as f:
+        for key in pieces:
+            try:
+                array = f.get_tensor(key)
+            except Exception as e:  # noqa: BLE001 -- changed on disk since it was verified
+                raise CheckpointError(f"{path}: cannot read {key} ({e})") from e
+            bad = non_finite(array)
+            if bad:
+                raise NonFiniteError(f"{path}: {key} holds {bad} NaN or inf values (the run had diverged)")
 
 
 def _same_digest(path, actual: str, recorded: str) -> None:

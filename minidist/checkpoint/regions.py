@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import numpy as np
+
 Box = tuple  # ((start, stop), ...) one pair per axis; () is the box of a 0-d tensor
 
 
@@ -94,3 +96,26 @@ def flat_boxes(box: Box, lo: int, hi: int) -> list:
     if hi % row:  # a partial last row
         out += [((start + last, start + last + 1),) + b for b in flat_boxes(inner_box, 0, hi % row)]
     return out
+
+
+def coverage_problem(shape, boxes) -> str | None:
+    """None when ``boxes`` (each inside a tensor of ``shape``) cover every element of the tensor exactly
+    once, else what is wrong: too few or too many elements, or (when the counts add up) the elements no
+    box holds and how many are held twice. The counts come first, so the mask (one byte per element)
+    is only built for a tensor no larger than what the boxes hold."""
+    numel = math.prod(shape)
+    held = sum(math.prod(box_shape(box)) for box in boxes)
+    if held < numel:
+        return f"has only {held} elements in the rank files"
+    if held > numel:
+        return f"has {held} elements in the rank files for its {numel}: boxes overlap"
+    covered, twice = np.zeros(tuple(shape), dtype=bool), 0
+    for box in boxes:
+        view = covered[slices(box, full_box(shape)) + (Ellipsis,)]  # a view, even of a 0-d tensor
+        twice += int(np.count_nonzero(view))
+        view[...] = True
+    if not twice:
+        return None
+    first = np.argwhere(~covered)[0].tolist()
+    return (f"has boxes that overlap ({twice} elements stored twice) and leave {numel - int(np.count_nonzero(covered))} "
+            f"elements in no box, the first at {first}")

@@ -5,7 +5,10 @@ session is a random number rank 0 draws when the writer is built, so no earlier 
 planted, has that name); every rank writes its pair of files there; rank 0 writes the manifest and
 renames the folder to ``step-000123``. A stale entry of that name (an incomplete or corrupt save, or
 a link planted there) is moved aside or unlinked first, never followed; nothing is written outside
-``ROOT``.
+``ROOT``. What a save never writes: a tensor holding NaN or inf (the run had diverged): every rank
+then raises :class:`~minidist.checkpoint.format.NonFiniteError`, and the newest checkpoint stays the
+last one saved before the divergence. Nor pieces that miss part of a tensor or hold part of it twice
+(the reader's rule, ``regions.coverage_problem``).
 
 What a save sends: one all-reduce (max) of one integer per rank (every rank's files are on disk, or
 which ranks failed to write them: every rank then raises, none waits for the others forever) and one
@@ -33,15 +36,16 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save as safetensors_bytes
 
-from minidist.checkpoint.format import (FORMAT, MANIFEST, VERSION, CheckpointError, atomic_write, fsync_dir,
-                                        manifest_digest, piece_key, rank_file, rank_meta_file, sha256_bytes,
+from minidist.checkpoint.format import (FORMAT, MANIFEST, VERSION, CheckpointError, NonFiniteError, atomic_write,
+                                        fsync_dir, manifest_digest, non_finite, piece_key, rank_file, rank_meta_file, sha256_bytes,
                                         step_dir, step_dirs, step_of, to_json)
 from minidist.checkpoint.paths import check_folder, check_regular, read_json_bytes, remove_entry
 from minidist.checkpoint.reader import read_manifest
-from minidist.checkpoint.regions import Flat, box_shape, contains, flat_boxes, full_box, slices
+from minidist.checkpoint.regions import Flat, box_shape, contains, coverage_problem, flat_boxes, full_box
 from minidist.checkpoint.schema import DTYPES, check_manifest, parse_json
 
 LEFTOVERS = (".saving-", ".replaced-")  # hidden folders of saves that crashed half-way
+NON_FINITE = 2  # a rank's failure code when its tensors hold NaN or inf (any other failure: 1)
 
 
 class CheckpointWriter:
@@ -108,12 +112,15 @@ class CheckpointWriter:
         try:
             self._write_rank_files(staging, rank, step, entries, rank_meta)
         except Exception as e:  # noqa: BLE001 -- the other ranks must hear of it, not hang
-            problem, failed[rank] = e, 1
+            problem, failed[rank] = e, NON_FINITE if isinstance(e, NonFiniteError) else 1
         self.group.all_reduce(failed, op="max", label="setup: which ranks failed to write their checkpoint files")
         if failed.any() and rank == 0:
             remove_entry(staging)  # every rank is past its writes
         if problem is not None:
             raise problem
+        if (failed == NON_FINITE).any():  # every rank raises the same kind of error: the run diverged
+            raise NonFiniteError(f"checkpoint {step} not written: rank(s) {np.flatnonzero(failed == NON_FINITE).tolist()} "
+                                 "hold NaN or inf values (the run had diverged)")
         if failed.any():
             raise CheckpointError(f"{staging}: rank(s) {np.flatnonzero(failed).tolist()} could not write their "
                                   f"files (see their errors); checkpoint {step} not saved")
@@ -138,7 +145,13 @@ class CheckpointWriter:
 
     def _write_rank_files(self, staging: Path, rank: int, step: int, entries: dict, rank_meta: dict) -> None:
         """This rank's tensors and their description, into the save folder (made by whichever rank
-        gets there first; it must be a real folder inside a real root)."""
+        gets there first; it must be a real folder inside a real root). NonFiniteError, before
+        anything is written, if a tensor holds NaN or inf: a diverged run never becomes a checkpoint."""
+        for key, (array, _) in entries.items():
+            bad = non_finite(array)
+            if bad:
+                raise NonFiniteError(f"checkpoint {step} not written: {key} holds {bad} NaN or inf values on rank "
+                                     f"{rank} (the run had diverged)")
         if self.root.is_symlink():
             raise CheckpointError(f"{self.root}: a symbolic link (refused: a checkpoint never follows links)")
         staging.mkdir(parents=True, exist_ok=True)
@@ -245,14 +258,11 @@ def _manifest(folder, step: int, world_size: int, meta: dict) -> dict:
             if tensors.setdefault(name, spec) != spec:
                 raise CheckpointError(f"{folder}: rank {r} writes {name} as {spec}, another rank as {tensors[name]}")
             boxes.setdefault(name, []).append(tuple(map(tuple, desc["box"])))
-    for name, spec in tensors.items():
-        covered = np.zeros(spec["global_shape"], dtype=bool)
-        for box in boxes[name]:
-            covered[slices(box, full_box(covered.shape))] = True
-        if not covered.all():
-            missing = np.argwhere(~covered)[0].tolist() if covered.ndim else []
-            raise CheckpointError(f"{folder}: no rank wrote all of {name} {tuple(spec['global_shape'])}: "
-                                  f"{int((~covered).sum())} elements missing, the first at {missing}")
+    for name, spec in tensors.items():  # the reader's rule (reader.verify): every element exactly once
+        problem = coverage_problem(spec["global_shape"], boxes[name])
+        if problem is not None:
+            raise CheckpointError(f"{folder}: the ranks do not write each element of {name} exactly once: tensor "
+                                  f"{name} {spec['global_shape']} {problem}")
     manifest = dict(format=FORMAT, version=VERSION, step=step, world_size=world_size, meta=meta, ranks=ranks,
                     tensors=tensors)
     return {**manifest, "sha256": manifest_digest(manifest)}

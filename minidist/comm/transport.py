@@ -54,6 +54,9 @@ EXIT_COMM_TIMEOUT = 3
 """Exit status of a job whose collective or point-to-point call timed out (:class:`CommTimeoutError`)."""
 EXIT_MISMATCH = 4
 """Exit status of a job whose ranks called different collectives (:class:`CollectiveMismatchError`)."""
+EXIT_DIVERGED = 5
+"""Exit status of a training run that diverged (a NaN or inf loss or gradient norm; minidist/train/divergence.py):
+retrying from its last checkpoint would diverge the same way."""
 
 
 def exit_code_for(error: BaseException) -> int:

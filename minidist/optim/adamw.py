@@ -1,7 +1,7 @@
 """AdamW (Loshchilov & Hutter): one element-wise update on plain arrays, cache-blocked on the host,
 and the optimizer that loops it."""
 from minidist.device import get_array_module
-from minidist.optim.blocks import Decay, Scratch, block_length, chunks
+from minidist.optim.blocks import Scratch, block_length, chunks, rates_array
 from minidist.optim.optimizer import Optimizer
 
 
@@ -16,30 +16,24 @@ def adamw_update(param, grad, exp_avg, exp_avg_sq, *, step, lr, beta1=0.9, beta2
         exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad**2
         param     -= lr / (1 - beta1**t) * exp_avg / (sqrt(exp_avg_sq) / sqrt(1 - beta2**t) + eps)
 
-    ``weight_decay`` is a number, an array of per-element rates (mask times rate), or spans
-    ``[(start, stop, rate), ...]`` of a flat buffer (see :mod:`minidist.optim.blocks`), so one call
-    updates a flat buffer of many parameters. NumPy arrays are updated in cache-sized blocks (bitwise
-    the whole-array result); CuPy arrays whole.
+    ``weight_decay`` may be a float or an array of per-element rates (mask times rate), so a flat
+    shard of several parameters is updated by one call. NumPy arrays longer than
+    :data:`~minidist.optim.blocks.BLOCK` are updated in cache-sized blocks, bitwise the whole-array
+    result; CuPy arrays whole.
     """
     xp = get_array_module(param)
-    decay = Decay(weight_decay, param)
     bias_correction1 = 1 - beta1 ** step
     bias_correction2 = 1 - beta2 ** step
     denominator_scale, step_size = bias_correction2 ** 0.5, lr / bias_correction1
-    arrays = (param, grad, exp_avg, exp_avg_sq, decay.array)
+    arrays = (param, grad, exp_avg, exp_avg_sq, rates_array(weight_decay))
     scratch = Scratch(block_length(*arrays))
-    for (p, g, m, v, rates), lo, hi in chunks(*arrays):
-        n = hi - lo
-        for a, b, rate in decay.pieces(lo, hi, rates):
-            if rate is None:
-                continue
-            if getattr(rate, "ndim", 0):  # per-element rates: 1 - lr * rate in the rates' dtype
-                factor = xp.multiply(lr, rate, out=scratch.out("factor", b - a, lambda: lr * rate[:0]))
-                decayed = p[a:b]
-                decayed *= xp.subtract(1, factor, out=factor)
-            elif 1 - lr * rate != 1:  # p * 1.0 is p: a zero rate skips the pass
-                decayed = p[a:b]
-                decayed *= 1 - lr * rate
+    for p, g, m, v, rates in chunks(*arrays):
+        n = p.size
+        if rates is not None:  # 1 - lr * rate per element, in the rates' dtype
+            factor = xp.multiply(lr, rates, out=scratch.out("factor", n, lambda: lr * rates[:0]))
+            p *= xp.subtract(1, factor, out=factor)
+        elif 1 - lr * weight_decay != 1:  # p * 1.0 is p: a zero rate skips the pass
+            p *= 1 - lr * weight_decay
         m *= beta1
         m += xp.multiply(1 - beta1, g, out=scratch.out("grad_term", n, lambda: (1 - beta1) * g[:0]))
         v *= beta2

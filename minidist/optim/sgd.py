@@ -1,7 +1,7 @@
 """SGD with momentum: one element-wise update on plain arrays, cache-blocked on the host, and the
 optimizer that loops it."""
 from minidist.device import get_array_module
-from minidist.optim.blocks import Decay, Scratch, block_length, chunks, none_of
+from minidist.optim.blocks import Scratch, block_length, chunks, none_of, rates_array
 from minidist.optim.optimizer import Optimizer
 
 
@@ -12,27 +12,24 @@ def sgd_update(param, grad, momentum_buf, *, lr, momentum=0.0, weight_decay=0.0)
         buf    = momentum * buf + g        (buf starts at zero, so step 1 gives buf = g)
         param -= lr * buf                  (momentum == 0: param -= lr * g, buf is not touched)
 
-    ``weight_decay`` is a number, an array of per-element rates (a 0/1 mask times the rate: how a flat
-    shard mixing decayed and non-decayed parameters is updated), or spans ``[(start, stop, rate), ...]``
-    of a flat buffer (see :mod:`minidist.optim.blocks`). NumPy arrays are updated in cache-sized
-    blocks (bitwise the whole-array result); CuPy arrays whole.
+    ``weight_decay`` may be a float or an array of per-element rates (a 0/1 mask times the rate):
+    that is how a flat shard mixing decayed and non-decayed parameters is updated. NumPy arrays
+    longer than :data:`~minidist.optim.blocks.BLOCK` are updated in cache-sized blocks, bitwise the
+    whole-array result; CuPy arrays whole.
     """
     xp = get_array_module(param)
-    decay = Decay(weight_decay, param)
-    arrays = (param, grad, momentum_buf if momentum else None, decay.array)
+    arrays = (param, grad, momentum_buf if momentum else None, rates_array(weight_decay))
     scratch = Scratch(block_length(*arrays))
-    for (p, gr, buf, rates), lo, hi in chunks(*arrays):
-        for a, b, rate in decay.pieces(lo, hi, rates):
-            n, piece, g = b - a, p[a:b], gr[a:b]
-            if rate is not None and not _is_zero(rate):
-                rated = xp.multiply(rate, piece, out=scratch.out("rated", n, lambda: none_of(rate) * piece[:0]))
-                g = xp.add(g, rated, out=scratch.out("decayed", n, lambda: g[:0] + rated[:0]))
-            if momentum:
-                velocity = buf[a:b]
-                velocity *= momentum
-                velocity += g
-                g = velocity
-            piece -= xp.multiply(lr, g, out=scratch.out(("step", g.dtype), n, lambda: lr * g[:0]))
+    for p, g, buf, rates in chunks(*arrays):
+        n, rate = p.size, weight_decay if rates is None else rates
+        if not _is_zero(rate):
+            rated = xp.multiply(rate, p, out=scratch.out("rated", n, lambda: none_of(rate) * p[:0]))
+            g = xp.add(g, rated, out=scratch.out("decayed", n, lambda: g[:0] + rated[:0]))  # grad + rate * param
+        if momentum:
+            buf *= momentum
+            buf += g
+            g = buf
+        p -= xp.multiply(lr, g, out=scratch.out(("step", g.dtype), n, lambda: lr * g[:0]))
 
 
 def _is_zero(rate):

@@ -4,6 +4,7 @@
     build.py           the device, the data, this rank's model part, optimizer, gradient sync, engine
     loop.py            the training loop (one step under any layout: minidist/parallel/step.py)
     outputs.py         metrics, exports, trace files, the sample
+    divergence.py      a NaN or inf loss stops the run (exit status 5), never a checkpoint of it
     explain.py         --explain: who holds what and sends what in the first step
     ps.py              --mode ps: the parameter-server trainer
     support_matrix.py  every combination of the features, and whether it runs

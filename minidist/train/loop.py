@@ -33,7 +33,9 @@ newest valid one in any layout (minidist/checkpoint/training.py; ``python -m min
 a failed job with it); ``--mode ps --servers K`` trains with parameter servers instead of
 collectives (train/ps.py); ``--dtype float16 | bfloat16`` trains in mixed precision (float32 masters, loss
 scaling); ``--explain`` prints what every rank holds and sends in its first step; ``--trace DIR``
-leaves a run directory for ``python -m minidist.inspect DIR``.
+leaves a run directory for ``python -m minidist.inspect DIR``. A run whose loss or gradient norm
+becomes NaN or inf stops with exit status 5, naming the step and the newest valid checkpoint, and no
+checkpoint of it is written (train/divergence.py).
 
 With no arguments it trains a 2-layer, 64-wide GPT on the generated default corpus (English-like
 sentences, see minidist/data/corpus.py) for 800 steps: about a minute on one CPU core, validation loss
@@ -42,7 +44,6 @@ object per step to DIR/metrics.jsonl (step, loss, lr, tokens_per_s, grad_norm; v
 evaluation steps; with --n-experts the routing: expert_load per MoE block, expert_imbalance, dropped,
 aux_loss).
 """
-import json
 import sys
 import time
 
@@ -52,6 +53,7 @@ from minidist.allocator import keep_freed_memory
 from minidist.checkpoint.identity import run_identity
 from minidist.checkpoint.training import ResumeRefused, TrainingCheckpoints, crash_here
 from minidist.comm import init
+from minidist.comm.transport import EXIT_CONFIG, EXIT_DIVERGED
 from minidist.device import to_device
 from minidist.optim import lr_at
 from minidist.parallel.expert.experts import expert_load
@@ -62,7 +64,9 @@ from minidist.train.build import (build_parallel, describe_layout, load_data, me
                                   tokenizer_for, with_hf_model, world_of_one)
 from minidist.train.config import (ConfigError, check_config, comm_timeout_problems, fault_injection_armed, parse_args,
                                    runs_zero_optimizer)
-from minidist.train.outputs import estimate_val_loss, explain_step, open_metrics, sample, trace_file, write_outputs
+from minidist.train.divergence import Diverged, DivergenceWatch
+from minidist.train.outputs import (estimate_val_loss, explain_step, metrics_line, open_metrics, sample, trace_file,
+                                    write_outputs)
 from minidist.train.ps import train_ps
 
 
@@ -72,7 +76,9 @@ def train(cfg, progress=True, world=None, keep_history=True):
     step run here (the same on every rank; with ``keep_history=False`` only the last, so a long run's
     memory stays flat); global rank 0 writes ``cfg.out``, ``cfg.export``, and prints; with
     ``cfg.trace`` every rank streams its trace events to disk as they happen. With ``cfg.ckpt_dir``
-    it saves checkpoints and ``cfg.resume`` continues from the newest."""
+    it saves checkpoints and ``cfg.resume`` continues from the newest. A run that diverges raises
+    :class:`~minidist.train.divergence.Diverged` on every rank at the same step (train/divergence.py),
+    after that step's metrics line and before any checkpoint of it."""
     world = world if world is not None else world_of_one()
     cfg = with_hf_model(cfg)  # --init-from-hf: the model's size from the folder (checked: nothing sent yet)
     check_config(cfg, world.size)
@@ -93,7 +99,8 @@ def train(cfg, progress=True, world=None, keep_history=True):
     ckpts = (TrainingCheckpoints(cfg.ckpt_dir, mesh, run_identity(cfg, train_tokens), save_every=cfg.save_every,
                                  keep=cfg.keep, async_save=cfg.async_save) if cfg.ckpt_dir else None)
     start = ckpts.resume(model, optimizer, amp, scaler)[0] if cfg.resume else 0
-    history = []
+    history, watch = [], DivergenceWatch(mixed_precision=scaler is not None)
+    close = optimizer.close if runs_zero_optimizer(cfg) else None  # offload: its files go, also when it diverges
     with open_metrics(cfg.out if lead else None, start) as metrics_file, trace_file(cfg, world.trace):
         # the bar only on a terminal (disable=None): piped into a log, the step lines below tell the story
         bar = tqdm(range(start, cfg.steps), disable=None if progress and lead else True, dynamic_ncols=True)
@@ -127,15 +134,18 @@ def train(cfg, progress=True, world=None, keep_history=True):
                 history.clear()  # only the last record: memory stays flat however long the run
             history.append(record)
             if metrics_file is not None:
-                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.write(metrics_line(record))
                 metrics_file.flush()
-            if ckpts is not None:
-                ckpts.after_step(step, model, optimizer, {"seed": cfg.seed}, amp, scaler)
+            with watch.stops(ckpts, close):
+                watch.after_step(step, loss, grad_norm)  # before the save: a diverged step is never saved
+                if ckpts is not None:
+                    ckpts.after_step(step, model, optimizer, {"seed": cfg.seed}, amp, scaler)
     if ckpts is not None:
-        ckpts.wait()
+        with watch.stops(ckpts, close):
+            ckpts.wait()
     write_outputs(cfg, model, optimizer, mesh, amp)
-    if runs_zero_optimizer(cfg):
-        optimizer.close()  # offload: its files go
+    if close is not None:
+        close()
     return model, history
 
 
@@ -148,21 +158,25 @@ def main(argv=None):
     # lands in the run directory. init needs the timeout, so it is checked first (exit 2, every rank).
     for problem in comm_timeout_problems(cfg):
         print(f"python -m minidist.train: invalid configuration: {problem}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_CONFIG)
     try:
         world = init(cfg.backend, timeout=cfg.comm_timeout, flight_dir=cfg.out or cfg.trace)
     except (ImportError, RuntimeError) as e:
         if cfg.backend != "nccl":
             raise
         print(f"python -m minidist.train: {e}", file=sys.stderr)  # no CuPy, no GPU, fewer GPUs than ranks
-        sys.exit(2)
+        sys.exit(EXIT_CONFIG)
     try:
         model, history = (train_ps(cfg, world=world) if cfg.mode == "ps"  # below: only the last record
                           else train(cfg, world=world, keep_history=False))
     except (ConfigError, ResumeRefused) as e:
         if world.rank == 0:
             print(f"python -m minidist.train: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_CONFIG)
+    except Diverged as e:  # every rank, at the same step (minidist/train/divergence.py)
+        if world.rank == 0:
+            print(f"python -m minidist.train: {e}", file=sys.stderr)
+        sys.exit(EXIT_DIVERGED)
     if world.rank == 0 and history:
         print(f"\nfinal: train loss {history[-1]['loss']:.4f}, val loss {history[-1]['val_loss']:.4f}")
     # the sample: in a collective run every rank generates with its part of the model (the same text

@@ -1,8 +1,9 @@
-"""What a training run leaves behind: metrics lines, validation losses, the ``--explain`` story,
-the consolidated export, the ``--trace`` run directory, and a sample of generated text.
+"""What a training run leaves behind: metrics lines (strict JSON), validation losses, the ``--explain``
+story, the consolidated export, the ``--trace`` run directory, and a sample of generated text.
 """
 import contextlib
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,21 @@ def open_metrics(out, start: int = 0):
         kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < start]
     path.write_text("".join(line + "\n" for line in kept))
     return open(path, "a")
+
+
+def metrics_line(record: dict) -> str:
+    """One line of metrics.jsonl: ``record`` as strict JSON (RFC 8259 has no NaN nor Infinity, so a
+    diverged step's non-finite numbers are written as ``null``), ending in a newline."""
+    return json.dumps(finite_or_null(record), allow_nan=False) + "\n"
+
+
+def finite_or_null(value):
+    """``value`` with every NaN or +-inf float inside it (dicts, lists, tuples) replaced by None."""
+    if isinstance(value, dict):
+        return {key: finite_or_null(v) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def trace_file(cfg, trace):

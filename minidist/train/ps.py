@@ -1,14 +1,12 @@
 """``python -m minidist.train --mode ps``: the same model, data and outputs as the collective
 trainer, trained by parameter servers (minidist/parallel/ps/param_server.py) instead of all-reduce.
 """
-import json
-
 from minidist.parallel.whole_model.consolidate import consolidated_state_dict
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.ps.param_server import train_parameter_server
 from minidist.train.build import build_model, load_data, world_of_one
 from minidist.train.config import check_config
-from minidist.train.outputs import estimate_val_loss, export, open_metrics
+from minidist.train.outputs import estimate_val_loss, export, metrics_line, open_metrics
 
 
 def train_ps(cfg, world):
@@ -25,7 +23,7 @@ def train_ps(cfg, world):
         history[-1]["val_loss"] = estimate_val_loss(model, val_tokens, cfg)
         with open_metrics(cfg.out) as metrics_file:
             for record in history if metrics_file is not None else []:
-                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.write(metrics_line(record))
         if cfg.export is not None:  # the whole model is on rank 0: a mesh of one consolidates it
             export(consolidated_state_dict(model, DeviceMesh(world_of_one(), dp=1, pp=1, tp=1)), cfg.export)
     return model, history

@@ -58,16 +58,16 @@ def clip_grad_norm_parallel(params, max_norm: float, mesh) -> float:
     return total_norm
 
 
-def clip_shards(shards, max_norm: float, *, partitioned: bool, dp_group, tp_group=None, pp_group=None,
-                ep_group=None) -> float:
+def clip_shards(shards, max_norm: float, partitioned: bool, dp_group, mesh=None) -> float:
     """Scale ZeRO's gradient shards (``shard.param.grad``, where the update runs) so that the global
     L2 norm of the full gradient is at most ``max_norm``; returns the norm before clipping. Each rank
     sums the squares of its shards (tensor-parallel and replicated elements apart, by the shards'
     masks; a tied copy's elements not at all), all-reduces the two sums over each shard's group when
     ``partitioned`` (stages >= 1: every element lives on one rank of it; the experts' group's sums then
-    add over ``ep_group`` too), the tensor-parallel sum over ``tp_group``, and the total over
-    ``pp_group``. Sends those 8-16 byte all-reduces, from the shards' device; one float crosses to
-    the host."""
+    add over the ep group too), the tensor-parallel sum over tp, and the total over pp (``mesh``'s
+    groups; none without a mesh). Sends those 8-16 byte all-reduces, from the shards' device; one
+    float crosses to the host."""
+    tp_group, pp_group, ep_group = (mesh.tp_group, mesh.pp_group, mesh.ep_group) if mesh is not None else (None,) * 3
     xp = get_array_module(shards[0].param.grad)  # where the update runs: the host under offload
     sums = {}  # shard group -> [tensor-parallel elements, replicated elements]
     for s in shards:

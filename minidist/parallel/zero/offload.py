@@ -191,7 +191,7 @@ class Offload:
 
     def to_update(self, shards) -> list:
         """Each shard's reduced gradient in its host buffer, where the update runs: copied down now
-        unless :meth:`download_early` already did (then waited for)."""
+        unless :meth:`reduced` already did (then waited for)."""
         for s in shards:
             if s.downloaded is not s.grad:
                 self.down(s.grad, s.host_grad)
@@ -199,10 +199,23 @@ class Offload:
         self.wait()
         return [s.host_grad for s in shards]
 
-    def download_early(self, s) -> None:
-        """Start copying the shard's gradient down during backward (it is final: nothing adds to it)."""
-        self.down(s.grad, s.host_grad)
-        s.downloaded = s.grad
+    def reduced(self, s) -> None:
+        """The shard's gradient is reduced: unless it is completed later (summed over tp, or with a
+        tied copy), it is final, so its copy down starts now, during backward."""
+        if not s.completed_later:
+            self.down(s.grad, s.host_grad)
+            s.downloaded = s.grad
+
+    def visit(self, shards):
+        """The shards in order, for their update: each unit's stored state read (and the next one's
+        read ahead: the disk starts on it) before, written back (to disk, out of memory) after."""
+        if shards:
+            self.read_ahead(shards[0].stored)
+        for i, s in enumerate(shards):
+            self.read(s.stored)
+            self.read_ahead(shards[i + 1].stored if i + 1 < len(shards) else [])
+            yield s
+            self.write_back(s.stored)
 
     def publish(self, value, compute) -> None:
         """The new parameter shard ``value`` where the model reads it: up to the device (waited for:

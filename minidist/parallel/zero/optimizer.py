@@ -98,14 +98,13 @@ class ZeroOptimizer:
                              "parameter whole on each rank")
         self._in_flight, self._no_sync = None, False  # stages 2, 3: the shard whose reduce-scatter is queued
         self._reduced = False  # this step's gradients are reduced (reduce() runs once per step)
-        self._tied = {id(p) for p in tied_copies(model)}  # completed after the reduction (complete.py)
         self.shards = []
         for name, params in units_by_module(model.named_parameters()):
             unit_group = self.replicas.of(params[0][1])  # a unit holds experts only, or none
             rank, size = (unit_group.rank, unit_group.size) if self.partitions.optimizer_states else (0, 1)
             self.shards.append(make_shard(FlatUnit(name, params, rank, size), unit_group, self.storage,
                                           sharded_params=self.partitions.parameters,
-                                          full_grads=not self.partitions.gradients,
+                                          full_grads=not self.partitions.gradients, tied=tied_copies(model),
                                           slots=OPTIMIZERS[optimizer].slots, mixed_precision=mixed_precision))
         self.optimizer = OPTIMIZERS[optimizer]([(s.name, s.param) for s in self.shards], **{"weight_decay": 0.0, **hyper})
         self.optimizer.decay_masks = {s.name: s.decay for s in self.shards}
@@ -172,15 +171,14 @@ class ZeroOptimizer:
             self.gatherer.free([s])
 
     def _collect(self) -> None:
-        """Wait for the reduce-scatter in flight and add it into its unit's gradient shard; if nothing
-        else will change it (no sequence-parallel sum, no tied copy), the storage may take it now."""
+        """Wait for the reduce-scatter in flight and add it into its unit's gradient shard (and tell
+        the storage: offload copies it down now when nothing else will change it)."""
         s, self._in_flight = self._in_flight, None
         if s is not None:
             grad = s.work.wait()  # (hi - lo,)
             s.grad = grad if s.grad is None else s.grad + grad
             s.work = None
-            if not (s.sequence_parallel.any() or any(id(p) in self._tied for _, p in s.unit.params)):
-                self.storage.download_early(s)
+            self.storage.reduced(s)
 
     def reduce(self) -> None:
         """Step 1 of the gradient pipeline: make ``shard.grad`` the gradient averaged over the unit's
@@ -221,9 +219,7 @@ class ZeroOptimizer:
 
     def clip(self, max_norm: float, mesh) -> float:
         """Step 4, on the shards (:func:`~minidist.parallel.compose.clip.clip_shards`)."""
-        groups = {k: getattr(mesh, f"{k}_group") if mesh is not None else None for k in ("tp", "pp", "ep")}
-        return clip_shards(self.shards, max_norm, partitioned=self.partitions.optimizer_states, dp_group=self.group,
-                           tp_group=groups["tp"], pp_group=groups["pp"], ep_group=groups["ep"])
+        return clip_shards(self.shards, max_norm, self.partitions.optimizer_states, self.group, mesh)
 
     # ---- update and publish -----------------------------------------------------------------------
 
@@ -234,15 +230,10 @@ class ZeroOptimizer:
         parameters (sends its shard to every rank of the unit's group, in the model's dtype)."""
         self.optimizer.lr = lr
         self.optimizer.step_count += 1
-        gathers, store = [], self.storage
-        if self.shards:
-            store.read_ahead(self.shards[0].stored)
-        for i, s in enumerate(self.shards):
-            store.read(s.stored)  # this unit's state is used now, the next one's soon
-            store.read_ahead(self.shards[i + 1].stored if i + 1 < len(self.shards) else [])
+        gathers = []
+        for s in self.storage.visit(self.shards):  # offload: its state read (ahead) before, written back after
             self.optimizer.update(s.name)
-            store.publish(self.compute_value(s), s.compute)
-            store.write_back(s.stored)
+            self.storage.publish(self.compute_value(s), s.compute)
             if self.partitions.optimizer_states and not self.partitions.parameters:  # overlaps the next update
                 gathers.append(s.group.all_gather(s.compute, count=s.unit.numel, out=s.flat, async_op=True,
                                                   label=f"parameter: ZeRO all-gather {s.name}"))

@@ -52,6 +52,7 @@ class Shard:
     host_grad: np.ndarray | None = None
     stored: list = field(default_factory=list)
     downloaded: object = None  # offload: the ``grad`` array already copied into ``host_grad``
+    completed_later: bool = False  # summed over tp or with a tied copy after the reduction (complete.py)
     ready: int = 0  # stages 2, 3: parameters of the unit whose gradient is final in this backward
     work: object = None  # stages 2, 3: the reduce-scatter in flight
 
@@ -60,13 +61,14 @@ class Shard:
         return self.unit.name
 
 
-def make_shard(unit: FlatUnit, group, storage, *, sharded_params: bool, full_grads: bool, slots,
+def make_shard(unit: FlatUnit, group, storage, *, sharded_params: bool, full_grads: bool, tied, slots,
                mixed_precision: str | None) -> Shard:
     """Build ``unit``'s shard: flatten its parameters (stages 0-2: the model's parameters become views
     of the flat vector; ``sharded_params``, stage 3: only the shard is kept), make its float32 master
     under mixed precision (the model then holds the rounded values), its masks, its full gradient
     buffer when ``full_grads`` (stages 0, 1), and let ``storage`` place the master and the optimizer
-    ``slots``. Sends nothing."""
+    ``slots``. ``tied``: a pipeline's tied embedding copies (their gradients are completed later,
+    as are sequence-parallel ones). Sends nothing."""
     flat = unit.flatten([p.data for _, p in unit.params])  # (numel,) full values, the model's dtype
     if sharded_params:
         compute, flat = flat[unit.lo:unit.hi].copy(), None  # keep the shard only
@@ -84,5 +86,6 @@ def make_shard(unit: FlatUnit, group, storage, *, sharded_params: bool, full_gra
     master, compute, state, stored, host_grad = storage.place(unit.name, master, compute, slots, mixed_precision)
     if stored:  # the update runs where the state lives: the masks it reads are host copies
         masks = [to_numpy(m) for m in masks[:3]] + masks[3:]
+    later = bool(masks[3].any()) or any(p is q for _, p in unit.params for q in tied)
     return Shard(unit, group, Tensor(master), compute, flat, state, *masks, grad_flat=grad_flat, host_grad=host_grad,
-                 stored=stored)
+                 stored=stored, completed_later=later)

@@ -27,14 +27,12 @@ class OnDevice:
         """Each shard's reduced gradient where the update runs: ``s.grad`` itself."""
         return [s.grad for s in shards]
 
-    def download_early(self, s) -> None:
+    def reduced(self, s) -> None:
         """Nothing to copy while backward runs."""
 
-    def read_ahead(self, stored) -> None:
-        """Nothing to read."""
-
-    def read(self, stored) -> None:
-        """Nothing to read."""
+    def visit(self, shards):
+        """The shards in order, for their update (nothing to read or write around it)."""
+        yield from shards
 
     def write_back(self, stored) -> None:
         """Nothing to write."""
