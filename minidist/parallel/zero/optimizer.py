@@ -98,13 +98,13 @@ class ZeroOptimizer:
                              "parameter whole on each rank")
         self._in_flight, self._no_sync = None, False  # stages 2, 3: the shard whose reduce-scatter is queued
         self._reduced = False  # this step's gradients are reduced (reduce() runs once per step)
-        self.shards = []
+        self.shards, tied = [], tied_copies(model)
         for name, params in units_by_module(model.named_parameters()):
             unit_group = self.replicas.of(params[0][1])  # a unit holds experts only, or none
             rank, size = (unit_group.rank, unit_group.size) if self.partitions.optimizer_states else (0, 1)
             self.shards.append(make_shard(FlatUnit(name, params, rank, size), unit_group, self.storage,
                                           sharded_params=self.partitions.parameters,
-                                          full_grads=not self.partitions.gradients, tied=tied_copies(model),
+                                          full_grads=not self.partitions.gradients, tied=tied,
                                           slots=OPTIMIZERS[optimizer].slots, mixed_precision=mixed_precision))
         self.optimizer = OPTIMIZERS[optimizer]([(s.name, s.param) for s in self.shards], **{"weight_decay": 0.0, **hyper})
         self.optimizer.decay_masks = {s.name: s.decay for s in self.shards}
