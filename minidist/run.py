@@ -20,6 +20,11 @@ SIGHUP and SIGINT (Ctrl-C) stop the launcher: it passes the signal to the whole 
 every rank), kills what is left after ``--grace`` seconds, restarts nothing, and exits with
 128 + the signal's number, as a shell reports a process the signal ended.
 
+Bad input is refused before mpiexec starts anything (exit 2, one message): more ranks than this
+machine can start (:data:`MAX_RANKS`, or fewer where its available memory holds fewer:
+:func:`startable_ranks`), more than :data:`MAX_RESTARTS` restarts, and a job python could not start
+(:func:`job_problem`: a missing script, a FIFO python would wait on, a module not found).
+
     python -m minidist.run -n 4 --max-restarts 2 -- -m minidist.train --dp 4 --ckpt-dir ckpt --save-every 50
 """
 from __future__ import annotations
@@ -27,6 +32,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.machinery
+import importlib.util
 import os
 import shutil
 import signal
@@ -39,6 +46,13 @@ from minidist.checkpoint.reader import latest_valid
 from minidist.comm.transport import EXIT_COMM_TIMEOUT, EXIT_CONFIG, EXIT_DIVERGED, EXIT_MISMATCH
 from minidist.process_tree import descendants, signal_processes, wait_gone
 
+MAX_RANKS = 256
+"""The most ranks the launcher starts: it gives mpiexec no host list, so every rank is a process of this
+machine (and a CPU rank of minidist wants a core's share to make progress)."""
+RANK_BYTES = 64 << 20
+"""The least memory a rank holds: Python with NumPy, mpi4py and minidist imported (about 57 MiB)."""
+MAX_RESTARTS = 1000
+"""The most restarts ``--max-restarts`` asks for: a job that failed a thousand times will not be cured."""
 TIME_LIMIT = 124
 """What :func:`run_job` returns when the job ran past ``--timeout`` (the code of ``timeout(1)``)."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
@@ -86,6 +100,61 @@ def mpiexec_flags(mpiexec: str, allow_root: bool = False) -> list:
     if mpiexec_flavour(mpiexec) != "openmpi":
         return []
     return ["--oversubscribe"] + (["--allow-run-as-root"] if allow_root else [])
+
+
+def startable_ranks() -> int:
+    """How many ranks this machine can start now: :data:`MAX_RANKS`, or fewer where its available
+    memory (``MemAvailable`` in /proc/meminfo) holds fewer ranks of :data:`RANK_BYTES`."""
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):  # not Linux: no bound but MAX_RANKS
+        return MAX_RANKS
+    return max(1, min(MAX_RANKS, kib * 1024 // RANK_BYTES))
+
+
+def job_problem(script: list) -> str | None:
+    """What keeps python from starting ``script`` (what follows ``--``), or None: found here, before
+    mpiexec starts a rank. A script must be a readable regular file or a folder with ``__main__.py``
+    (a FIFO would keep python waiting for a writer); ``-m`` needs a module found on the path,
+    without importing it; ``-c`` needs code; anything else starting with ``-`` is a python option
+    (or a script's flag) where the script goes."""
+    first = script[0]
+    if first in ("-m", "-c"):
+        if len(script) < 2 or not script[1]:
+            return f"{first} needs a {'module' if first == '-m' else 'command'} after it"
+        return module_problem(script[1]) if first == "-m" else None
+    if first.startswith("-"):
+        return f"{first!r} where the job's script goes: give a script, -m MODULE or -c CODE first"
+    if not first or not os.path.exists(first):  # os.path's tests answer False where a name is too long
+        return f"script {first!r} not found"
+    if os.path.isdir(first):
+        return None if os.path.isfile(os.path.join(first, "__main__.py")) else f"{first} is a folder without __main__.py"
+    if not os.path.isfile(first):
+        return f"{first} is not a regular file (a FIFO or a device): python cannot run it"
+    return None if os.access(first, os.R_OK) else f"{first}: no permission to read it"
+
+
+def module_problem(name: str) -> str | None:
+    """Why ``python -m name`` would not start (no such module, or a package without ``__main__``), or
+    None; found by the import system's finders, without running the module or its packages."""
+    parts = name.split(".")
+    if not all(part.isidentifier() for part in parts):
+        return f"-m {name!r} is not a module name"
+    where = None
+    for i, part in enumerate(parts):
+        try:
+            spec = importlib.util.find_spec(part) if i == 0 else importlib.machinery.PathFinder.find_spec(part, where)
+        except (ImportError, ValueError, OSError):
+            spec = None
+        if spec is None:
+            return f"-m {name}: no module named {'.'.join(parts[:i + 1])}"
+        where = spec.submodule_search_locations
+        if where is None and i < len(parts) - 1:
+            return f"-m {name}: {'.'.join(parts[:i + 1])} is not a package"
+    if where is not None and importlib.machinery.PathFinder.find_spec("__main__", where) is None:
+        return f"-m {name} is a package without __main__: it cannot be run"
+    return None
 
 
 def job_command(mpiexec: str, n: int, script_args: list, resume: bool, flags: list = ()) -> list:
@@ -179,11 +248,13 @@ def describe_exit(code: int, timeout: float | None) -> str:
     if code in NOT_RETRIED:
         return f"exited with code {code}: {NOT_RETRIED[code]}"
     if code < 0:
-        return f"was killed by signal {signal.Signals(-code).name}"
+        names = {s.value: s.name for s in signal.Signals}  # real-time signals 35..63 have no name
+        return f"was killed by signal {names.get(-code, -code)}"
     return f"exited with code {code} (a rank died or raised)"
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
+    """The launcher's command line (its checks are in :func:`parse_args`)."""
     p = argparse.ArgumentParser(prog="python -m minidist.run", description=__doc__.split("\n\n")[0],
                                 usage="python -m minidist.run -n N [options] -- script args...")
     p.add_argument("-n", type=int, required=True, help="ranks (MPI processes)")
@@ -193,18 +264,31 @@ def parse_args(argv=None):
                    help="seconds a stopped or timed-out job has to end after the signal, before SIGKILL")
     p.add_argument("--elastic-n", type=int, default=None, help="ranks to restart with (default: -n)")
     p.add_argument("script", nargs=argparse.REMAINDER, help="after --: a script (or -m module) and its args")
+    return p
+
+
+def parse_args(argv=None):
+    """The launcher's arguments, checked: exit 2 with argparse's usage and one message if they are bad."""
+    p = build_parser()
     args = p.parse_args(argv)
     args.script = args.script[1:] if args.script[:1] == ["--"] else args.script
     if not args.script:
         p.error("nothing to run: give the script after --, e.g. -- -m minidist.train --ckpt-dir ckpt")
     if args.n < 1 or (args.elastic_n is not None and args.elastic_n < 1):
         p.error("-n and --elastic-n must be >= 1")
-    if args.max_restarts < 0:
-        p.error("--max-restarts must be >= 0")
+    most = startable_ranks()
+    if max(args.n, args.elastic_n or 0) > most:
+        p.error(f"{max(args.n, args.elastic_n or 0):,} ranks: this machine starts at most {most} (each rank is a process "
+                f"of this machine; at most {MAX_RANKS}, and {RANK_BYTES >> 20} MiB of available memory each)")
+    if not 0 <= args.max_restarts <= MAX_RESTARTS:
+        p.error(f"--max-restarts must be >= 0 and at most {MAX_RESTARTS:,}, got {args.max_restarts:,}")
     if args.timeout is not None and not 0 < args.timeout < float("inf"):
         p.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if not 0 <= args.grace < float("inf"):
         p.error(f"--grace must be a number of seconds >= 0, got {args.grace}")
+    problem = job_problem([args.script[0].replace("{n}", str(args.n)), *args.script[1:]])
+    if problem:
+        p.error(f"the job cannot start: {problem}")
     return args
 
 

@@ -25,7 +25,8 @@ import minidist
 from minidist.checkpoint import (Checkpoint, CheckpointError, CheckpointWriter, Flat, Piece, export_safetensors,
                                  flat_boxes, full_box, latest_valid, step_dir)
 from minidist.checkpoint import writer as writer_module
-from minidist.checkpoint.format import MANIFEST, atomic_write, rank_file
+from minidist.checkpoint.format import MANIFEST, rank_file
+from minidist.files import write_atomically
 from minidist.checkpoint.regions import box_shape, slices
 
 # ---- regions ------------------------------------------------------------------------------------
@@ -196,9 +197,9 @@ def test_a_rank_dying_between_writes_leaves_the_previous_checkpoint_valid(tmp_pa
     def dies_before_its_metadata(path, data):
         if path.name == "rank-00001.json":  # rank 1 wrote its tensors, then dies
             raise RuntimeError("rank 1 killed mid-save")
-        atomic_write(path, data)
+        write_atomically(path, data)
 
-    monkeypatch.setattr(writer_module, "atomic_write", dies_before_its_metadata)
+    monkeypatch.setattr(writer_module, "write_atomically", dies_before_its_metadata)
     with pytest.raises(Exception, match="killed mid-save"):
         save_local(tmp_path, 20, 2, grid_pieces, values, keep=1)
     assert not step_dir(tmp_path, 20).exists()  # the partial save never took a checkpoint's name

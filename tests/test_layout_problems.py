@@ -184,7 +184,7 @@ def test_the_planners_own_shapes_go_through_the_same_rules():
                     "copy of one)",
                     "the MLP width 14336 is not divisible by tp 3 (each tp rank holds 1/tp of the MLP's columns)"]
     own = layout_problems(preset("gpt2"), RunSpec(seq=2048, micro_batch_size=0, recompute="some"))
-    assert own == ["--micro-batch-size must be >= 1, got 0", "--recompute must be one of none, selective, full, got 'some'",
+    assert own == ["--micro-batch-size must be in [1, 1e12], got 0", "--recompute must be one of none, selective, full, got 'some'",
                    "the sequence of 2048 is longer than the model's 1024 learned positions"]
 
 

@@ -1,7 +1,6 @@
 """The in-process transport keeps MPI's point-to-point rules: FIFO per (communicator, source, tag),
 rendezvous sends, exact sizes, a deadline on every wait, and split communicators that never cross."""
 import threading
-import time
 
 import numpy as np
 import pytest

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from minidist.optim import clip_coef, clip_grad_norm, grad_norm_sq, lr_at
+from minidist.optim.clip import LEAF, square_sum
 
 
 def params_with_grads(*grads):
@@ -34,6 +35,17 @@ def test_norm_pieces_combine_like_an_all_reduce():
     assert sum(grad_norm_sq([s]) for s in shards) == pytest.approx(float(g @ g))
     assert clip_coef(total_norm=2.0, max_norm=1.0) == pytest.approx(0.5, rel=1e-6)
     assert clip_coef(total_norm=0.5, max_norm=1.0) == 1.0
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("n", [1, 7, 9, 129, LEAF, LEAF + 1, 2 * LEAF + 3, 5 * LEAF + 17, 768 * 2304 + 5])
+def test_square_sum_in_chunks_is_bitwise_numpys_whole_array_sum(n, dtype):
+    # The chunks follow NumPy's own pairwise split, so the float is the same to the last bit.
+    g = np.random.default_rng(n).standard_normal(n).astype(dtype)
+    assert square_sum(g).tobytes() == (g * g).sum().tobytes()
+    assert square_sum(g.reshape(1, -1)).tobytes() == (g * g).sum().tobytes()       # any contiguous shape
+    strided = g[::2]
+    assert square_sum(strided).tobytes() == (strided * strided).sum().tobytes()  # the one-line path
 
 
 def test_schedule_warms_up_linearly_then_follows_a_half_cosine_to_min_lr():

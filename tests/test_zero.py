@@ -227,3 +227,28 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(stage):
         same = all(np.array_equal(a, s.param.data) for a, s in zip(before, zero.shards))
         return skipped, scaler.scale, scaler.skipped_steps, same
     assert minidist.run_local(run, 2) == [(True, 512.0, 1, True)] * 2
+
+
+def test_mixed_precision_weight_decay_is_applied_to_the_float32_masters_at_its_rate():
+    # The decay mask was made in the model's dtype: under float16, 1 - lr * 0.1 was rounded to
+    # float16, whose spacing below 1 is 2**-11, so a decay of 1e-4 per step vanished (and 3e-4 became
+    # 4.9e-4). The masters are float32; their decay must be float32's: p * (1 - lr * rate). (bfloat16
+    # is emulated in float32 storage, so its mask was float32 already.)
+    from minidist.amp import DynamicLossScaler
+    from minidist.model import GPT
+
+    def run(group):
+        model = GPT(CONFIG, seed=0, dtype="float16")
+        scaler = DynamicLossScaler(group=group)
+        zero = ZeroOptimizer(model, group, 1, "adamw", lr=1e-3, weight_decay=0.1, mixed_precision="float16",
+                             scaler=scaler)
+        before = [s.param.data.copy() for s in zero.shards]
+        idx, targets = batch(0)
+        loss = model(idx, targets)[1]
+        loss.backward(np.zeros_like(loss.data))  # zero gradients: AdamW's step is the decay alone
+        assert apply_gradients(zero, 1e-3, scaler=scaler) is not None
+        return [(b, s.param.data, np.asarray(s.decay, bool)) for b, s in zip(before, zero.shards)]
+    for b, after, decays in minidist.run_local(run, 2)[0]:
+        assert after.dtype == np.float32
+        np.testing.assert_array_equal(after[~decays], b[~decays])
+        np.testing.assert_allclose(after[decays], b[decays] * (1 - 1e-3 * 0.1), rtol=2 ** -23)

@@ -24,12 +24,14 @@ import numpy as np
 
 from minidist.autograd import Tensor, no_grad
 from minidist.data import default_corpus, get_batch, inputs_and_targets, load_tokens
+from minidist.launch_check import check_launch
 from minidist.model import GPT, GPTConfig
 from minidist.optim import SGD
 
-args = argparse.ArgumentParser(description="Lesson 00: autograd and one GPT training step.")
-args.add_argument("--png", help="draw the GPT's graph (ops by kind) and one gradient as a tangent into this PNG")
-args = args.parse_args()
+parser = argparse.ArgumentParser(description="Lesson 00: autograd and one GPT training step.")
+parser.add_argument("--png", help="draw the GPT's graph (ops by kind) and one gradient as a tangent into this PNG")
+args = parser.parse_args()
+check_launch(parser, args, mpiexec=False)  # one process, alone; a --png it could not write is refused now
 failures = []
 
 

@@ -50,6 +50,7 @@ import numpy as np
 
 import minidist
 from minidist.comm import CollectiveMismatchError, CommTimeoutError
+from minidist.launch_check import check_launch
 
 COUNT = 10  # elements in each rank's buffer; with 4 ranks the chunks hold 3, 3, 2, 2
 
@@ -299,8 +300,7 @@ def main():
     p.add_argument("--local", type=int, metavar="N", help="run N ranks as threads in this process")
     p.add_argument("--png", metavar="PATH", help="draw the ring's steps, as this run did them, into PATH")
     args = p.parse_args()
-    if args.local is not None and args.local < 2:
-        p.error("the lesson needs at least 2 ranks")
+    check_launch(p, args, ranks=range(2, 9))  # under mpiexec or --local: alone it would be a ring of one
     if args.local:
         drawing = minidist.run_local(lesson, args.local)[0]
         n = args.local

@@ -43,6 +43,7 @@ import numpy as np
 
 import minidist
 from minidist.data import ByteTokenizer, get_batch, grammar_text
+from minidist.launch_check import check_launch
 from minidist.model import GPT, GPTConfig
 from minidist.optim import SGD
 from minidist.parallel.data.data_parallel import DataParallel
@@ -426,8 +427,7 @@ def main():
     p.add_argument("--local", type=int, metavar="N", help="run N ranks as threads in this process")
     p.add_argument("--png", metavar="PATH", help="draw the bucket timeline of this run into PATH")
     args = p.parse_args()
-    if args.local is not None and args.local < 2:
-        p.error("the lesson needs at least 2 ranks")
+    check_launch(p, args, ranks=(2, 4))  # B = 8 rows: each rank's share cut into 2 micro-batches
     if args.local:
         drawing = minidist.run_local(lesson, args.local)[0]
     else:

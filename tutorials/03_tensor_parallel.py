@@ -30,6 +30,7 @@ import argparse
 import numpy as np
 
 import minidist
+from minidist.launch_check import check_launch
 from minidist.model import GPT, GPTConfig
 from minidist.inspect.accounting import activation_bytes
 from minidist.inspect.spans import ModuleSpans, is_module_span
@@ -306,6 +307,7 @@ def main():
     p.add_argument("--local", type=int, metavar="N", help="run N ranks as threads in this process (N = 1, 2, 4)")
     p.add_argument("--png", help="draw the shards of block 0 and its collectives, forward and backward, into this PNG")
     args = p.parse_args()
+    check_launch(p, args, ranks=(1, 2, 4))  # tp splits the 4 heads
     if args.local:
         minidist.run_local(lambda world: lesson(world, args.png), args.local)
     else:

@@ -33,6 +33,7 @@ import numpy as np
 
 import minidist
 from minidist.data import ByteTokenizer, get_batch, grammar_text, inputs_and_targets
+from minidist.launch_check import check_launch
 from minidist.train.explain import explaining
 from minidist.model import GPT, GPTConfig
 from minidist.optim import AdamW
@@ -234,8 +235,7 @@ def main():
     ap.add_argument("--png", help="draw each schedule's executed and ideal timelines into this PNG")
     ap.add_argument("--explain", action="store_true", help="print each rank's account of 1F1B's first step")
     args = ap.parse_args()
-    if args.local is not None and args.local < 2:
-        ap.error("the lesson needs at least 2 ranks")
+    check_launch(ap, args, ranks=(2, 4))  # 8 blocks over p ranks x 2 virtual stages
     if args.local:
         minidist.run_local(lambda world: lesson(world, args.png, args.explain, local=True), args.local)
     else:

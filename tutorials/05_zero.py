@@ -56,6 +56,7 @@ import minidist
 from minidist.amp import DynamicLossScaler
 from minidist.comm.ops import bus_factor
 from minidist.data import get_batch, inputs_and_targets
+from minidist.launch_check import check_launch
 from minidist.model import GPT, GPTConfig
 from minidist.optim import AdamW, clip_grad_norm
 from minidist.parallel.compose.gradients import apply_gradients
@@ -323,6 +324,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--png", metavar="PATH", help="draw P/G/O per rank per ZeRO stage into PATH")
     args = p.parse_args()
+    check_launch(p, args, ranks=(2, 4), alone=4)
     result = minidist.run_anywhere(lesson, threads=4)
     result = result[0] if isinstance(result, list) else result  # threads: every rank's; MPI: this rank's
     if result is None:

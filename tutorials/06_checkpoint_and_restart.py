@@ -46,6 +46,7 @@ from minidist.checkpoint.identity import run_identity
 from minidist.checkpoint.layout import load_training_state, training_meta, training_pieces
 from minidist.checkpoint.regions import intersect
 from minidist.checkpoint.training import ResumeRefused, TrainingCheckpoints
+from minidist.launch_check import check_launch
 from minidist.optim import lr_at
 from minidist.parallel.data.data_parallel import DataParallel
 from minidist.parallel.mesh import DeviceMesh
@@ -272,6 +273,7 @@ def main():
     ap = argparse.ArgumentParser(description="Lesson 6: sharded checkpoints that reshard; a restart.")
     ap.add_argument("--png", help="draw which saved boxes each rank of a new layout reads into this PNG")
     args = ap.parse_args()
+    check_launch(ap, args, mpiexec=False)  # alone: it starts its jobs itself
     with tempfile.TemporaryDirectory(prefix="lesson6-") as root:  # removed on the way out, failed or not
         lesson(Path(root), args.png)
     print("\nTry: in restart(), --fail-at-step 5: the launcher resumes from step-000003 (the newest save\n"

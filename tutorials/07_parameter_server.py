@@ -65,6 +65,7 @@ import numpy as np
 
 import minidist
 from minidist.comm import gather_traces
+from minidist.launch_check import check_launch
 from minidist.parallel.ps.param_server import staleness_bound, train_parameter_server
 from minidist.train import train
 from minidist.train.build import build_model, load_data
@@ -274,9 +275,10 @@ def draw(path, runs, labels, budget):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--local", type=int, default=0, help="run N ranks as threads instead of under mpiexec")
+    p.add_argument("--local", type=int, help="run N ranks as threads instead of under mpiexec")
     p.add_argument("--png", default=None, help="draw who waits for whom in the runs of part 2 into this PNG")
     args = p.parse_args()
+    check_launch(p, args, ranks=[n for n in range(2, 9) if CFG.batch_size % (n - 1) == 0])  # 1 server, n - 1 workers
     if args.local:
         minidist.run_local(lambda group: lesson(group, args.png), args.local)
     else:

@@ -27,6 +27,7 @@ import numpy as np
 
 import minidist
 from minidist.device import gpu_count, to_numpy
+from minidist.launch_check import check_launch
 
 SIZES = [2**10, 2**16, 2**20, 2**24]  # float32 elements: 4 KiB .. 64 MiB
 
@@ -121,6 +122,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--png", help="draw the all-reduce times of part 2 into this PNG (needs a GPU run)")
     args = ap.parse_args()
+    check_launch(ap, args)
     if gpu_count() == 0:
         if launched_rank() == 0:  # one message for the whole job, not one per rank
             print("Lesson 8 needs CuPy and an NVIDIA GPU (pip install -e \".[gpu]\" on a machine with a CUDA "

@@ -56,6 +56,7 @@ import numpy as np
 import minidist
 from minidist.amp import DynamicLossScaler, MixedPrecision
 from minidist.data import get_batch, inputs_and_targets
+from minidist.launch_check import check_launch
 from minidist.model import GPT, GPTConfig
 from minidist.optim import AdamW
 from minidist.inspect.accounting import unique_nbytes
@@ -289,4 +290,5 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--png", help="draw the bytes rank 0 holds per stage into this PNG")
     args = ap.parse_args()
+    check_launch(ap, args, ranks=(4,), alone=4)  # part 3 overflows on rank 3 of 4
     minidist.run_anywhere(lambda world: lesson(world, args.png), threads=4)

@@ -39,6 +39,7 @@ import numpy as np
 
 import minidist
 from minidist.autograd import Tensor, scaled_dot_product_attention
+from minidist.launch_check import check_launch
 from minidist.model import GPT, GPTConfig
 from minidist.parallel.context.context_parallel import ALGORITHMS, ContextParallel, context_parallel
 from minidist.parallel.context.ring_attention import block_plan, causal_work, ring_attention, sequence_chunks
@@ -309,6 +310,7 @@ if __name__ == "__main__":
     ap.add_argument("--local", type=int, metavar="N", help="run N ranks as threads in this process (2 or 4)")
     ap.add_argument("--png", help="draw who computes each attention block into this PNG")
     args = ap.parse_args()
+    check_launch(ap, args, ranks=(2, 4), alone=4)  # cp splits the heads (Ulysses) and the sequence
     if args.local:
         minidist.run_local(lambda group: lesson(group, args.png), args.local)
     else:

@@ -62,6 +62,7 @@ import numpy as np
 import minidist
 from minidist.autograd import Tensor, no_grad, softmax
 from minidist.data import get_batch, grammar_text, inputs_and_targets
+from minidist.launch_check import check_launch
 from minidist.model import GPT, GPTConfig
 from minidist.moe import MoE, capacity, capacity_keep, route
 from minidist.nn.init import normal
@@ -440,6 +441,7 @@ if __name__ == "__main__":
     ap.add_argument("--local", type=int, metavar="N", help="run N ranks as threads in this process (2 or 4)")
     ap.add_argument("--png", help="draw the routing and the load per expert into this PNG")
     args = ap.parse_args()
+    check_launch(ap, args, ranks=(2, 4), alone=2)  # ep splits the experts
     if args.local:
         minidist.run_local(lambda group: lesson(group, args.png), args.local)
     else:

@@ -34,6 +34,7 @@ import numpy as np
 import minidist
 from minidist.autograd import Tensor, linear, weight_grads_later
 from minidist.data import get_batch
+from minidist.launch_check import check_launch
 from minidist.model import GPT, GPTConfig
 from minidist.nn import Parameter
 from minidist.optim import SGD
@@ -218,8 +219,7 @@ if __name__ == "__main__":
     ap.add_argument("--local", type=int, nargs="?", const=4, metavar="N", help="run N ranks as threads (default 4)")
     ap.add_argument("--png", help="draw ZB-V executed vs ideal into this PNG, and the three schedules beside it")
     args = ap.parse_args()
-    if args.local is not None and args.local < 2:
-        ap.error("the lesson needs at least 2 ranks")
+    check_launch(ap, args, ranks=range(2, 9), alone=4)
     if args.local:
         minidist.run_local(lambda world: lesson(world, args.png), args.local)
     else:

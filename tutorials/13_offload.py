@@ -39,6 +39,7 @@ import numpy as np
 import minidist
 from minidist.amp import DynamicLossScaler
 from minidist.data import get_batch, inputs_and_targets
+from minidist.launch_check import check_launch
 from minidist.model import GPT, GPTConfig
 from minidist.parallel.compose.gradients import apply_gradients
 from minidist.parallel.zero.offload import Offload
@@ -359,8 +360,7 @@ if __name__ == "__main__":
     ap.add_argument("--local", type=int, nargs="?", const=2, metavar="N", help="run N ranks as threads (default 2)")
     ap.add_argument("--png", help="draw what each rank holds on the device, the host and the disk into this PNG")
     args = ap.parse_args()
-    if args.local is not None and args.local not in (2, 4, 8):
-        ap.error("the lesson needs 2, 4 or 8 ranks (every unit's size divides by them)")
+    check_launch(ap, args, ranks=(2, 4, 8), alone=2)  # every unit's size divides by them
     if args.local:
         minidist.run_local(lambda world: lesson(world, args.png), args.local)
     else:

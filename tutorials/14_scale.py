@@ -56,6 +56,7 @@ Exercises (the expected output follows each):
 import argparse
 import textwrap
 
+from minidist.launch_check import check_launch
 from minidist.plan import PROFILES, RunSpec, from_gpt_config, predict, preset
 from minidist.plan.comm import comm_bytes_per_step
 from minidist.plan.measure import measure, run_spec_of
@@ -441,6 +442,5 @@ if __name__ == "__main__":
                     help="the small run's ranks, as threads (8: dp 2 x pp 2 x tp 2, or 4: dp 2 x pp 2; default 8)")
     ap.add_argument("--png", help="draw memory per rank by component for the 70B layouts into this PNG")
     args = ap.parse_args()
-    if args.local not in LAYOUTS:
-        ap.error(f"the lesson runs {' or '.join(map(str, LAYOUTS))} ranks")
+    check_launch(ap, args, ranks=LAYOUTS, mpiexec=False)  # its ranks are threads (measure())
     lesson(args.local, args.png)

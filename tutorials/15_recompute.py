@@ -41,6 +41,7 @@ import numpy as np
 import minidist
 from minidist.allocator import keep_freed_memory
 from minidist.autograd import Tensor, is_grad_enabled
+from minidist.launch_check import check_launch
 from minidist.model import GPT, GPTConfig
 from minidist.inspect.accounting import activation_bytes
 from minidist.parallel.whole_model.consolidate import consolidated_state_dict
@@ -330,6 +331,7 @@ def main():
     ap.add_argument("--local", type=int, nargs="?", const=2, metavar="N", help="run N ranks as threads (default 2)")
     ap.add_argument("--png", help="draw the memory kept and the time, without and with recomputation, into this PNG")
     args = ap.parse_args()
+    check_launch(ap, args, ranks=(1, 2, 4), alone=2)  # dp x tp: tp 2 splits 4 heads
     if args.local:
         minidist.run_local(lambda world: lesson(world, args.png), args.local)
     else:

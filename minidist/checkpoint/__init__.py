@@ -1,7 +1,7 @@
 """Sharded checkpoints that load into any layout (see format.py for what is on disk).
 
 regions.py  which part of a global tensor a piece is (boxes; ZeRO's flat ranges become boxes)
-format.py   the folder layout, atomic writes, checksums (the manifest's own too)
+format.py   the folder layout, checksums (the manifest's own too)
 paths.py    what a checkpoint may touch: plain regular files inside its real folder, no links
 schema.py   every field of a manifest and a rank's JSON, checked before it is used
 writer.py   CheckpointWriter: each rank writes its pieces, rank 0 commits the manifest; async option

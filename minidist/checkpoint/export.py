@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from safetensors.numpy import save as safetensors_bytes
 
-from minidist.checkpoint.format import atomic_write
+from minidist.files import write_atomically
 from minidist.checkpoint.reader import Checkpoint
 
 
@@ -26,7 +26,7 @@ def is_parameter(name: str) -> bool:
 
 def save_state_dict(state: dict, path) -> None:
     """Write ``state`` ({name: NumPy array}) as one safetensors file, atomically."""
-    atomic_write(path, safetensors_bytes(dict(state), metadata={"format": "pt"}))
+    write_atomically(path, safetensors_bytes(dict(state), metadata={"format": "pt"}))
 
 
 def export_safetensors(step_dir, path) -> dict:

@@ -16,14 +16,13 @@ A step folder counts only if it is a real folder (not a link), its manifest pass
 and the schema (schema.py), and every file it names is a regular file inside the folder with the
 listed size and sha256 (:func:`minidist.checkpoint.reader.verify`). A save writes into a fresh hidden
 folder ``.saving-...`` and renames it to ``step-000123`` once the manifest is in it (writer.py); every
-file is written atomically (temporary name, fsync, rename, folder fsync'ed). So a crash at any moment
+file is written atomically (minidist/files.py: temporary name, fsync, rename, folder fsync'ed). So a crash at any moment
 leaves either the old state or the new one.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from pathlib import Path
 
@@ -100,29 +99,6 @@ def canonical_json(obj) -> bytes:
 def manifest_digest(manifest: dict) -> str:
     """The sha256 a manifest stores under ``sha256``: of its canonical JSON without that field."""
     return sha256_bytes(canonical_json({k: v for k, v in manifest.items() if k != "sha256"}))
-
-
-def atomic_write(path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that ``path`` holds either its old content or all of ``data``:
-    write a temporary file beside it, flush and fsync it, rename it over ``path``, fsync the folder."""
-    path = Path(path)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.unlink(missing_ok=True)  # a crashed writer's leftover (or a link: only the link goes)
-    with open(tmp, "xb") as f:  # exclusive: never writes through a link planted at the temporary name
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path) -> None:
-    """Make the entries of folder ``path`` (a rename, a new file) durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def to_json(obj) -> bytes:

@@ -25,13 +25,18 @@ loaded approximately. Nothing here sends anything; no pickle anywhere.
 from __future__ import annotations
 
 import json
+import math
+import os
+import stat
 from pathlib import Path
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file, save as safetensors_bytes
 
-from minidist.checkpoint.format import atomic_write
+from minidist.files import real_folder, write_atomically
+from minidist.checkpoint.format import CheckpointError
+from minidist.checkpoint.schema import parse_json
 from minidist.model import GPTConfig
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
@@ -40,6 +45,9 @@ ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # both are 0.5 x (1 + tanh(sqrt
 EPS = 1e-5  # minidist's LayerNorm epsilon
 FLOATS = ("F16", "F32", "F64")  # the safetensors dtypes NumPy reads
 MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")  # not parameters: old checkpoints stored the causal mask
+MAX_CONFIG_BYTES = 1 << 20  # GPT-2's config.json is about 1 KB: a larger one is not a config, and is not read whole
+SIZE_LIMIT = 2 ** 63  # every size of config.json is below it: NumPy's shapes and their products are int64
+TENSORS_PER_BLOCK = 12  # ln_1, attn.c_attn, attn.c_proj, ln_2, mlp.c_fc, mlp.c_proj: a weight and a bias each
 
 
 class HFFormatError(ValueError):
@@ -100,10 +108,9 @@ def to_hf(state: dict, config: GPTConfig) -> tuple[dict, dict]:
 def write_hf(folder, state: dict, config: GPTConfig) -> None:
     """Write FOLDER/config.json and FOLDER/model.safetensors (metadata {"format": "pt"}) for ``state``."""
     tensors, cfg = to_hf(state, config)
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    atomic_write(folder / WEIGHTS, safetensors_bytes(tensors, metadata={"format": "pt"}))
-    atomic_write(folder / CONFIG, (json.dumps(cfg, indent=2) + "\n").encode())
+    folder = real_folder(folder)  # a link there is refused, not followed
+    write_atomically(folder / WEIGHTS, safetensors_bytes(tensors, metadata={"format": "pt"}))
+    write_atomically(folder / CONFIG, (json.dumps(cfg, indent=2) + "\n").encode())
 
 
 def gpt_config(hf: dict, where: str = CONFIG) -> GPTConfig:
@@ -118,8 +125,8 @@ def gpt_config(hf: dict, where: str = CONFIG) -> GPTConfig:
     sizes = {}
     for field in ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions"):
         value = hf.get(field, hf.get("n_ctx") if field == "n_positions" else None)
-        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-            problems.append(f"{field} must be a positive integer, got {value!r}")
+        if not (isinstance(value, int) and not isinstance(value, bool) and 1 <= value < SIZE_LIMIT):
+            problems.append(f"{field} must be a positive integer below 2**63, got {value!r}")
         sizes[field] = value
     if not problems and sizes["n_embd"] % sizes["n_head"]:
         problems.append(f"n_embd {sizes['n_embd']} is not divisible by n_head {sizes['n_head']}")
@@ -148,24 +155,58 @@ def _canonical(name: str) -> str:
     return name if name.startswith(("transformer.", "lm_head.")) else "transformer." + name
 
 
+def read_config_json(path: Path) -> dict:
+    """The object in config.json ``path``: a regular file (a link to one is followed: Hugging Face's
+    cache links a snapshot's files to its blobs) opened without blocking (a FIFO is refused, not
+    waited on), at most :data:`MAX_CONFIG_BYTES` read, strict JSON (no NaN, no 1e999) nested no
+    deeper than Python's reader allows. :class:`HFFormatError` naming the file otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise HFFormatError(f"{path}: cannot be opened ({e.strerror})") from e
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise HFFormatError(f"{path}: not a regular file")
+        data = f.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise HFFormatError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes: not a GPT-2 config.json")
+    try:
+        hf = parse_json(data, path)
+    except CheckpointError as e:
+        raise HFFormatError(f"{path}: not JSON ({e.__cause__})") from e
+    if not isinstance(hf, dict):
+        raise HFFormatError(f"{path}: not a JSON object")
+    return hf
+
+
+def capacity_problems(config: GPTConfig, n_tensors: int, file_bytes: int) -> list[str]:
+    """What ``config`` asks of a model.safetensors holding ``n_tensors`` tensors (its header's) in
+    ``file_bytes`` bytes: no more blocks than the header has tensors (each block has 12), no more
+    parameters than the file has bytes for (2 bytes each at least: F16). The blocks come first, so what
+    is built per block is bounded by the header (``n_layer`` 10**9 builds nothing); a few blocks too
+    many are left to the comparison by name, which says which tensors are missing."""
+    if config.n_layer > n_tensors:
+        return [f"{CONFIG}'s n_layer {config.n_layer}: more blocks than {WEIGHTS} holds tensors ({n_tensors}; "
+                f"a block has {TENSORS_PER_BLOCK})"]
+    numel = sum(math.prod(shape) for shape in hf_shapes(config).values())
+    if 2 * numel > file_bytes:
+        return [f"{WEIGHTS} is {file_bytes} bytes; the model of {CONFIG} has {numel} parameters, at least 2 bytes each"]
+    return []
+
+
 def read_hf_config(folder) -> GPTConfig:
     """The GPTConfig of the Hugging Face folder ``folder``, after checking, without reading the
     weights, that model.safetensors holds exactly the tensors of that model at their shapes (an
-    untied lm_head is required; a tied one may be there and is ignored). :class:`HFFormatError`
-    naming the file and what is wrong otherwise."""
+    untied lm_head is required; a tied one may be there and is ignored). Every size of config.json
+    is checked against what model.safetensors can hold (:func:`capacity_problems`) before anything
+    proportional to it is built. :class:`HFFormatError` naming the file and what is wrong otherwise."""
     folder = Path(folder)
     if not folder.is_dir():
         raise HFFormatError(f"{folder}: {'not a folder' if folder.exists() else 'no such folder'}")
     for name in (CONFIG, WEIGHTS):
         if not (folder / name).is_file():
             raise HFFormatError(f"{folder}: no {name} (a Hugging Face GPT-2 folder holds {CONFIG} and {WEIGHTS})")
-    try:
-        hf = json.loads((folder / CONFIG).read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise HFFormatError(f"{folder / CONFIG}: not JSON ({e})") from e
-    if not isinstance(hf, dict):
-        raise HFFormatError(f"{folder / CONFIG}: not a JSON object")
-    config = gpt_config(hf, str(folder / CONFIG))
+    config = gpt_config(read_config_json(folder / CONFIG), str(folder / CONFIG))
     try:
         with safe_open(folder / WEIGHTS, framework="numpy") as f:
             slices = {_canonical(k): f.get_slice(k) for k in f.keys() if not k.endswith(MASK_BUFFERS)}
@@ -179,6 +220,9 @@ def read_hf_config(folder) -> GPTConfig:
                             f"{', '.join(FLOATS)} (NumPy has no bfloat16: save the model in float32)")
     if config.tie_embeddings:
         shapes.pop("lm_head.weight", None)
+    problems = capacity_problems(config, len(shapes), (folder / WEIGHTS).stat().st_size)
+    if problems:
+        raise HFFormatError(f"{folder} does not match {CONFIG}: " + "; ".join(problems))
     expected = hf_shapes(config)
     problems = [f"missing {n}" for n in expected if n not in shapes]
     problems += [f"unexpected {n}" for n in shapes if n not in expected]

@@ -18,16 +18,9 @@ import stat
 from pathlib import Path
 
 from minidist.checkpoint.format import CheckpointError
+from minidist.files import folder_problems, kind_of
 
 MAX_JSON_BYTES = 64 << 20  # a manifest or rank JSON larger than this is not one we wrote
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a device"),
-                       (stat.S_ISBLK, "a device"), (stat.S_ISFIFO, "a fifo"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return "not a regular file"
 
 
 def check_folder(path) -> None:
@@ -52,7 +45,7 @@ def check_regular(path, size: int | None = None) -> None:
     except OSError as e:
         raise CheckpointError(f"{path}: {e.strerror}") from e
     if not stat.S_ISREG(st.st_mode):
-        raise CheckpointError(f"{path}: {_kind(st.st_mode)}, not a regular file (refused without opening it)")
+        raise CheckpointError(f"{path}: {kind_of(st.st_mode)}, not a regular file (refused without opening it)")
     if size is not None and st.st_size != size:
         raise CheckpointError(f"{path}: truncated or overwritten: {st.st_size} bytes, the manifest says {size}")
 
@@ -70,7 +63,7 @@ def open_regular(path, size: int | None = None):
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or (size is not None and st.st_size != size):
         os.close(fd)
-        raise CheckpointError(f"{path}: changed while being checked (now {_kind(st.st_mode)}, {st.st_size} bytes)")
+        raise CheckpointError(f"{path}: changed while being checked (now {kind_of(st.st_mode)}, {st.st_size} bytes)")
     return os.fdopen(fd, "rb")
 
 
@@ -106,16 +99,7 @@ def remove_entry(path) -> None:
 
 
 def ckpt_dir_problems(path) -> list[str]:
-    """What is wrong with ``path`` as ``--ckpt-dir``, found at start-up: a link, a regular file (or
-    anything else that is not a folder), or an existing part of the path that is not a folder. A
-    folder that does not exist yet is fine (the first save creates it)."""
-    path = Path(path)
-    if path.is_symlink():
-        return [f"--ckpt-dir {path} is a symbolic link (to {os.readlink(path)}): give the real folder "
-                "(a checkpoint never follows links)"]
-    if path.exists():
-        return [] if path.is_dir() else [f"--ckpt-dir {path} exists and is not a folder"]
-    for parent in path.parents:
-        if parent.exists():
-            return [] if parent.is_dir() else [f"--ckpt-dir {path}: {parent} is not a folder"]
-    return []
+    """What is wrong with ``path`` as ``--ckpt-dir``, found at start-up (:func:`minidist.files.folder_problems`:
+    a link, not a folder, a part of the path not a folder, no permission). A folder that does not
+    exist yet is fine: the run creates it and holds it."""
+    return folder_problems("--ckpt-dir", path)

@@ -36,13 +36,14 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save as safetensors_bytes
 
-from minidist.checkpoint.format import (FORMAT, MANIFEST, VERSION, CheckpointError, NonFiniteError, atomic_write,
-                                        fsync_dir, manifest_digest, non_finite, piece_key, rank_file, rank_meta_file, sha256_bytes,
+from minidist.checkpoint.format import (FORMAT, MANIFEST, VERSION, CheckpointError, NonFiniteError,
+                                        manifest_digest, non_finite, piece_key, rank_file, rank_meta_file, sha256_bytes,
                                         step_dir, step_dirs, step_of, to_json)
 from minidist.checkpoint.paths import check_folder, check_regular, read_json_bytes, remove_entry
 from minidist.checkpoint.reader import read_manifest
 from minidist.checkpoint.regions import Flat, box_shape, contains, coverage_problem, flat_boxes, full_box
 from minidist.checkpoint.schema import DTYPES, check_manifest, parse_json
+from minidist.files import fsync_folder, write_atomically
 
 LEFTOVERS = (".saving-", ".replaced-")  # hidden folders of saves that crashed half-way
 NON_FINITE = 2  # a rank's failure code when its tensors hold NaN or inf (any other failure: 1)
@@ -157,8 +158,8 @@ class CheckpointWriter:
         staging.mkdir(parents=True, exist_ok=True)
         check_folder(staging)
         data = safetensors_bytes({key: array for key, (array, _) in entries.items()})
-        atomic_write(staging / rank_file(rank), data)
-        atomic_write(staging / rank_meta_file(rank), to_json(dict(
+        write_atomically(staging / rank_file(rank), data)
+        write_atomically(staging / rank_meta_file(rank), to_json(dict(
             format=FORMAT, version=VERSION, rank=rank, step=step, file=rank_file(rank), bytes=len(data),
             sha256=sha256_bytes(data), tensors={key: desc for key, (_, desc) in entries.items()},
             rank_meta=rank_meta)))
@@ -170,7 +171,7 @@ class CheckpointWriter:
         target = step_dir(self.root, step)
         manifest = _manifest(staging, step, self.group.size, meta)
         check_manifest(manifest, staging / MANIFEST, target)  # never commit what the reader would refuse
-        atomic_write(staging / MANIFEST, to_json(manifest))
+        write_atomically(staging / MANIFEST, to_json(manifest))
         old = None
         if os.path.lexists(target):
             if target.is_dir() and not target.is_symlink():
@@ -179,7 +180,7 @@ class CheckpointWriter:
             else:
                 target.unlink()
         os.rename(staging, target)
-        fsync_dir(self.root)
+        fsync_folder(self.root)
         if old is not None:
             remove_entry(old)
 

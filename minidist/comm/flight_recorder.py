@@ -23,7 +23,8 @@ failed one included), so it costs nothing until it dumps.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
+
+from minidist.files import create, real_folder
 
 
 class FlightRecorder:
@@ -39,8 +40,8 @@ class FlightRecorder:
         text = format_events(trace, error, self.last)
         print(text, file=self.stream or sys.stderr, flush=True)
         if self.directory is not None:
-            Path(self.directory).mkdir(parents=True, exist_ok=True)
-            (Path(self.directory) / f"flight_rank{trace.rank}.txt").write_text(text + "\n")
+            with create(real_folder(self.directory) / f"flight_rank{trace.rank}.txt", text=True) as f:
+                f.write(text + "\n")
         return text
 
 

@@ -14,11 +14,14 @@ to a JSON-lines file as they happen (the trainer's ``--trace DIR``).
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
+
+from minidist.files import create
 
 
 KINDS = ("compute", "collective", "p2p", "wait")  # "wait": blocked on a peer (parameter server)
@@ -66,6 +69,41 @@ def purpose_of(label: str) -> str:
 def event_dict(e: Event) -> dict:
     """``e`` as a flat dict, field by field (``dataclasses.asdict`` without its deep copies)."""
     return {name: getattr(e, name) for name in FIELDS}
+
+
+def _whole(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and abs(v) < 2**63
+
+
+def _time(v) -> bool:  # a perf_counter reading: finite, and within 30,000 years of its origin
+    return (_whole(v) or isinstance(v, float) and math.isfinite(v)) and abs(v) <= 1e12
+
+
+VALID = {  # what each field of an event read from JSON may hold
+    "op": lambda v: isinstance(v, str), "group": lambda v: isinstance(v, str),
+    "algorithm": lambda v: isinstance(v, str), "nbytes": lambda v: _whole(v) and v >= 0, "start": _time,
+    "end": _time, "seq": _whole, "rank": _whole, "peer": lambda v: v is None or _whole(v),
+    "kind": lambda v: v in KINDS, "thread": lambda v: v is None or _whole(v), "label": lambda v: isinstance(v, str),
+}
+
+
+def event_from_json(line) -> Event:
+    """The :class:`Event` in one JSON line of :meth:`Trace.to_bytes` (str or bytes); ValueError saying
+    what is wrong when it holds none: not JSON (nested too deep included), not an object, a field
+    missing or unknown, a field holding what it cannot (:data:`VALID`: a time that is not finite...)."""
+    try:
+        d = json.loads(line)
+    except RecursionError as e:
+        raise ValueError("JSON nested too deep") from e
+    if not isinstance(d, dict):
+        raise ValueError(f"a JSON {type(d).__name__}, not an event object")
+    missing, unknown = sorted(set(FIELDS[:8]) - d.keys()), sorted(d.keys() - set(FIELDS))
+    if missing or unknown:
+        raise ValueError(f"{'no field' if missing else 'an unknown field'} {(missing or unknown)[0][:40]!r}")
+    for name, value in d.items():
+        if not VALID[name](value):
+            raise ValueError(f"field {name!r} holds {value!r}"[:200])
+    return Event(**d)
 
 
 class Trace:
@@ -158,7 +196,7 @@ class Trace:
         recorded. At most ``flush_every`` events wait in the file's buffer, so memory stays flat and
         a crashed run loses at most that many; the file is complete when the block ends."""
         lock, unflushed = threading.Lock(), [0]
-        with open(path, "w", encoding="utf-8") as f:
+        with create(path, text=True) as f:  # never through a link planted at ``path``
             def write(event: Event) -> None:
                 line = json.dumps(event_dict(event)) + "\n"
                 with lock:  # a communication thread may record while the main thread does
@@ -202,14 +240,14 @@ class Trace:
     @classmethod
     def from_bytes(cls, data: bytes, rank: int | None = None) -> "Trace":
         """The trace encoded by :meth:`to_bytes`; ``rank`` defaults to the events' rank."""
-        events = [Event(**json.loads(line)) for line in data.decode().splitlines() if line.strip()]
+        events = [event_from_json(line) for line in data.decode().splitlines() if line.strip()]
         trace = cls(rank if rank is not None else (events[0].rank if events else 0))
         trace.events = events
         return trace
 
     def save(self, path) -> None:
         """Write the events as JSON lines (:meth:`to_bytes`) to ``path``."""
-        with open(path, "wb") as f:
+        with create(path) as f:
             f.write(self.to_bytes())
 
     @classmethod
@@ -255,5 +293,5 @@ def write_chrome_trace(traces: list[Trace], path, shared_clock: bool = False) ->
     meta = [dict(name="process_name", ph="M", pid=t.rank, args=dict(name=f"rank {t.rank}")) for t in traces]
     meta += [dict(name="thread_name", ph="M", pid=t.rank, tid=i, args=dict(name=kind))
              for t in traces for i, kind in enumerate(KINDS)]
-    with open(path, "w") as f:
+    with create(path, text=True) as f:
         json.dump(dict(traceEvents=meta + events, displayTimeUnit="ms"), f)

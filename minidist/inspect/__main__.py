@@ -8,35 +8,73 @@ step per rank: compute per module, communication per mesh axis, idle), and print
 table (op, group, calls, bytes, time, algbw, busbw, and the label each call site gave: why it sent
 what it sent) with its bytes per purpose, the memory table (each rank's bytes after the
 last step and its peak during it) and, for a mixture of experts, the load per rank and per expert.
+
+A run a crash stopped is read too: the line each rank was writing when it died is skipped, and
+every complete event drawn; what was skipped is said on stderr. A folder that is not a run (missing,
+empty, a file that is not what it should be) exits with status 2 and one line naming the file.
 """
 import argparse
+import sys
 from pathlib import Path
 
+from minidist.files import create
 from minidist.inspect.chrome import merge_chrome_trace
-from minidist.inspect.load import load_run
+from minidist.inspect.load import RunError, load_run
 from minidist.inspect.tables import comm_table, format_comm_table, format_expert_load, format_memory, format_purposes
 from minidist.inspect.timeline import draw_run_timeline, step_title, step_window
 
+MAX_DRAWN_RANKS = 64  # ranks a timeline draws (one figure of 64 ranks is already 60 inches tall)
+MAX_DRAWN_EVENTS = 20_000  # bars a timeline draws (about 10 s of matplotlib)
 
-def main(argv=None) -> None:
-    """Entry point: read RUN_DIR, write the merged trace and the timeline, print the tables."""
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (its flags: what the fuzz tests generate arguments from)."""
     p = argparse.ArgumentParser(prog="python -m minidist.inspect", description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir", help="a directory written by python -m minidist.train --trace DIR --out DIR")
     p.add_argument("--step", type=int, default=-1, help="the training step to draw (negative: from the last)")
     p.add_argument("--png", help="where to draw the timeline (default RUN_DIR/timeline.png)")
-    args = p.parse_args(argv)
+    return p
+
+
+def _loss(value) -> str:
+    return f"{value:.4f}" if isinstance(value, (int, float)) else "null"
+
+
+def draw(run, step: int, png: Path) -> str:
+    """Draw step ``step`` of ``run``'s first :data:`MAX_DRAWN_RANKS` ranks to ``png`` (the whole
+    trace when it has no optimizer spans); what was drawn, in words, or why nothing could be."""
+    traces = [t for t in run.traces if t.events][:MAX_DRAWN_RANKS]
+    if not traces:
+        return "no timeline: the trace holds no complete event"
+    try:
+        window = step_window(traces, step)
+    except ValueError as e:
+        raise RunError(f"--step {step}: {e}") from e
+    what = step_title(step) if window else "the whole trace"
+    lo, hi = window or (min(e.start for t in traces for e in t.events), max(e.end for t in traces for e in t.events))
+    if not hi > lo:
+        return f"no timeline: the events of {what} take no time"
+    starts = sorted(e.start for t in traces for e in t.events if e.end > lo and e.start < hi)
+    if len(starts) > MAX_DRAWN_EVENTS:  # each is a bar to draw: the last ones, in bounded time
+        lo, what = starts[-MAX_DRAWN_EVENTS], f"the last {MAX_DRAWN_EVENTS:,} events of {what}"
+    shown = f", ranks {traces[0].rank}..{traces[-1].rank}" if len(traces) < len(run.traces) else ""
+    with create(png) as f:  # never through a link or into a FIFO at --png
+        draw_run_timeline(f, traces, (lo, hi), title=f"{run.path.name}: {what}, {len(traces)} ranks{shown}")
+    return f"timeline of {what}{shown}: {png}"
+
+
+def inspect(args) -> None:
+    """Read ``args.run_dir``, say what was skipped, write the merged trace and the timeline, print the tables."""
     run = load_run(args.run_dir)
+    for note in run.skipped:
+        print(f"minidist.inspect: {note}", file=sys.stderr)
     print(f"{args.run_dir}: {len(run.traces)} ranks, {sum(len(t.events) for t in run.traces):,} events")
     if run.metrics:
         first, last = run.metrics[0], run.metrics[-1]
-        print(f"steps {first['step']}..{last['step']}: loss {first['loss']:.4f} -> {last['loss']:.4f}")
+        print(f"steps {first['step']}..{last['step']}: loss {_loss(first.get('loss'))} -> {_loss(last.get('loss'))}")
     print(f"merged trace: {merge_chrome_trace(run)}  (open in https://ui.perfetto.dev)")
-    window = step_window(run.traces, args.step)
-    png = Path(args.png) if args.png else run.path / "timeline.png"
-    what = step_title(args.step) if window else "the whole trace"
-    draw_run_timeline(png, run.traces, window, title=f"{run.path.name}: {what}, {len(run.traces)} ranks")
-    print(f"timeline of {what}: {png}")
-    print("\ncommunication, whole run:")
+    print(draw(run, args.step, Path(args.png) if args.png else run.path / "timeline.png"))
+    print("\ncommunication, every event read:")
     rows = comm_table(run.traces, run.group_members())
     print(format_comm_table(rows))
     print(f"by purpose, all ranks together: {format_purposes(rows)}")
@@ -47,5 +85,16 @@ def main(argv=None) -> None:
         print(format_expert_load(run.metrics))
 
 
+def main(argv=None) -> int:
+    """Entry point: 0 when the run was read (some lines perhaps skipped), 2 when it cannot be."""
+    args = build_parser().parse_args(argv)
+    try:
+        inspect(args)
+    except (RunError, OSError) as e:
+        print(f"minidist.inspect: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

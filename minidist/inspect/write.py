@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 
+from minidist.files import create, real_folder
 from minidist.inspect.load import memory_path, trace_path
 from minidist.inspect.timeline import step_window
 from minidist.inspect.accounting import unique_nbytes
@@ -18,7 +19,7 @@ from minidist.inspect.spans import is_module_span, peak_held_bytes
 def write_trace(run_dir, trace) -> None:
     """Save ``trace`` (one rank's) as ``run_dir/trace/rank<r>.jsonl``."""
     path = trace_path(run_dir, trace.rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    real_folder(path.parent)
     trace.save(path)
 
 
@@ -28,7 +29,7 @@ def stream_trace(run_dir, trace):
     ``run_dir/trace/rank<r>.jsonl`` as it happens (``Trace.stream``): the same file as
     :func:`write_trace`, complete when the block ends, with only a bounded buffer in memory."""
     path = trace_path(run_dir, trace.rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    real_folder(path.parent)
     with trace.stream(path):
         yield path
 
@@ -41,8 +42,8 @@ def write_memory_report(run_dir, rank: int, rows: list[dict]) -> None:
         if "label" not in row:
             raise ValueError(f"memory row {row} has no 'label'")
     path = memory_path(run_dir, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
+    real_folder(path.parent)
+    with create(path, text=True) as f:
         json.dump({"rank": rank, "rows": rows}, f)
 
 

@@ -9,7 +9,8 @@
 
 Without ``--model`` the model is minidist's default GPT (2 layers, 64 wide, 4 heads, 256 bytes of
 vocabulary, 64 tokens); the shape flags override a preset's. A configuration that cannot run exits
-with status 2 and every reason.
+with status 2 and every reason; so does one that is more work than the planner does (a schedule too
+long to simulate, a search that would take more than a minute: ``limits.py``, ``search.py``).
 """
 from __future__ import annotations
 
@@ -21,16 +22,18 @@ import sys
 from minidist.parallel.zero.offload import CHOICES as OFFLOAD_CHOICES
 from minidist.parallel.pipeline import SCHEDULES
 from minidist.plan.hardware import GIB, PROFILES
-from minidist.plan.layout import ITEMSIZE, RECOMPUTE, RunSpec, layout_problems
+from minidist.plan.layout import ITEMSIZE, RECOMPUTE, RunSpec, layout_problems, number_problems
+from minidist.plan.limits import flag_problems
 from minidist.plan.models import PRESETS, ModelSpec, parameter_count, preset, with_shape
 from minidist.plan.predict import hardware_profile, predict
 from minidist.plan.report import format_prediction, format_search
-from minidist.plan.search import search
+from minidist.plan.search import search, search_problems
 
 MINIDIST_DEFAULT = ModelSpec("minidist", n_layer=2, n_embd=64, n_head=4, vocab_size=256, block_size=64)
 
 
-def parse_args(argv=None):
+def build_parser() -> argparse.ArgumentParser:
+    """The planner's command line (its flags: what the fuzz tests generate arguments from)."""
     p = argparse.ArgumentParser(prog="python -m minidist.plan", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model")
@@ -66,7 +69,11 @@ def parse_args(argv=None):
     s.add_argument("--memory-gib", type=float, help="device memory (default: the hardware's)")
     s.add_argument("--global-batch-size", type=int, help="sequences per step (default: dp x micro-batches x size)")
     s.add_argument("--top", type=int, default=10, help="layouts shown")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 def model_of(args) -> ModelSpec:
@@ -79,7 +86,14 @@ def model_of(args) -> ModelSpec:
 
 def run_of(args, model: ModelSpec) -> RunSpec:
     fields = {f.name for f in dataclasses.fields(RunSpec)} - {"seq"}
-    return RunSpec(seq=args.seq or model.block_size, **{k: v for k, v in vars(args).items() if k in fields})
+    return RunSpec(seq=args.seq if args.seq is not None else model.block_size,
+                   **{k: v for k, v in vars(args).items() if k in fields})
+
+
+def refuse(problems: list[str]) -> int:
+    """Print ``problems`` as the reasons this run cannot be planned; exit status 2."""
+    print("minidist.plan: this run cannot be planned:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
+    return 2
 
 
 def main(argv=None) -> int:
@@ -90,13 +104,22 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"minidist.plan: {e}", file=sys.stderr)
         return 2
+    found = flag_problems({k: getattr(args, k) for k in ("gpus", "memory_gib", "global_batch_size", "top")})
+    if found:
+        return refuse(found)
     if args.search:
-        if not args.gpus:
+        if args.gpus is None:
             print("minidist.plan: --search needs --gpus N", file=sys.stderr)
             return 2
-        hw = hardware_profile(args.hardware, model, run)
-        limit = args.memory_gib * GIB if args.memory_gib else hw.memory_bytes
-        batch = args.global_batch_size or run.global_batch
+        found = number_problems(model, run)  # each candidate's layout is the search's, the rest is the user's
+        if found:
+            return refuse(found)
+        hw = hardware_profile(args.hardware, model, dataclasses.replace(run, tp=1, cp=1))
+        limit = args.memory_gib * GIB if args.memory_gib is not None else hw.memory_bytes
+        batch = args.global_batch_size if args.global_batch_size is not None else run.global_batch
+        found = search_problems(model, args.gpus, hw, run, batch)
+        if found:
+            return refuse(found)
         fits, rejected = search(model, args.gpus, hw, run, batch, limit, progress=True)
         if args.json:
             print(json.dumps({"parameters": parameter_count(model), "fits": fits,
@@ -106,8 +129,7 @@ def main(argv=None) -> int:
         return 0
     problems = layout_problems(model, run)
     if problems:
-        print("minidist.plan: this run cannot be planned:\n" + "\n".join(f"  - {p}" for p in problems), file=sys.stderr)
-        return 2
+        return refuse(problems)
     prediction = predict(model, run, args.hardware)
     print(json.dumps(prediction) if args.json else format_prediction(prediction))
     return 0

@@ -162,6 +162,16 @@ def all_reduce_link() -> tuple[float, float, str]:
 
 
 MEASURED_LIMIT = 256 * 2**20  # the largest activation set the calibration builds to time a block
+LARGE_GEMMS = (1024, 1024, 4096, 1)  # (rows, C, F, tp) timed for GEMMs too large to build: ~160 MiB
+
+
+def gemm_shape(rows: int, width: int, hidden: int, tp: int) -> tuple[int, int, int, int]:
+    """The (rows, C, F, tp) whose GEMMs ``matmul_flops`` times: the block's own when their operands
+    (float64 at most) fit in :data:`MEASURED_LIMIT`, else :data:`LARGE_GEMMS` (GEMM speed levels off
+    long before: a larger block multiplies at that rate)."""
+    k = [(width, 3 * width // tp), (width // tp, width), (width, hidden // tp), (hidden // tp, width)]
+    fits = 8 * sum(rows * a + a * b for a, b in k) <= MEASURED_LIMIT and min(b for _, b in k) > 0
+    return (rows, width, hidden, tp) if fits else LARGE_GEMMS
 
 
 @lru_cache(maxsize=8)
@@ -169,10 +179,11 @@ def _calibrate(rows: int, seq: int, width: int, heads: int, hidden: int, vocab: 
     bandwidth, latency, how = all_reduce_link()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     tokens = rows * seq
-    flops, memory = matmul_flops(tokens, width, hidden, tp, dtype), memory_bandwidth()
+    flops, memory = matmul_flops(*gemm_shape(tokens, width, hidden, tp), dtype), memory_bandwidth()
     block_overhead, outside, per_tensor = fixed_overheads()
     block = head = None
-    if tokens * (20 * width + hidden + seq * heads) * 4 < MEASURED_LIMIT and tokens * vocab // tp * 4 < MEASURED_LIMIT:
+    weights = (12 * width + 2 * hidden + vocab + seq) * width * 8  # a whole block's, the embeddings', at most
+    if tokens * (20 * width + hidden + seq * heads) * 4 + weights < MEASURED_LIMIT and tokens * vocab // tp * 4 < MEASURED_LIMIT:
         block = rank_block_seconds(rows, seq, width, heads, hidden, tp, dtype)
         head = rank_head_seconds(rows, seq, width, -(-vocab // tp), dtype)
     timed = (f"a block {1e3 * block:.2f} ms, the embeddings and head {1e3 * head:.2f} ms forward + backward"

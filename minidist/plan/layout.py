@@ -3,14 +3,16 @@
 :func:`layout_problems` lists why a layout cannot run, in words a user reads ("n_head 12 is not
 divisible by tp 5"), the same words ``--search`` prints next to a rejected layout. The layout's rules
 are :func:`minidist.parallel.spec.problems`, which the trainer asks too; the planner adds only its
-own (the micro-batch size, the recipe, where offload goes, the model's learned positions).
+own (its numbers' ranges, ``limits.py``; the recipe, where offload goes, the model's learned
+positions) and, for a layout that can run, the bounds of its own work (``limits.work_problems``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from minidist.optim.state_bytes import ITEMSIZE, OPTIMIZERS
-from minidist.parallel.spec import LayoutSpec, out_of_range, problems
+from minidist.parallel.spec import LayoutSpec, problems, range_problems
+from minidist.plan.limits import own_number_problems, work_problems
 
 RECOMPUTE = ("none", "selective", "full")
 OFFLOAD_TO = ("host", "disk")
@@ -84,10 +86,18 @@ def layout_of(model, run: RunSpec) -> LayoutSpec:
                       top_k=model.top_k, moe_every=model.moe_every, dtype=run.dtype)
 
 
+def number_problems(model, run: RunSpec) -> list[str]:
+    """Every number of ``model`` and ``run`` out of its range: the layout's (``spec.RANGES``), the
+    planner's own and its caps (``limits.own_number_problems``). Arithmetic only: what a search
+    checks before it starts."""
+    return [p.text for p in range_problems(layout_of(model, run))] + own_number_problems(model, run)
+
+
 def layout_problems(model, run: RunSpec) -> list[str]:
     """Why ``run`` cannot train ``model``, one line each, all at once (empty: it can): the layout's
-    problems (:func:`layout_of`, ``minidist.parallel.spec.problems``) and the planner's own."""
-    found = [text for name in ("seq", "micro_batch_size") for text in out_of_range(name, getattr(run, name), "[1, inf)")]
+    problems (:func:`layout_of`, ``minidist.parallel.spec.problems``) and the planner's own, then,
+    when there are none, what would be more work than the planner does (``limits.work_problems``)."""
+    found = own_number_problems(model, run)
     found += problems(layout_of(model, run))
     if run.optimizer not in OPTIMIZERS:
         found.append(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {run.optimizer!r}")
@@ -97,4 +107,4 @@ def layout_problems(model, run: RunSpec) -> list[str]:
         found.append(f"--offload-to must be one of {', '.join(OFFLOAD_TO)}, got {run.offload_to!r}")
     if model.positions == "learned" and run.seq > model.block_size:
         found.append(f"the sequence of {run.seq} is longer than the model's {model.block_size} learned positions")
-    return found
+    return found or work_problems(model, run)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from minidist.plan.hardware import GIB
 from minidist.plan.layout import RunSpec
+from minidist.plan.limits import TOO_LONG
 
 MEMORY_COLUMNS = ("parameters", "gradients", "master_weights", "optimizer_states", "activations", "buffers", "total")
 
@@ -66,7 +67,8 @@ def format_search(model, hw, gpus: int, batch: int, limit: float, fits: list, re
                      f"{p['step_time_s']:>8.3g} {100 * p['mfu']:>5.1f}% {100 * p['bubble']:>6.1f}%")
     kinds = {}
     for run, why in rejected:
-        kinds.setdefault(why.split(" ")[0] if "GiB" in why else why, []).append((run, why))
+        kind = why.split(" ")[0] if "GiB" in why else TOO_LONG if TOO_LONG in why else why
+        kinds.setdefault(kind, []).append((run, why))
     lines += ["", "rejected, by reason (first example of each):"]
     for kind, items in sorted(kinds.items(), key=lambda kv: -len(kv[1])):
         run, why = items[0]

@@ -6,27 +6,42 @@ micro-batches allow; cp 1, 2, 4 or 8 where the sequence splits; dp what is left;
 recompute none, selective or full; ep the divisors of dp that divide the experts, for an MoE. The
 global batch (sequences) and the micro-batch size stay fixed, so dp decides the micro-batches:
 m = global batch / (dp x micro-batch size), which must be a whole number.
+
+A search is sized before it starts (:func:`estimate`: its candidates, the schedules it simulates,
+the stage counts it balances) and refused when it would take more than :data:`SEARCH_SECONDS`; a
+candidate over a plan's own bounds (``limits.py``: a schedule too long to simulate) is rejected
+with that reason, like any other.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 from tqdm import tqdm
 
 from minidist.plan.hardware import GIB, Hardware
-from minidist.plan.layout import RunSpec, layout_problems
+from minidist.plan.layout import RECOMPUTE, RunSpec, layout_problems
+from minidist.plan.limits import MAX_PARTITION_STEPS, MAX_SCHEDULE_ACTIONS, partition_steps, schedule_actions
 from minidist.plan.models import ModelSpec
 from minidist.plan.memory import per_rank_bytes
 from minidist.plan.predict import predict
 
+SEARCH_SECONDS = 60  # a search estimated to take longer is refused before it starts
+COSTS = {  # seconds of the search's work, measured on a shared 2-core machine (an idle one takes less)
+    "candidate": 1e-3, "block": 4e-5, "action": 4e-4, "partition step": 2e-6,
+}
+
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n`` >= 1, ascending (found up to its square root)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
-def candidates(model: ModelSpec, gpus: int, base: RunSpec, global_batch: int, hw: Hardware):
-    """Every RunSpec of the module docstring, with ``base``'s dtype, optimizer, sequence and micro-batch size."""
+def shapes(model: ModelSpec, gpus: int, base: RunSpec, global_batch: int, hw: Hardware):
+    """(tp, cp, pp, dp, m, [(schedule, virtual stages)], [ep]) of every mesh the search tries (the
+    module docstring): each times every ZeRO stage and recompute is a candidate."""
     tps = [t for t in (1, 2, 4, 8, 16, 32) if t <= min(gpus, hw.devices_per_node) and gpus % t == 0]
     for tp, cp in itertools.product(tps, (1, 2, 4, 8)):
         if gpus % (tp * cp):
@@ -38,10 +53,48 @@ def candidates(model: ModelSpec, gpus: int, base: RunSpec, global_batch: int, hw
             m = global_batch // (dp * base.micro_batch_size)
             schedules = [("1f1b", 1)] + ([("interleaved", 2)] if pp > 1 and m % pp == 0 else [])
             eps = [e for e in divisors(dp) if model.n_experts and model.n_experts % e == 0] or [1]
-            for (schedule, v), zero, recompute, ep in itertools.product(schedules, range(4), ("none", "selective", "full"), eps):
-                yield dataclasses.replace(base, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batches=m, zero=zero,
-                                          recompute=recompute, schedule=schedule, virtual_stages=v,
-                                          sequence_parallel=tp > 1)
+            yield tp, cp, pp, dp, m, schedules, eps
+
+
+def candidates(model: ModelSpec, gpus: int, base: RunSpec, global_batch: int, hw: Hardware):
+    """Every RunSpec of the module docstring, with ``base``'s dtype, optimizer, sequence and micro-batch size."""
+    for tp, cp, pp, dp, m, schedules, eps in shapes(model, gpus, base, global_batch, hw):
+        for (schedule, v), zero, recompute, ep in itertools.product(schedules, range(4), RECOMPUTE, eps):
+            yield dataclasses.replace(base, dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, micro_batches=m, zero=zero,
+                                      recompute=recompute, schedule=schedule, virtual_stages=v,
+                                      sequence_parallel=tp > 1)
+
+
+def estimate(model: ModelSpec, gpus: int, hw: Hardware, base: RunSpec, global_batch: int) -> tuple[int, float]:
+    """(the candidates :func:`search` would try, the seconds it would take on one core), counted before
+    it starts (:data:`COSTS`): per candidate its checks and its walk over the blocks, once per
+    schedule shape its simulation, once per stage count the blocks' balance; work over a plan's
+    bounds (``limits.py``) is refused, not done."""
+    count, seconds, simulated, balanced = 0, 0.0, set(), set()
+    for tp, cp, pp, dp, m, schedules, eps in shapes(model, gpus, base, global_batch, hw):
+        for schedule, v in schedules:
+            n = 4 * len(RECOMPUTE) * len(eps)  # ZeRO stages x recompute x ep
+            actions, steps = schedule_actions(pp, v, m), partition_steps(model.n_layer, pp * v)
+            within = actions <= MAX_SCHEDULE_ACTIONS and steps <= MAX_PARTITION_STEPS
+            count += n
+            seconds += n * (COSTS["candidate"] + (COSTS["block"] * model.n_layer if within else 0.0))
+            if within and (schedule, pp, v, m) not in simulated:
+                simulated.add((schedule, pp, v, m))
+                seconds += COSTS["action"] * actions
+            if within and pp * v not in balanced:
+                balanced.add(pp * v)
+                seconds += COSTS["partition step"] * steps
+    return count, seconds
+
+
+def search_problems(model: ModelSpec, gpus: int, hw: Hardware, base: RunSpec, global_batch: int) -> list[str]:
+    """Why the search cannot be done in :data:`SEARCH_SECONDS` (empty: it can), found before it starts."""
+    count, seconds = estimate(model, gpus, hw, base, global_batch)
+    if seconds <= SEARCH_SECONDS:
+        return []
+    return [f"the search of {count:,} layouts of {gpus} devices would take about {seconds:,.0f} s, over the "
+            f"{SEARCH_SECONDS} s the planner allows: search fewer --gpus, a smaller --global-batch-size or a larger "
+            f"--micro-batch-size (fewer micro-batches to simulate), or plan one layout without --search"]
 
 
 def why_not(held: dict, memory_bytes: float) -> str:

@@ -1,6 +1,8 @@
 """The trainer: ``python -m minidist.train``. One package, read in this order:
 
     config.py          the command line as one dataclass, and every check on it
+    memory.py          whether the run fits in this machine's memory, from the config alone
+    folders.py         every output path checked at start-up; the checkpoint and offload folders held
     build.py           the device, the data, this rank's model part, optimizer, gradient sync, engine
     loop.py            the training loop (one step under any layout: minidist/parallel/step.py)
     outputs.py         metrics, exports, trace files, the sample

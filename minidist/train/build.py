@@ -31,7 +31,7 @@ from minidist.parallel.context.ring_attention import sequence_chunks, token_rang
 from minidist.parallel.tensor.apply import tensor_parallel
 from minidist.parallel.tensor.layout import ep_block
 from minidist.parallel.zero.optimizer import ZeroOptimizer
-from minidist.train.config import ConfigError, TrainConfig, runs_zero_optimizer
+from minidist.train.config import ConfigError, TrainConfig, bucket_bytes, runs_zero_optimizer
 
 ADAMW_BETAS = (0.9, 0.95)
 
@@ -246,7 +246,7 @@ def build_parallel(cfg, mesh):
         optimizer = ZeroOptimizer(model, replicas, cfg.zero, cfg.optimizer, mixed_precision=mixed, scaler=scaler,
                                   offload=offload, reshard_after_forward=cfg.pp == 1, **optimizer_settings(cfg))
     else:
-        dp = DataParallel(model, mesh.dp_cp_group, bucket_bytes=int(cfg.bucket_mb * 2**20), replicas=cfg.dp,
+        dp = DataParallel(model, mesh.dp_cp_group, bucket_bytes=bucket_bytes(cfg.bucket_mb), replicas=cfg.dp,
                           expert_group=mesh.expert_dp_group)
         amp = MixedPrecision(model, cfg.dtype, scaler) if mixed else None
         optimizer = build_optimizer(model, cfg, amp.master_parameters() if amp else None)

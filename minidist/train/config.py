@@ -9,17 +9,18 @@ the trainer's own (its other numbers, paths, checkpoints, the parameter-server m
 """
 import argparse
 import dataclasses
-from pathlib import Path
+import math
 
 from minidist.amp import COMPUTE_DTYPES
-from minidist.checkpoint.paths import ckpt_dir_problems
 from minidist.device import DEVICES
 from minidist.optim.state_bytes import ITEMSIZE, OPTIMIZERS
 from minidist.parallel.context.context_parallel import ALGORITHMS
 from minidist.parallel.zero.offload import CHOICES as OFFLOAD_CHOICES
 from minidist.parallel.ps.param_server import check_parameter_server
 from minidist.parallel.pipeline import SCHEDULES
-from minidist.parallel.spec import BACKENDS, LayoutSpec, out_of_range, problems
+from minidist.parallel.spec import BACKENDS, LayoutSpec, flag, out_of_range, problems
+from minidist.train.folders import output_problems
+from minidist.train.memory import INT64, memory_problems
 
 
 @dataclasses.dataclass
@@ -109,12 +110,13 @@ class ConfigError(ValueError):
 # The values each numeric flag that is not the layout's may take, as an interval: "[" and "]" include
 # the bound, "(" and ")" exclude it, so an open end at inf refuses inf too, and nan is in no interval.
 # (The layout's numbers: minidist.parallel.spec.RANGES. --save-every, --keep, --comm-timeout and
-# --fail-rank against the world are checked with their features, below.)
+# --fail-rank against the world are checked with their features, below.) Every integer flag is also
+# below 2**63, and the model, the batch and what they hold must fit in memory (train/memory.py).
 RANGES = {
     "steps": "[1, inf)", "batch_size": "[1, inf)", "seed": "[0, inf)", "loss_scale_window": "[1, inf)",
     "lr": "(0, inf)", "min_lr": "[0, inf)", "warmup": "[0, inf)", "momentum": "[0, 1)",
     "weight_decay": "[0, inf)", "grad_clip": "[0, inf)", "block_size": "[1, inf)",
-    "capacity_factor": "[0, inf)", "aux_loss_coef": "[0, inf)",
+    "capacity_factor": "[0, 1e6]", "aux_loss_coef": "[0, inf)",  # a capacity factor >= E keeps every assignment
     "eval_every": "[1, inf)", "eval_iters": "[1, inf)", "sample_tokens": "[0, inf)",
     "servers": "[1, inf)", "staleness": "[-1, inf)", "straggler": "[0, inf)",
     "bucket_mb": "(0, inf)", "fail_at_step": "[-1, inf)", "fail_rank": "[0, inf)",
@@ -122,11 +124,25 @@ RANGES = {
 
 
 def range_problems(cfg) -> list[str]:
-    """Every flag of ``cfg`` outside its range in :data:`RANGES`, and --min-lr above --lr."""
+    """Every flag of ``cfg`` outside its range in :data:`RANGES`, every integer flag at or past 2**63
+    (the layout's too: ``spec.RANGES`` bounds them below), --min-lr above --lr, and a --straggler the
+    parameter servers would time out waiting for."""
     found = [text for name, interval in RANGES.items() for text in out_of_range(name, getattr(cfg, name), interval)]
+    found += [f"{flag(f.name)} must be below 2**63 (NumPy's sizes and indices are int64), got {getattr(cfg, f.name)}"
+              for f in dataclasses.fields(TrainConfig) if type(f.default) is int and getattr(cfg, f.name) >= INT64]
     if not found and cfg.min_lr > cfg.lr:
         found.append(f"--min-lr {cfg.min_lr} is larger than --lr {cfg.lr} (the cosine decays from --lr to --min-lr)")
+    if not found and not comm_timeout_problems(cfg) and cfg.straggler >= cfg.comm_timeout:
+        found.append(f"--straggler {cfg.straggler} is not below --comm-timeout {cfg.comm_timeout}: the parameter "
+                     f"servers would time out waiting for the straggler")
     return found
+
+
+def bucket_bytes(bucket_mb: float) -> int:
+    """--bucket-mb (any positive, finite MiB) in bytes for ``DataParallel``, at least 1: a bucket closes
+    once it holds that many bytes, so below the smallest parameter every parameter is a bucket of its
+    own, and above the model's size (2**40 MiB at most counted) one bucket holds every gradient."""
+    return max(1, math.ceil(min(bucket_mb, 2.0 ** 40) * 2 ** 20))
 
 
 def layout_of(cfg, world_size: int | None = None) -> LayoutSpec:
@@ -147,17 +163,19 @@ def fault_injection_armed(cfg) -> bool:
     return cfg.fail_at_step >= 0 and not cfg.resume
 
 
-def check_config(cfg, world_size: int) -> None:
+def check_config(cfg, world_size: int, memory_bytes: int | None = None) -> None:
     """Raise :class:`ConfigError` listing everything wrong with running ``cfg`` on ``world_size`` ranks,
     all together: the trainer's out-of-range numbers, the layout's problems (:func:`layout_of`,
     ``minidist.parallel.spec.problems``), then, with the numbers in range (they divide by them), the
-    trainer's own checks."""
+    trainer's own checks, and with nothing else wrong, whether one rank's run fits in ``memory_bytes``
+    (None: in int64's sizes; train/memory.py)."""
     found = range_problems(cfg) + problems(layout_of(cfg, None if cfg.mode == "ps" else world_size))
     if not range_problems(cfg):
         found += parameter_server_problems(cfg, world_size) if cfg.mode == "ps" else []
         found += optimizer_problems(cfg) + hugging_face_problems(cfg) + comm_timeout_problems(cfg)
         found += checkpoint_problems(cfg, world_size) + mixed_precision_problems(cfg) + device_problems(cfg)
-        found += offload_dir_problems(cfg)
+        found += offload_dir_problems(cfg) + output_problems(cfg)
+    found += memory_problems(cfg, memory_bytes) if not found else []
     if found:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(found))
 
@@ -205,18 +223,12 @@ def parameter_server_problems(cfg, world_size: int) -> list[str]:
 
 
 def offload_dir_problems(cfg) -> list[str]:
-    """What --offload-dir cannot be: a folder for nothing offloaded, or a path that cannot be a folder.
-    (What --offload itself cannot run is a layout rule.)"""
-    if cfg.offload_dir is None:
-        return []
-    found = []
-    if cfg.offload == "none":
-        found.append("--offload-dir is where offloaded state lives: add --offload optimizer (or "
-                     "optimizer,params with --zero 3)")
-    existing = next(p for p in (Path(cfg.offload_dir), *Path(cfg.offload_dir).parents) if p.exists())
-    if not existing.is_dir():
-        found.append(f"--offload-dir {cfg.offload_dir}: {existing} is not a folder")
-    return found
+    """What --offload-dir cannot be: a folder for nothing offloaded. (Whether its path can be a folder:
+    train/folders.py; what --offload itself cannot run: a layout rule.)"""
+    if cfg.offload_dir is not None and cfg.offload == "none":
+        return ["--offload-dir is where offloaded state lives: add --offload optimizer (or optimizer,params with "
+                "--zero 3)"]
+    return []
 
 
 def mixed_precision_problems(cfg) -> list[str]:
@@ -249,7 +261,6 @@ def checkpoint_problems(cfg, world_size: int) -> list[str]:
         problems.append(f"--save-every must be >= 0 (0: never), got {cfg.save_every}")
     if cfg.keep < 1:
         problems.append(f"--keep must be >= 1, got {cfg.keep}")
-    problems += ckpt_dir_problems(cfg.ckpt_dir) if cfg.ckpt_dir is not None else []
     if fault_injection_armed(cfg) and not 0 <= cfg.fail_rank < world_size:
         problems.append(f"--fail-rank {cfg.fail_rank} is not a rank of the {world_size}-rank world")
     return problems
@@ -257,8 +268,14 @@ def checkpoint_problems(cfg, world_size: int) -> list[str]:
 
 def parse_args(argv=None):
     """The command line as a :class:`TrainConfig` (flags are the field names with dashes)."""
+    return TrainConfig(**vars(argument_parser().parse_args(argv)))
+
+
+def argument_parser() -> argparse.ArgumentParser:
+    """The trainer's argparse parser: a flag per field of :class:`TrainConfig`, with its default."""
     defaults = TrainConfig()
     p = argparse.ArgumentParser(prog="python -m minidist.train", description="Train a GPT: ``python -m minidist.train``.",
+                                usage="%(prog)s [--flag value ...]  (--help lists every flag)",  # an error: 2 lines
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     choices = {"mode": ["collective", "ps"], "dtype": list(ITEMSIZE), "optimizer": list(OPTIMIZERS),
                "schedule": list(SCHEDULES), "cp_algorithm": list(ALGORITHMS), "zero": [0, 1, 2, 3],
@@ -312,7 +329,9 @@ def parse_args(argv=None):
         "offload_dir": "ZeRO-Infinity: keep the offloaded state in memory-mapped files under this folder instead of "
                        "host memory",
         "recompute": "recompute each block's activations in backward instead of keeping them",
-        "bucket_mb": "data-parallel gradient bucket size in MiB",
+        "bucket_mb": "data-parallel gradient bucket size in MiB: a bucket closes once it holds this much (any "
+                     "positive size: below the smallest parameter's, one bucket per parameter; above the model's, "
+                     "one bucket)",
         "export": "write the consolidated full-model state_dict here at the end (.npz or .safetensors; nanoGPT / "
                   "PyTorch layout, not Hugging Face's: use --export-hf)",
         "export_hf": "write a Hugging Face GPT-2 folder here at the end (config.json + model.safetensors, for "
@@ -332,10 +351,10 @@ def parse_args(argv=None):
     }
     for field in dataclasses.fields(TrainConfig):
         default = getattr(defaults, field.name)
-        flag = "--" + field.name.replace("_", "-")
         if isinstance(default, bool):
-            p.add_argument(flag, action="store_true", help=helps[field.name])
+            p.add_argument(flag(field.name), action="store_true", help=helps[field.name])
             continue
         kind = type(default) if default is not None else str
-        p.add_argument(flag, type=kind, default=default, choices=choices.get(field.name), help=helps[field.name])
-    return TrainConfig(**vars(p.parse_args(argv)))
+        p.add_argument(flag(field.name), type=kind, default=default, choices=choices.get(field.name),
+                       help=helps[field.name])
+    return p

@@ -65,12 +65,15 @@ from minidist.train.build import (build_parallel, describe_layout, load_data, me
 from minidist.train.config import (ConfigError, check_config, comm_timeout_problems, fault_injection_armed, parse_args,
                                    runs_zero_optimizer)
 from minidist.train.divergence import Diverged, DivergenceWatch
+from minidist.train.memory import memory_available
+from minidist.train.folders import FoldersInUse, held_folders
+from minidist.files import NoSpace, PathRefused
 from minidist.train.outputs import (estimate_val_loss, explain_step, metrics_line, open_metrics, sample, trace_file,
                                     write_outputs)
 from minidist.train.ps import train_ps
 
 
-def train(cfg, progress=True, world=None, keep_history=True):
+def train(cfg, progress=True, world=None, keep_history=True, memory_bytes=None):
     """Run the training loop of ``cfg`` on ``world`` (a ProcessGroup of dp * pp * cp * tp ranks; None:
     one process). Returns (model, history): this rank's model (or pipeline stage) and one dict per
     step run here (the same on every rank; with ``keep_history=False`` only the last, so a long run's
@@ -78,11 +81,18 @@ def train(cfg, progress=True, world=None, keep_history=True):
     ``cfg.trace`` every rank streams its trace events to disk as they happen. With ``cfg.ckpt_dir``
     it saves checkpoints and ``cfg.resume`` continues from the newest. A run that diverges raises
     :class:`~minidist.train.divergence.Diverged` on every rank at the same step (train/divergence.py),
-    after that step's metrics line and before any checkpoint of it."""
+    after that step's metrics line and before any checkpoint of it. A run that cannot fit in
+    ``memory_bytes`` (what the entry point read; None: int64's sizes) is refused (train/memory.py)."""
     world = world if world is not None else world_of_one()
     cfg = with_hf_model(cfg)  # --init-from-hf: the model's size from the folder (checked: nothing sent yet)
-    check_config(cfg, world.size)
+    check_config(cfg, world.size, memory_bytes)  # every output path too, before the first step
     train_tokens, val_tokens = load_data(cfg)  # may refuse the data: before anything is sent
+    with held_folders(cfg, world):  # --ckpt-dir, --offload-dir: this run's alone until it ends (train/folders.py)
+        return _train_held(cfg, world, train_tokens, val_tokens, progress, keep_history)
+
+
+def _train_held(cfg, world, train_tokens, val_tokens, progress: bool, keep_history: bool):
+    """The run of :func:`train` once its folders are held."""
     select_device(cfg, world)
     lead = world.rank == 0
     mesh = DeviceMesh(world, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp, ep=cfg.ep)
@@ -168,11 +178,17 @@ def main(argv=None):
         sys.exit(EXIT_CONFIG)
     try:
         model, history = (train_ps(cfg, world=world) if cfg.mode == "ps"  # below: only the last record
-                          else train(cfg, world=world, keep_history=False))
-    except (ConfigError, ResumeRefused) as e:
+                          else train(cfg, world=world, keep_history=False, memory_bytes=memory_available()))
+    except (ConfigError, ResumeRefused, FoldersInUse) as e:
         if world.rank == 0:
             print(f"python -m minidist.train: {e}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
+    except PathRefused as e:  # a link or FIFO planted where the run writes (minidist/files.py): on that rank
+        print(f"python -m minidist.train: rank {world.rank}: {e.strerror}", file=sys.stderr)
+        sys.exit(EXIT_CONFIG)
+    except NoSpace as e:  # a full disk, found before a memory-mapped store could meet it
+        print(f"python -m minidist.train: rank {world.rank}: {e.strerror}", file=sys.stderr)
+        sys.exit(1)
     except Diverged as e:  # every rank, at the same step (minidist/train/divergence.py)
         if world.rank == 0:
             print(f"python -m minidist.train: {e}", file=sys.stderr)

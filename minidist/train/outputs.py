@@ -2,6 +2,7 @@
 story, the consolidated export, the ``--trace`` run directory, and a sample of generated text.
 """
 import contextlib
+import io
 import json
 import math
 from pathlib import Path
@@ -13,6 +14,7 @@ from minidist.checkpoint import save_state_dict
 from minidist.checkpoint.hf import write_hf
 from minidist.data import ByteTokenizer, get_batch, inputs_and_targets
 from minidist.device import to_device
+from minidist.files import create, real_folder, write_atomically
 from minidist.train.explain import print_explanation
 from minidist.inspect import zero_memory
 from minidist.inspect.write import model_state_bytes, step_peak_bytes, stream_trace, write_memory_report
@@ -29,13 +31,13 @@ def open_metrics(out, start: int = 0):
     resumed run writes them again), so the file reads as one uninterrupted run."""
     if out is None:
         return contextlib.nullcontext()
-    Path(out).mkdir(parents=True, exist_ok=True)
-    path = Path(out) / "metrics.jsonl"
+    path = real_folder(out) / "metrics.jsonl"
     kept = []
-    if start > 0 and path.exists():
+    if start > 0 and path.is_file() and not path.is_symlink():
         kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < start]
-    path.write_text("".join(line + "\n" for line in kept))
-    return open(path, "a")
+    f = create(path, text=True)  # never through a link planted at the name
+    f.write("".join(line + "\n" for line in kept))
+    return f
 
 
 def metrics_line(record: dict) -> str:
@@ -127,11 +129,13 @@ def masters_in_model(amp):
 def export(state: dict, path: str) -> None:
     """Write a full state_dict ({GPT-2 name: array}) to ``path``: safetensors when it ends in
     ``.safetensors``, else .npz (NumPy's zip of arrays; neither pickles)."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    real_folder(Path(path).parent)
     if path.endswith(".safetensors"):
         save_state_dict(state, path)
     else:
-        np.savez(path, **state)
+        data = io.BytesIO()
+        np.savez(data, **state)
+        write_atomically(path, data.getvalue())  # the old file or the whole new one; a link replaced, not followed
 
 
 def sample(model, prompt, max_new_tokens, seed=0, pp_group=None, tokenizer=None):

@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from minidist.device import is_cupy, pinned_empty, to_numpy
+from minidist.files import create, real_folder, reserve
 
 CHOICES = ("none", "optimizer", "optimizer,params")
 
@@ -72,23 +73,29 @@ class HostMemory:
         """Nothing to remove."""
 
 
+def rank_folder(directory, rank: int) -> Path:
+    """The folder of ``rank``'s files under ``--offload-dir`` ``directory``."""
+    return Path(directory) / f"rank{rank}"
+
+
 class DiskFiles:
     """Offloaded arrays as memory-mapped files under ``directory/rank<rank>/``, one per array."""
     where = "disk"
 
     def __init__(self, directory, rank: int):
-        self.folder = Path(directory) / f"rank{rank}"
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder = real_folder(rank_folder(directory, rank))  # a link there is refused, not followed
         self._maps = {}  # id(array) -> (its mmap, its file)
 
     def array(self, name: str, n: int, dtype) -> np.ndarray:
-        """A zero-filled file of n elements, mapped: writing the array writes the file."""
+        """A zero-filled file of n elements, mapped: writing the array writes the file. The file is
+        created without following a link planted at its name, and its disk space is reserved before
+        it is mapped (a full disk: an OSError naming the file, here, not a SIGBUS at a later store)."""
         nbytes = n * np.dtype(dtype).itemsize
         if nbytes == 0:
             return np.zeros(0, dtype)  # (an empty file cannot be mapped)
         path = self.folder / f"{name}.bin"
-        with open(path, "w+b") as f:
-            f.truncate(nbytes)
+        with create(path, readable=True) as f:
+            reserve(f, nbytes, path)
             mapping = mmap.mmap(f.fileno(), nbytes)
         a = np.frombuffer(mapping, dtype=dtype)  # (n,) writable: the mapping is
         self._maps[id(a)] = (mapping, path)
@@ -116,7 +123,7 @@ class DiskFiles:
             path.unlink(missing_ok=True)
         self._maps.clear()
         if self.folder.is_dir() and not any(self.folder.iterdir()):
-            self.folder.rmdir()
+            self.folder.rmdir()  # (a run's trainer keeps its lock file there: the folder stays, empty but for it)
 
 
 class Offload:

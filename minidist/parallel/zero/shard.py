@@ -80,7 +80,8 @@ def make_shard(unit: FlatUnit, group, storage, *, sharded_params: bool, full_gra
         master = compute.astype(np.float32)
         whole = compute if flat is None else flat
         whole[...] = to_compute(whole.astype(np.float32), mixed_precision)
-    masks = [unit.decay_mask(), unit.tensor_parallel_mask().astype(bool), unit.counted_mask().astype(bool),
+    masks = [unit.decay_mask().astype(master.dtype, copy=False),  # the masters' dtype: 1 - lr * rate rounds as theirs
+             unit.tensor_parallel_mask().astype(bool), unit.counted_mask().astype(bool),
              unit.sequence_parallel_mask().astype(bool)]
     grad_flat = unit.xp.zeros(unit.numel, dtype=unit.dtype) if full_grads else None  # (numel,)
     master, compute, state, stored, host_grad = storage.place(unit.name, master, compute, slots, mixed_precision)

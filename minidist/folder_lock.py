@@ -1,0 +1,71 @@
+"""A run's hold on a folder: an advisory lock, taken at start-up and kept for the run's lifetime.
+
+Two runs writing one ``--ckpt-dir`` delete each other's saves in progress; two runs in one
+``--offload-dir`` write each other's memory-mapped stores. So a run holds such a folder with
+``flock`` on the file ``.minidist.lock`` in it, which records the holder (pid, host, since when). A
+second run finds the lock taken and is refused, naming the holder. The kernel releases a ``flock``
+when its process dies however it dies (``kill -9`` included): a dead run's lock is simply free
+again, and the next run takes it over and writes itself in as the holder. (``flock`` is advisory:
+it keeps out other minidist runs, not a user's ``rm``. On NFS, Linux maps it onto the server's byte-range
+locks.)
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import stat
+import time
+
+from minidist.files import NOFOLLOW, PathRefused, real_folder
+
+LOCK_FILE = ".minidist.lock"
+MAX_HOLDER_BYTES = 4096
+
+
+class FolderInUse(RuntimeError):
+    """Another live process holds the folder."""
+
+
+class FolderLock:
+    """Holds ``folder`` (created if missing; refused if a link) until :meth:`release`, or raises
+    :class:`FolderInUse` naming the process that holds it. ``purpose`` says what the folder is for,
+    in the message."""
+
+    def __init__(self, folder, purpose: str = "folder"):
+        self.folder = real_folder(folder)
+        self.path = self.folder / LOCK_FILE
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise PathRefused(errno.EINVAL, f"{self.path} is not a regular file: refused")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise FolderInUse(f"{purpose} {self.folder} is in use by another run ({holder}): give each run its own "
+                              f"folder, or wait for that run to end") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                  "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        """Let the folder go (the lock file stays: removing it would race with the next run's lock)."""
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock, as the holder wrote it: "pid 123 on host h since ..."; read bounded and
+    checked (the file is untrusted)."""
+    try:
+        record = json.loads(os.pread(fd, MAX_HOLDER_BYTES, 0).decode())
+        return f"pid {int(record['pid'])} on host {str(record['host'])[:255]} since {str(record['since'])[:32]}"
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
+        return "its holder did not say who it is"

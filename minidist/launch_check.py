@@ -1,0 +1,85 @@
+"""Is a script launched the way it runs? Checked before any work, so that a lesson started the easy
+wrong way (alone when it needs mpiexec or ``--local N``, under mpiexec when it runs in one process,
+on a world size it is not written for) stops at once with exit 2 and a message saying how to start
+it, and a ``--png`` it could not write is refused before the lesson, not after it.
+
+    args = parser.parse_args()
+    check_launch(parser, args, ranks=(2, 4), alone=4)   # 2 or 4 ranks; started alone: 4 threads
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from minidist.files import file_problems
+
+
+def launched_ranks() -> tuple[int, int]:
+    """(rank, size) of this process in the ``mpiexec`` job that started it; (0, 1) when it runs
+    alone or without mpi4py. Asking starts MPI (mpi4py's import does), as a rank of the job would."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return 0, 1
+    return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+
+
+def check_launch(parser, args, ranks=None, alone: int = 1, mpiexec: bool = True) -> None:
+    """Exit 2, through ``parser.error`` on rank 0 of a job (the other ranks leave quietly), when the
+    script was launched a way it does not run:
+
+    - under mpiexec when it runs in one process: ``mpiexec=False``, or ``--local N`` (``args.local``:
+      N ranks as threads);
+    - on a world size outside ``ranks`` (None: any): ``--local``'s, mpiexec's, or ``alone`` (the ranks
+      it runs as when started alone without ``--local``);
+    - with an ``args.png`` it could not draw into (:func:`png_problem`).
+
+    The message says how to start it right: ``mpiexec -n K python SCRIPT``, ``--local K``, alone."""
+    rank, size = launched_ranks()
+    script, local = sys.argv[0], getattr(args, "local", None)
+    n, problem = local if local is not None else size if size > 1 else alone, None
+    if size > 1 and (not mpiexec or local is not None):
+        threads = " (--local runs its ranks as threads)" if local is not None else ""
+        problem = f"this lesson runs in one process{threads}: start it alone, python {script}, not under mpiexec"
+    elif ranks is not None and n not in ranks:
+        k = max([r for r in ranks if r <= 4] or ranks)  # a size to suggest: small, for a laptop
+        ways = ([f"mpiexec -n {k} python {script}"] * mpiexec + [f"python {script} --local {k}"] * hasattr(args, "local")
+                + [f"python {script}"] * (alone in ranks))
+        problem = f"the lesson runs on {said(ranks)} ranks, not {n}: start it as {' or as '.join(ways)}"
+    if problem is None and getattr(args, "png", None) is not None:
+        problem = png_problem(args.png)
+    if problem:
+        if rank == 0:
+            parser.error(problem)
+        sys.exit(2)
+
+
+def said(ranks) -> str:
+    """``range(2, 9)`` as "2 to 8", ``(2, 4)`` as "2 or 4", ``(2, 3, 4, 7)`` as "2, 3, 4 or 7"."""
+    ranks = list(ranks)
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]} to {ranks[-1]}"
+    return ", ".join(map(str, ranks[:-1])) + " or " * (len(ranks) > 1) + str(ranks[-1])
+
+
+def png_problem(path: str) -> str | None:
+    """What is wrong with ``path`` as the picture ``--png`` draws into, or None: no name, a link, a
+    folder, a FIFO or a device (:func:`minidist.files.file_problems`), a folder that does not exist,
+    or a format matplotlib cannot write (``.png``, ``.svg``, ``.pdf``... are fine)."""
+    if not path:
+        return "--png needs a file name, e.g. --png out.png"
+    try:
+        problems = file_problems("--png", path)
+        folder = os.path.dirname(path) or "."
+        if not problems and not os.path.isdir(folder):
+            problems = [f"--png {path}: the folder {folder} does not exist"]
+    except OSError as e:  # a name too long for the file system
+        return f"--png {path[:60]}...: {e.strerror}"
+    if problems:
+        return problems[0]
+    suffix = os.path.splitext(path)[1][1:].lower()
+    if suffix:  # none: matplotlib adds .png
+        from matplotlib.backend_bases import FigureCanvasBase
+        if suffix not in FigureCanvasBase.get_supported_filetypes():
+            return f"--png {path}: matplotlib cannot draw into a .{suffix} file (give a .png, .svg or .pdf name)"
+    return None
