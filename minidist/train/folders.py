@@ -39,11 +39,11 @@ def held_folders(cfg, world):
     ``--offload-dir`` (each rank its own), or :class:`FoldersInUse` on every rank if any rank found
     one held by another run. Collective over ``world`` when either flag is given: one all-reduce
     (max) of one int64, every rank's "which of my folders is taken" (sends nothing otherwise)."""
-    wanted = ([("--ckpt-dir", cfg.ckpt_dir)] if cfg.ckpt_dir is not None and world.rank == 0 else []) + \
-             ([("--offload-dir", rank_folder(cfg.offload_dir, world.rank))] if cfg.offload_dir is not None else [])
     if cfg.ckpt_dir is None and cfg.offload_dir is None:
         yield
         return
+    wanted = ([("--ckpt-dir", cfg.ckpt_dir)] if cfg.ckpt_dir is not None and world.rank == 0 else []) + \
+             ([("--offload-dir", rank_folder(cfg.offload_dir, world.rank))] if cfg.offload_dir is not None else [])
     locks, refusal = [], ""
     for flag, folder in wanted:
         try:
