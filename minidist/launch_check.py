@@ -1,7 +1,8 @@
 """Is a script launched the way it runs? Checked before any work, so that a lesson started the easy
-wrong way (alone when it needs mpiexec or ``--local N``, under mpiexec when it runs in one process,
-on a world size it is not written for) stops at once with exit 2 and a message saying how to start
-it, and a ``--png`` it could not write is refused before the lesson, not after it.
+wrong way (under mpiexec when it runs in one process, on a world size it is not written for) stops at
+once with exit 2 and one line saying how to start it, a lesson for several ranks started alone runs
+them as threads in this process (and says so), and a ``--png`` it could not write is refused before
+the lesson, not after it.
 
     args = parser.parse_args()
     check_launch(parser, args, ranks=(2, 4), alone=4)   # 2 or 4 ranks; started alone: 4 threads
@@ -12,6 +13,7 @@ import os
 import sys
 
 from minidist.files import file_problems
+from minidist.threads import limit_blas_threads
 
 
 def launched_ranks() -> tuple[int, int]:
@@ -25,16 +27,19 @@ def launched_ranks() -> tuple[int, int]:
 
 
 def check_launch(parser, args, ranks=None, alone: int = 1, mpiexec: bool = True) -> None:
-    """Exit 2, through ``parser.error`` on rank 0 of a job (the other ranks leave quietly), when the
-    script was launched a way it does not run:
+    """Exit 2, with one line on rank 0 of a job (the other ranks leave quietly), when the script was
+    launched a way it does not run:
 
     - under mpiexec when it runs in one process: ``mpiexec=False``, or ``--local N`` (``args.local``:
       N ranks as threads);
     - on a world size outside ``ranks`` (None: any): ``--local``'s, mpiexec's, or ``alone`` (the ranks
-      it runs as when started alone without ``--local``);
+      it runs as when started alone without ``--local``: then it says so in one line, and a script
+      with a ``--local`` flag has ``args.local`` set to ``alone`` here);
     - with an ``args.png`` it could not draw into (:func:`png_problem`).
 
-    The message says how to start it right: ``mpiexec -n K python SCRIPT``, ``--local K``, alone."""
+    The message says how to start it right: ``mpiexec -n K python SCRIPT``, ``--local K``, alone.
+    A launch that runs then takes its share of the machine's cores for BLAS threads, unless
+    ``OMP_NUM_THREADS`` is set (:func:`minidist.threads.limit_blas_threads`)."""
     rank, size = launched_ranks()
     script, local = sys.argv[0], getattr(args, "local", None)
     n, problem = local if local is not None else size if size > 1 else alone, None
@@ -49,9 +54,15 @@ def check_launch(parser, args, ranks=None, alone: int = 1, mpiexec: bool = True)
     if problem is None and getattr(args, "png", None) is not None:
         problem = png_problem(args.png)
     if problem:
-        if rank == 0:
-            parser.error(problem)
+        if rank == 0:  # one line, from rank 0 alone: what is wrong and how to start it
+            print(f"{parser.prog}: {problem}", file=sys.stderr)
         sys.exit(2)
+    if size == 1 and local is None and alone > 1:  # started alone: its ranks run as threads in this process
+        if hasattr(args, "local"):
+            args.local = alone
+        print(f"{parser.prog}: started alone, so its {alone} ranks run as threads in this process "
+              f"(as processes: mpiexec -n {alone} python {script})")
+    limit_blas_threads(os.environ.get("OMP_NUM_THREADS"), thread_ranks=n if size == 1 else 1)  # its share of the cores
 
 
 def said(ranks) -> str:

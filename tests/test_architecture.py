@@ -16,8 +16,8 @@ PACKAGE = ROOT / "minidist"
 
 # Lowest first. A module may import from its own layer and the layers before it, never after.
 LAYERS = [
-    ("machine", ["minidist.device", "minidist.allocator", "minidist.process_tree", "minidist.files",
-                 "minidist.folder_lock"]),
+    ("machine", ["minidist.device", "minidist.allocator", "minidist.threads", "minidist.process_tree",
+                 "minidist.files", "minidist.folder_lock"]),
     ("collectives", ["minidist.comm"]),
     ("autograd", ["minidist.autograd"]),
     ("building blocks", ["minidist.nn", "minidist.optim", "minidist.amp", "minidist.data", "minidist.inspect"]),

@@ -165,15 +165,18 @@ def sample(n: int, seed: int = 14) -> list:
 
 def pairwise_cover(cells, seed: int = 17) -> list:
     """Cells of ``cells`` in which every pair of (axis, value)s that any cell of ``cells`` has occurs
-    at least once: greedily, the cell covering most uncovered pairs first (a seeded order breaks ties)."""
+    at least once: greedily, the cell covering most uncovered pairs first (a seeded order breaks ties).
+    Each cell's pairs are the bits of one integer, so counting what a cell would cover is one AND."""
     cells = cells[:]
     random.Random(seed).shuffle(cells)
-    pairs = [frozenset(itertools.combinations(axis_values(c), 2)) for c in cells]
-    uncovered, chosen = set().union(*pairs), []
+    bit: dict = {}
+    masks = [sum(1 << bit.setdefault(pair, len(bit)) for pair in set(itertools.combinations(axis_values(c), 2)))
+             for c in cells]
+    uncovered, chosen = (1 << len(bit)) - 1, []
     while uncovered:
-        best = max(range(len(cells)), key=lambda i: len(pairs[i] & uncovered))
+        best = max(range(len(cells)), key=lambda i: (masks[i] & uncovered).bit_count())
         chosen.append(cells[best])
-        uncovered -= pairs[best]
+        uncovered &= ~masks[best]
     return chosen
 
 

@@ -218,8 +218,8 @@ def test_pipeline_step_tells_the_messages_between_stages():
     assert re.search(r"irecv 1.0 KiB from rank 0 \(pp\[dp0,tp0\] rank 0\) — ", last)
     assert re.search(r"isend 1.0 KiB to rank 0 \(pp\[dp0,tp0\] rank 0\) — ", last)  # backward flows upstream
     assert re.search(r"irecv 1.0 KiB from rank 1 \(pp\[dp0,tp0\] rank 1\) — ", first)
-    for story in first, last:  # the tied embedding's gradients, after the step's passes
-        assert "  all_reduce 16.0 KiB on pp[dp0,tp0]/embedding (doubling) — " in story
+    for story, other in (first, 1), (last, 0):  # the tied embedding's gradients, after the step's passes
+        assert f"  all_reduce 16.0 KiB on pp[dp0,tp0]/embedding with rank {other} (doubling) — " in story
 
 
 def test_holdings_name_a_pipelines_tied_copy_of_the_embedding():

@@ -178,8 +178,9 @@ def test_a_sleeping_rank_is_named_by_every_rank_that_waited_not_just_the_neighbo
     assert results[0][0].peer != 2  # rank 0 itself waited on a neighbour that was waiting too
 
 
-def test_comm_timeout_flag_reaches_init_and_a_bad_value_exits_2_before_it(monkeypatch, capsys):
+def test_comm_timeout_flag_reaches_init_and_a_bad_value_is_refused_with_the_rest(monkeypatch, capsys):
     import minidist.train.loop as train_module
+    from minidist.train.build import world_of_one
     from minidist.train.config import ConfigError, TrainConfig, check_config, parse_args
 
     class Started(Exception):
@@ -189,7 +190,9 @@ def test_comm_timeout_flag_reaches_init_and_a_bad_value_exits_2_before_it(monkey
 
     def fake_init(backend, **kwargs):
         seen.update(kwargs)
-        raise Started
+        if kwargs["timeout"] == 7.5:
+            raise Started
+        return world_of_one()  # a bad value: MPI starts with the default, check_config refuses it with the rest
 
     monkeypatch.setattr(train_module, "init", fake_init)
     with pytest.raises(Started):
@@ -198,7 +201,7 @@ def test_comm_timeout_flag_reaches_init_and_a_bad_value_exits_2_before_it(monkey
     for bad in ("0", "-1", "nan", "inf"):
         with pytest.raises(SystemExit) as exit_info:
             train_module.main(["--comm-timeout", bad])
-        assert exit_info.value.code == 2
+        assert exit_info.value.code == 2 and seen["timeout"] == 300.0
         assert f"--comm-timeout must be a positive, finite number of seconds, got {float(bad)}" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="--comm-timeout"):
         check_config(TrainConfig(comm_timeout=0.0), 1)

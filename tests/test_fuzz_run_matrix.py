@@ -126,7 +126,8 @@ def test_a_folder_with_main_and_a_module_still_run():
 def matrix(*args, stdout=subprocess.PIPE):
     """``python -m minidist.support_matrix *args`` with its table made fast (a long fake one): only
     the command line and the writing are under test here."""
-    code = ("import runpy, sys, minidist.train.support_matrix as m; m.markdown = lambda: '| row |\\n' * 100000; "
+    code = ("import runpy, sys, minidist.train.support_matrix as m; "
+            "m.markdown = m.summary = lambda: '| row |\\n' * 100000; "
             "sys.argv[1:] = " + repr(list(args)) + "; runpy.run_module('minidist.support_matrix', run_name='__main__')")
     return subprocess.run([sys.executable, "-c", code], stdout=stdout, stderr=subprocess.PIPE, text=True,
                           timeout=60, cwd=ROOT)
@@ -210,16 +211,19 @@ def test_the_launcher_fails_well_on_hostile_arguments_long(args):
 
 
 def matrix_arguments():
-    """It takes no argument: any words (numbers, strings, paths, a flag of another command) and now
-    and then its one flag, ``--help``."""
-    assert flags_of(matrix_parser()) == []
-    words = st.sampled_from(NUMBERS + STRINGS + tuple(PATHS.values()) + ("--help", "-h", "--steps", "--json"))
+    """It takes no value: any words (numbers, strings, paths, a flag of another command) and now
+    and then its flags, ``--markdown`` and ``--help``."""
+    assert [f.option for f in flags_of(matrix_parser())] == ["--markdown"]
+    words = st.sampled_from(NUMBERS + STRINGS + tuple(PATHS.values()) + ("--help", "-h", "--markdown", "--steps",
+                                                                        "--json"))
     return st.lists(words, max_size=4)
 
 
 def slow_to_accept(args):
-    """The lists it accepts and so computes the whole matrix for (10-40 s on 2 cores): [] and ["--"]."""
-    return args in ([], ["--"])
+    """The lists it accepts and so computes the whole matrix for (10-40 s on 2 cores): [], ["--"],
+    ``--markdown`` (repeated), before or without ``--``."""
+    return "--help" not in args and "-h" not in args and all(a == "--markdown" for a in args[:-1]) and (
+        not args or args[-1] in ("--", "--markdown"))
 
 
 def fuzz_the_matrix(args):

@@ -2,17 +2,17 @@
 clear message, never a traceback or a hang, and a lesson started the easy wrong way says how to start
 it (``minidist.launch_check.check_launch``, called by each lesson right after its arguments).
 
-Refused at once, with exit 2 and argparse's usage: a world size the lesson is not written for
-(``--local 0``, ``-1``, ``3`` where it splits 4 heads, 2**31 threads); a lesson for mpiexec started
-alone (a ring of one rank); a lesson that runs in one process started under mpiexec, or ``--local``
-under mpiexec; mpiexec with a world size it does not run on (printed once, by rank 0); and a
+Refused at once, with exit 2 and one line saying how to start it: a world size the lesson is not
+written for (``--local 0``, ``-1``, ``3`` where it splits 4 heads, 2**31 threads); a lesson that runs
+in one process started under mpiexec, or ``--local`` under mpiexec; mpiexec with a world size it does not run on (printed once, by rank 0); and a
 ``--png`` it could not draw into (a FIFO, a folder, a link, a missing folder, a format matplotlib
 does not know), found before the lesson, not after it.
 
 The regressions below each failed before the fix (what each did then is in its comment). The fuzz
 runs 8 cases over a sample of lessons here, leaving lists a lesson accepts (minutes of real lesson)
 to ``--slow``, which runs 20 cases on every lesson; a case killed at its time limit passes only if
-the lesson was printing its lesson.
+the lesson was printing its lesson. A lesson for several ranks started alone runs them as threads in
+this process and says so in one line (it used to crash: a ring of one rank).
 """
 import ast
 import contextlib
@@ -66,8 +66,9 @@ def lesson(name: str, *args, timeout_s: float = 60.0):
 
 
 def refused(output: str, rc, *words) -> None:
-    """Exit 2 with argparse's usage and one message (once) naming ``words``."""
-    assert rc == 2 and output.count("usage:") == 1 and output.count("error:") == 1, output
+    """Exit 2 with one line (printed once) naming ``words``; argparse's own errors: usage and error."""
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert rc == 2 and (len(lines) == 1 or output.count("usage:") == 1 and output.count("error:") == 1), output
     for word in words:
         assert word in output, output
 
@@ -87,22 +88,34 @@ WORLDS = [  # (lesson, arguments, what it did before the fix)
     ("03", ["--local", "3"], "ValueError: n_head = 4 is not divisible by tp = 3, a traceback"),
     ("12", ["--local", "1_000"], "1,000 threads, minutes of lesson (2**31: a hang)"),
     ("10", ["--local", "0"], "ran the lesson on 4 threads, exit 0"),
-    ("04", [], "alone: IndexError on a pipeline of one stage, MPI_Abort"),
+    ("04", ["--local", "1"], "IndexError on a pipeline of one stage"),
 ]
 MORE_WORLDS = [
     ("01", ["--local", "2147483648"], "a hang, starting 2**31 threads"),
-    ("01", [], "alone: ValueError (a ring of one rank has no neighbour), MPI_Abort"),
     ("02", ["--local", "3"], "ValueError: 3 rows cannot be cut into 2 micro-batches, CommTimeoutError"),
-    ("02", [], "alone: ran data parallelism on one rank, exit 0"),
     ("03", ["--local", "-1"], "ValueError: world_size must be a positive int, a traceback"),
     ("04", ["--local", "3"], "ValueError: 8 micro-batches not a multiple of 3 stages, CommTimeoutError"),
-    ("07", [], "alone: ValueError (--servers must be in 1..0), MPI_Abort"),
     ("07", ["--local", "1"], "the same ValueError"),
     ("07", ["--local", "5"], "ValueError: batch size 6 must be divisible by the 4 workers"),
     ("11", ["--local", "3"], "AssertionError: this lesson runs on 2 or 4 ranks"),
     ("15", ["--local", "3"], "AssertionError"),
     ("15", ["--local", "-1"], "ValueError: world_size must be a positive int"),
 ]
+
+
+ALONE = [  # (lesson, its ranks as threads, what it did started alone before the fix); the others:
+    ("03", 2, "ran tensor parallelism on one rank, exit 0"),  # tests/test_tutorials.py, started alone
+]
+
+
+@pytest.mark.parametrize("prefix, ranks, before", ALONE, ids=[p for p, _, _ in ALONE])
+def test_a_lesson_started_alone_runs_its_ranks_as_threads_and_says_so(prefix, ranks, before):
+    result = lesson(named(prefix), timeout_s=120)
+    assert result.rc == 0 and "Traceback" not in result.stderr, result.describe()
+    said = [line for line in result.stdout.splitlines() if "started alone" in line]
+    assert said == [f"{named(prefix)}: started alone, so its {ranks} ranks run as threads in this process "
+                    f"(as processes: mpiexec -n {ranks} python {TUTORIALS / named(prefix)})"], result.describe()
+    assert f"on {ranks} ranks" in result.stdout, result.describe()
 
 
 def check_world_refused(prefix, args):

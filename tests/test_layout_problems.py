@@ -152,7 +152,7 @@ def test_every_problem_comes_at_once():
     assert sum(line.startswith("--schedule gpipe needs --pp > 1") for line in said) == 1
     mixed = trainer(TrainConfig(**{**SIZES, "lr": -1.0, "tp": 3}))
     heads = "n_head 4 is not divisible by tp 3 (each tp rank holds whole heads)"
-    assert mixed == ["--lr must be positive, got -1.0", heads]
+    assert mixed == ["--lr must be >= 0, got -1.0", heads]
     numbers = trainer(TrainConfig(**{**SIZES, "ep": 0, "tp": 3, "schedule": "zigzag"}))
     assert numbers == ["--schedule must be one of gpipe, 1f1b, interleaved, zb-h1, zbv, got 'zigzag'",
                        "--ep must be >= 1, got 0"]  # names and numbers; the arithmetic waits for them
@@ -185,7 +185,8 @@ def test_the_planners_own_shapes_go_through_the_same_rules():
                     "the MLP width 14336 is not divisible by tp 3 (each tp rank holds 1/tp of the MLP's columns)"]
     own = layout_problems(preset("gpt2"), RunSpec(seq=2048, micro_batch_size=0, recompute="some"))
     assert own == ["--micro-batch-size must be in [1, 1e12], got 0", "--recompute must be one of none, selective, full, got 'some'",
-                   "the sequence of 2048 is longer than the model's 1024 learned positions"]
+                   "the sequence of 2048 is longer than the model's 1024 learned positions: a shorter --seq, or "
+                   "--block-size 2048"]
 
 
 def test_every_schedule_runs_over_nccl():

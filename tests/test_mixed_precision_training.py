@@ -116,6 +116,7 @@ GAP = {"float16": 0.06, "bfloat16": 0.03}
 LATE_GAP = 0.02
 
 
+@pytest.mark.slow  # 3 x 150 steps (27 s): the default suite's 16-bit runs are tests/test_train_amp.py's
 @pytest.mark.filterwarnings("ignore:overflow encountered")
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_the_16_bit_loss_curve_tracks_float32(dtype, float32_curve):

@@ -42,8 +42,7 @@ def train_layout(world, dp, pp, tp, schedule, m, v, n_layer, optimizer, sequence
     return losses, consolidated_state_dict(stage, mesh), engine.peak_in_flight
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-@pytest.mark.parametrize("dp,pp,tp,schedule,m,v,sp,n_layer", [
+LAYOUTS_3D = [  # (dp, pp, tp, schedule, m, v, sp, n_layer)
     (2, 2, 1, "1f1b", 2, 1, False, 4),
     (1, 2, 2, "gpipe", 4, 1, False, 4),
     (2, 2, 2, "1f1b", 2, 1, False, 4),
@@ -53,7 +52,13 @@ def train_layout(world, dp, pp, tp, schedule, m, v, n_layer, optimizer, sequence
     (2, 2, 2, "zbv", 2, 2, True, 4),
     (2, 4, 1, "zb-h1", 4, 1, False, 4),
     (1, 4, 2, "zbv", 8, 2, False, 8),
-])
+]
+
+
+@pytest.mark.parametrize("dp,pp,tp,schedule,m,v,sp,n_layer,optimizer", [
+    # by default each layout with one optimizer, SGD and AdamW alternating; --slow: both
+    pytest.param(*layout, optimizer, marks=[pytest.mark.slow] * ((i % 2 == 0) != (optimizer == "sgd")))
+    for i, layout in enumerate(LAYOUTS_3D) for optimizer in ("sgd", "adamw")])
 def test_pipeline_with_data_and_tensor_parallelism_trains_like_one_process(dp, pp, tp, schedule, m, v, sp, n_layer,
                                                                           optimizer):
     ref_losses, ref_weights = one_process(n_layer, optimizer)

@@ -1,19 +1,16 @@
 """The pipeline engine, in-process (ranks as threads): every schedule trains exactly like one process
 on the whole batch, holds as many micro-batches as the formulas say, and stages split by cost."""
-import time
-
 import numpy as np
 import pytest
 
 import minidist
-from minidist import nn
-from minidist.autograd import Function
 from minidist.data import get_batch, inputs_and_targets
 from minidist.model import GPT, GPTConfig
 from minidist.optim import SGD, AdamW
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.pipeline import (Action, PipelineEngine, PipelineStage, compute_spans, estimate_layer_costs,
                                         executed_timeline, partition_layers, placement_of, split_micro_batches)
+from minidist.parallel.pipeline.known_costs import sleeping_gpt
 
 TOKENS = np.random.default_rng(0).integers(0, 256, size=4000)
 B, STEPS = 8, 10
@@ -166,43 +163,10 @@ def test_a_stage_keeps_only_its_own_layers_under_their_gpt_names():
 
 # ---- the bubble, measured --------------------------------------------------------------------------
 
-class Sleep(Function):
-    """``x * scale`` whose forward takes ``seconds``, and backward as much again for the input's
-    gradient (B) and for the weight's (W): a perfectly balanced stage (T_F = T_B = T_W) whose
-    "compute" does not compete for the CPU, so threads measure the schedule, not the machine."""
-
-    @staticmethod
-    def forward(ctx, x, scale, seconds):
-        ctx.x, ctx.scale, ctx.seconds = x, scale, seconds
-        time.sleep(seconds)
-        return x * scale
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad_x = grad_scale = None
-        if ctx.needs_input_grad[0]:
-            time.sleep(ctx.seconds)
-            grad_x = grad * ctx.scale
-        if ctx.needs_input_grad[1]:
-            time.sleep(ctx.seconds)
-            grad_scale = (grad * ctx.x).sum(keepdims=True).reshape(1)
-        return grad_x, grad_scale, None
-
-
-class SleepyBlock(nn.Module):
-    def __init__(self, seconds):
-        super().__init__()
-        self.seconds = seconds
-        self.scale = nn.Parameter(np.ones(1))
-
-    def forward(self, x):
-        return Sleep.apply(x, self.scale, self.seconds)
-
-
 def sleepy_gpt(n_layer, seconds):
-    model = GPT(config(n_layer), seed=1, dtype="float64")
-    model.transformer.h = nn.ModuleList([SleepyBlock(seconds) for _ in range(n_layer)])
-    return model
+    """A balanced model whose blocks sleep (T_F = T_B = T_W = ``seconds``): threads measure the
+    schedule, not the machine (minidist/parallel/pipeline/known_costs.py)."""
+    return sleeping_gpt(config(n_layer), seconds, seed=1)
 
 
 def as_scheduled(executed, ideal):

@@ -171,7 +171,7 @@ def test_the_cli_prints_a_readable_table():
 @pytest.mark.parametrize("args, message", [
     (["--tp", "3"], "n_head 4 is not divisible by tp 3"),
     (["--model", "llama9"], "unknown model preset 'llama9'"),
-    (["--seq", "128"], "longer than the model's 64 learned positions"),
+    (["--seq", "128", "--block-size", "64"], "longer than the model's 64 learned positions"),
     (["--search"], "--search needs --gpus"),
 ])
 def test_the_cli_refuses_bad_input_with_exit_2(args, message):

@@ -10,4 +10,4 @@ def test_the_readme_support_matrix_is_the_generated_one():
     text = README.read_text(encoding="utf-8")
     start, end = text.index("<!-- support-matrix -->\n"), text.index("<!-- /support-matrix -->")
     assert text[start + len("<!-- support-matrix -->\n"):end].strip() == markdown().strip(), \
-        "README.md's support matrix is stale: paste the output of python -m minidist.support_matrix"
+        "README.md's support matrix is stale: paste the output of python -m minidist.support_matrix --markdown"

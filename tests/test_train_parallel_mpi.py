@@ -16,13 +16,16 @@ TINY = ["--n-layer", "2", "--n-head", "4", "--n-embd", "16", "--block-size", "16
 
 
 @needs_mpi
-def test_every_layout_on_4_ranks_matches_one_process(tmp_path):
-    run = run_mpi(4, "train_parity.py", tmp_path / "data", tmp_path, timeout=180)
+def test_every_layout_on_4_ranks_matches_one_process(tmp_path, request):
+    both = request.config.getoption("--slow")  # by default SGD and AdamW alternate down the layouts
+    run = run_mpi(4, "train_parity.py", tmp_path / "data", tmp_path, *["--both-optimizers"] * both, timeout=180)
     rows = re.findall(r"PARITY (\d) (\d) (\d) (\d) (\w+) (\w+) (\S+) (\S+) (\S+)", run.stdout)
     layouts = {(int(dp), int(tp), sp == "1", int(m)) for dp, tp, sp, m, *_ in rows}
     assert {(2, 1), (4, 1), (1, 2), (2, 2), (1, 4)} == {(dp, tp) for dp, tp, _, _ in layouts}, run.output
     assert {(sp, m) for _, tp, sp, m in layouts if tp > 1} == {(False, 1), (True, 1), (False, 2), (True, 2)}
-    assert len(rows) == 34, run.output
+    assert len(rows) == (34 if both else 18), run.output
+    assert {(optimizer, dtype) for *_, optimizer, dtype, _, _, _ in rows} == {
+        ("sgd", "float64"), ("adamw", "float64"), ("sgd", "float32"), ("adamw", "float32")}, run.output
     for dp, tp, sp, m, optimizer, dtype, loss_err, tensor_err, model_err in rows:
         where = f"dp={dp} tp={tp} sp={sp} micro={m} {optimizer} {dtype}\n{run.output}"
         if dtype == "float64":

@@ -1,5 +1,6 @@
 """Every tutorial runs and passes its own verification: under mpiexec with the world size it is
-written for, and in one process where it offers that (``--local N``, or 05 on its own).
+written for, and started alone, ``python tutorials/NN.py``, as a learner first tries it (its ranks as
+threads in one process; 03 with ``--local 4``, and started alone in tests/test_fuzz_tutorials.py).
 
 Each lesson checks its claims against one process and exits non-zero when one fails; the last line
 asserted here is the one it prints only once every check has passed, the others what the lesson
@@ -25,7 +26,7 @@ TUTORIALS = REPO / "tutorials"
 # The last is the verification line.
 LESSONS = [
     ("00_autograd_and_gpt.py", None, [], [r"All checks passed\."]),
-    ("01_ring_allreduce.py", 4, ["--local", "4"], [
+    ("01_ring_allreduce.py", 4, [], [
         (r"(?m)^ +\d +(\d+) B +\1 B +\d+ B = \1 \+ \d+$", 4),  # bytes sent: measured = formula, = the trace's
         r"  mean 120\.0 B = 2\(n-1\)/n x N = 2 x 3/4 x 80 = 120\.0 B",
         r"\"auto\" \(the default\) picked 'doubling' for these 80 B",
@@ -34,7 +35,7 @@ LESSONS = [
         r"Census: rank 3 never arrived at all_reduce #1 .*; ranks 0,1,2 waited in it",
         r"Try:\n  1\. --local 3 .*bytes sent per rank \[104, 112, 104\]",
         r"All checks passed: the hand-written ring = numpy = the library's ring"]),
-    ("02_data_parallel.py", 2, ["--local", "2"], [
+    ("02_data_parallel.py", 2, [], [
         r"=== 1\. 7 buckets of >= 128 KiB",
         (r"rank \d: median +\d+% of the all-reduce time ran while backward was still computing "
          r"\(min \d+%, max \d+%\); exposed median", 2),
@@ -58,7 +59,7 @@ LESSONS = [
         r"tensor \+ sequence parallel: loss [\d.]+ = one process's",
         r"\nTry: ",
         r"Tensor parallelism on \d ranks: 2 all-reduces per block each way, .*; all checks passed\."]),
-    ("04_pipeline.py", 4, ["--local", "2"], [
+    ("04_pipeline.py", 4, [], [
         r"  t 0-\d+:\n",  # the interleaved timeline cut along time, every line <= 100 characters
         r"in flight per rank: \[[\d, ]+\] \(chunk, micro-batch\) pairs",
         r"every stage's weights and every loss equal one process's to 1e-10, for all three schedules",
@@ -85,7 +86,7 @@ LESSONS = [
         r"final loss [\d.]+ = the uninterrupted run's, bitwise",
         r"\nTry: ",
         r"restart to the same loss\. All checks passed\."]),
-    ("07_parameter_server.py", 4, ["--local", "4"], [
+    ("07_parameter_server.py", 4, [], [
         r"weights vs one process: max relative error \d\.\de-1\d",
         r"=== 2\. synchronous, .*\n(.*\n){4}  worker 1 +12 .*\n  worker 2 +12 ",  # synchronous: 12 pushes each
         # every fast worker's row of each run: pushes (asynchronous: as the scheduling went), waited vs
@@ -112,7 +113,7 @@ LESSONS = [
         r"  step 4: scale  65536 -> 131072   clean, 2 in a row: doubled\n",
         r"\nTry:\n  1\. BLOWUP = 2\.0 \*\* 16",
         r"Mixed-precision ZeRO holds what the paper says, skips an overflow on every rank"]),
-    ("10_context_parallel.py", 4, ["--local", "4"], [
+    ("10_context_parallel.py", 4, [], [
         r"     1  kv 12-15 +- +kv 0-3 +F +kv 4-7 +F +kv 8-11 +F",  # contiguous: rank 0 skips, the others compute
         r"     1  kv 6-7,8-9 +--FF +kv 0-1,14-15 +F-F-",  # zig-zag: half of every block it meets
         (r"  hop \d: 0->1  1->2  2->3  3->0", 3),  # from the trace of a real ring_attention call
@@ -122,7 +123,7 @@ LESSONS = [
         (r"  (ring|zigzag|ulysses) +\d\.\de[-+]\d\d +3\.\d{12} \(", 3),
         r"\nTry:\n  1\. --local 2",
         r"Ring, zig-zag and Ulysses attention equal one process's to 1e-10; zig-zag balances the causal work"]),
-    ("11_experts.py", 2, ["--local", "2"], [
+    ("11_experts.py", 2, [], [
         r"  sent     \(ep, E/ep\) rows to   r0: e0=2 e1=4   r1: e2=4 e3=6 ",  # route's choices, rank 0
         r"  received \(ep, E/ep\) rows from r0: e0=2 e1=4   r1: e0=3 e1=3 ",  # rank 1's sent, column 0
         r"  moe combine +12 rows 768 B +20 rows 1280 B\n",  # from the trace: rows x C x 8 bytes
@@ -132,7 +133,7 @@ LESSONS = [
         r"ep 2: loss and every gradient = one process's to 1e-10",
         r"\nTry:\n  1\. --local 4",
         r"All checks passed\."]),
-    ("12_zero_bubble.py", 2, ["--local", "4"], [
+    ("12_zero_bubble.py", 2, [], [
         r"after B: x\.grad\[0\] = \[.*\], weight\.grad = None, bias\.grad = None\n",
         r"x, weight, bias grads == one backward's \(np\.array_equal\): True",
         (r"  \d,\d,\d +1f1b +\d+ +(\d+) +\1 ", 2),  # 1F1B idles (p-1)(T_F+T_B+T_W), both cost ratios
@@ -141,7 +142,7 @@ LESSONS = [
         (r"(zb-h1|zbv) +losses( \d\.\d{10}){3}  matches one process", 2),
         r"\nTry:\n  1\. MICRO = 4",
         r"Zero-bubble schedules: B \+ W = backward bitwise; zb-h1 and zbv train as one process does\."]),
-    ("13_offload.py", 2, ["--local", "2"], [
+    ("13_offload.py", 2, [], [
         r"  measured = formula to the byte: 6 configurations x 2 ranks, every rank the same bytes",
         r"  ZeRO-3 \+ optimizer,params -> files +G/N = 1 +G/N = 1 +O/N \+ P/N = 7\n",  # 16 bytes/param, where
         # moved in one step: down G/N, up = the all-gathers' inputs, disk read = store + them, write = store
@@ -167,7 +168,7 @@ LESSONS = [
         r"\nTry:\n  1\. --local 4",
         r"The plan of 8 ranks = the run, to the byte .*\n\d of 6 layouts of llama3-70b fit on 1,024 GPUs\.\n"
         r"All checks passed\."]),
-    ("15_recompute.py", 2, ["--local", "2"], [
+    ("15_recompute.py", 2, [], [
         r"= planned +6152\.0 KiB;  measured 6152\.0 KiB",  # a block's activations, planner = autograd graph
         r"= planned +256\.0 KiB;  measured 256\.0 KiB",  # recomputed: only the block input (B, T, C)
         r"a block keeps 24\.0x less: B x T x C x 8 = 262,144 B",
@@ -207,10 +208,14 @@ def test_tutorial_under_mpiexec(script, ranks, expected):
                          [(s, a, v) for s, _, a, v in LESSONS if a is not None],
                          ids=[s[:2] for s, _, a, _ in LESSONS if a is not None])
 def test_tutorial_in_one_process(script, args, expected):
+    """Started as a learner first tries it, ``python tutorials/NN.py`` (or with ``--local N``): a
+    lesson for several ranks runs them as threads in this process, and says so in one line."""
     done = subprocess.run([sys.executable, str(TUTORIALS / script), *args], capture_output=True, text=True,
                           timeout=HANG_SECONDS, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stdout + done.stderr
     assert_printed(done.stdout, expected, done.stdout)
+    alone = [line for line in done.stdout.splitlines() if "started alone, so its" in line]
+    assert len(alone) == (not args and script[:2] not in ("00", "06", "08", "14")), done.stdout
 
 
 def test_every_tutorial_is_listed():

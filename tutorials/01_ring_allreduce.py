@@ -300,7 +300,7 @@ def main():
     p.add_argument("--local", type=int, metavar="N", help="run N ranks as threads in this process")
     p.add_argument("--png", metavar="PATH", help="draw the ring's steps, as this run did them, into PATH")
     args = p.parse_args()
-    check_launch(p, args, ranks=range(2, 9))  # under mpiexec or --local: alone it would be a ring of one
+    check_launch(p, args, ranks=range(2, 9), alone=4)  # alone: 4 ranks as threads (a ring of one shows nothing)
     if args.local:
         drawing = minidist.run_local(lesson, args.local)[0]
         n = args.local

@@ -307,7 +307,7 @@ def main():
     p.add_argument("--local", type=int, metavar="N", help="run N ranks as threads in this process (N = 1, 2, 4)")
     p.add_argument("--png", help="draw the shards of block 0 and its collectives, forward and backward, into this PNG")
     args = p.parse_args()
-    check_launch(p, args, ranks=(1, 2, 4))  # tp splits the 4 heads
+    check_launch(p, args, ranks=(1, 2, 4), alone=2)  # tp splits the 4 heads; alone: 2 ranks as threads
     if args.local:
         minidist.run_local(lambda world: lesson(world, args.png), args.local)
     else:

@@ -22,6 +22,17 @@ before anything is sent. This lesson prints the three schedules, shows the valid
 deadlock, then trains a small GPT on the grammar corpus with each of them, checks every loss and
 weight against one process on the whole batch, and sets each measured bubble beside the ideal, with
 what this machine adds to it: ranks that wait for a CPU core, not only for their neighbour.
+
+Picture (``--png PATH``): one row per schedule, two panels, ranks top to bottom, boxes coloured by
+micro-batch (F plain, B hatched) and labelled F3 or B3.1 where the label fits (smaller, without
+its letter, or the micro-batch alone where it does not; never touching a neighbour). Left, "executed with known stage costs":
+each schedule run on blocks that sleep 20 ms a forward (as long a backward's B and W; the better
+of 2 steps), so the boxes form the schedule's own shape: GPipe's staircase of forwards then of
+backwards with a grey triangle of idle time at each end, 1F1B's short ramp then F and B
+alternating, interleaved's half-width boxes and smaller grey corners. Right, "executed on this
+machine": the GPT's last step, where ranks sharing cores leave grey gaps and stretched boxes no
+schedule asks for. Each title carries the bubble section 4 prints (left: measured with known
+costs, and the ideal).
 """
 import argparse
 import contextlib
@@ -39,14 +50,17 @@ from minidist.model import GPT, GPTConfig
 from minidist.optim import AdamW
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.pipeline import (Action, PipelineEngine, PipelineStage, ScheduleError, build_schedule,
-                                        compute_spans, draw_timeline, executed_timeline, format_timeline, gather_spans,
+                                        compute_spans, executed_timeline, format_timeline, gather_spans,
                                         split_micro_batches, validate)
+from minidist.parallel.pipeline.known_costs import run_known_costs
+from minidist.parallel.pipeline.timeline import Panel, draw_panels
 
 CONFIG = GPTConfig(n_layer=8, n_head=2, n_embd=32, block_size=16)
 BATCH, MICRO, STEPS = 16, 8, 5
 TOKENS = ByteTokenizer().encode(grammar_text(20_000, seed=1))  # English-like sentences: a loss that falls
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))  # (name, v chunks per rank)
 WIDTH = 100  # printed lines stay within this many characters
+SLEEP_MS = 20  # --png: a stage's forward (and B, and W) in the run with known stage costs
 
 
 def wrapped(text, width=WIDTH):
@@ -152,6 +166,9 @@ def lesson(world, png=None, explain=False, local=False):
         if world.rank == 0:
             print(f"  {name:<11} losses " + " ".join(f"{x:.4f}" for x in losses) + f"  worst relative error {worst:.0e}")
             blocks[name] = stage.layers_per_stage
+    # --png: each schedule on blocks that sleep SLEEP_MS (B and W as much): known stage costs, 2 steps
+    known = {name: run_known_costs(world, CONFIG, name, MICRO, get_batch(TOKENS, 0, BATCH, 16), v, SLEEP_MS / 1e3)
+             for name, v in SCHEDULES} if png else {}
     if world.rank != 0:
         return
     print(f"  blocks per stage: gpipe and 1f1b {blocks['1f1b']}, interleaved {blocks['interleaved']} (rank r: "
@@ -162,7 +179,13 @@ def lesson(world, png=None, explain=False, local=False):
     print("\n=== 4. the bubble: measured (the last step, 1 - busy / step) against the simulator's ideal ===")
     executed = {name: executed_timeline(spans) for name, (_, spans, _) in runs.items()}
     for name, (engine, _, _) in runs.items():
-        print(f"  {name:<11} measured {100 * executed[name].bubble():5.1f}%   ideal {100 * engine.ideal.bubble():5.1f}%")
+        print(f"  {name:<11} measured {100 * executed[name].bubble():5.1f}%   ideal {100 * engine.ideal.bubble():5.1f}%"
+              + (f"   with known stage costs {100 * known[name][0].bubble():5.1f}%" if known else ""))
+    if known:
+        print(textwrap.fill(f"(with known stage costs: the same schedules on blocks that sleep {SLEEP_MS} ms a "
+                            "forward, as long a backward's B and W, the better of 2 steps: the engine's real "
+                            "scheduler and messages, costs that do not compete for the CPU)", WIDTH,
+                            initial_indent="  ", subsequent_indent="  "))
     numbers = runs["1f1b"][2]
     cores = len(os.sched_getaffinity(0))
     print(f"  1F1B's last step per rank ({p} ranks {'as threads of one process' if local else 'as processes'}, "
@@ -184,11 +207,11 @@ def lesson(world, png=None, explain=False, local=False):
         f"({BATCH // MICRO} x 16 tokens, {CONFIG.n_embd} wide): each message and each action has a fixed cost "
         "about as large as the compute it carries. The ideal assumes neither: F and B of fixed length, "
         "messages for free. With real work per micro-batch and a core (or a GPU) per rank, measured meets "
-        "ideal: blocks that only sleep do (tests/test_pipeline_engine.py).", WIDTH,
+        "ideal: blocks that only sleep do (--png runs them and draws both).", WIDTH,
         initial_indent="  ", subsequent_indent="  "))
     if png:
-        draw(png, p, executed, {name: engine.ideal for name, (engine, _, _) in runs.items()})
-        print(f"each schedule, executed vs ideal, drawn in {png}")
+        draw(png, p, known, executed, local)
+        print(f"each schedule, executed with known stage costs and executed on this machine, drawn in {png}")
     other = 4 if p == 2 else 2
     ideal_other = (other - 1) / (MICRO + other - 1)
     print(textwrap.dedent(f"""
@@ -199,34 +222,21 @@ def lesson(world, png=None, explain=False, local=False):
         Pipeline lesson on {p} ranks: GPipe, 1F1B and interleaved = one process. All checks passed."""))
 
 
-def draw(path, p, executed, ideal):
-    """One pair of panels per schedule: the executed timeline (this run's last step) above the ideal
-    one (the simulator's, scaled to the same length); F boxes plain, B hatched, coloured by micro-batch."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    colours = plt.get_cmap("tab10")
-    fig, axes = plt.subplots(2 * len(executed), 1, figsize=(13, 1.2 + 2 * len(executed) * (0.45 * p + 0.5)))
-    for k, name in enumerate(executed):
-        scale = executed[name].makespan / ideal[name].makespan
-        for ax, timeline, factor, what in ((axes[2 * k], executed[name], 1e3, "executed"),
-                                           (axes[2 * k + 1], ideal[name], 1e3 * scale, "ideal")):
-            draw_timeline(ax, timeline, factor, colours, f"{name}, {what}: ")
-            ax.set_xlim(0, 1e3 * executed[name].makespan)
-            ax.tick_params(axis="x", labelsize=8)
-    axes[-1].set_xlabel("milliseconds of the last step (ideal: F = 1, B = 2 units, scaled to the executed step)")
-    handles = [Patch(fc=colours(i), ec="black", label=f"micro-batch {i}") for i in range(MICRO)]
-    handles += [Patch(fc="white", ec="black", label="F: forward"), Patch(fc="white", ec="black", hatch="//",
-                                                                           label="B: backward"),
-                Patch(fc="#d9d9d9", label="idle")]
-    fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 0.97), fontsize=8, frameon=False)
-    fig.suptitle(f"Pipeline schedules on {p} ranks, m = {MICRO} micro-batches: this run's last step and the ideal",
-                 fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+def draw(path, p, known, executed, local):
+    """One row per schedule: left, the step executed with known stage costs (the schedule itself),
+    right, this run's last step of the GPT (the schedule and this machine); titles carry the bubbles
+    printed in section 4."""
+    cores = len(os.sched_getaffinity(0))
+    ranks = f"{p} ranks as threads of one process" if local else f"{p} processes on {cores} cores"
+    rows = [[Panel(known[name][0], f"{name}, executed with known stage costs: bubble "
+                   f"{100 * known[name][0].bubble():.1f}%, ideal {100 * known[name][1].bubble():.1f}%", 1e3),
+             Panel(executed[name], f"{name}, executed on this machine (the GPT, last step): bubble "
+                   f"{100 * executed[name].bubble():.1f}%", 1e3)] for name, _ in SCHEDULES]
+    draw_panels(path, rows, f"Pipeline schedules on {p} ranks, m = {MICRO} micro-batches. Left: blocks that sleep "
+                f"{SLEEP_MS} ms a forward (a backward's B and W as much each; the better of 2 steps): the schedule "
+                "as it is.\n"
+                f"Right: the GPT trained above ({ranks}): the schedule plus the machine's waits for cores and "
+                "messages", "milliseconds of the step")
 
 
 def main():
@@ -235,7 +245,7 @@ def main():
     ap.add_argument("--png", help="draw each schedule's executed and ideal timelines into this PNG")
     ap.add_argument("--explain", action="store_true", help="print each rank's account of 1F1B's first step")
     args = ap.parse_args()
-    check_launch(ap, args, ranks=(2, 4))  # 8 blocks over p ranks x 2 virtual stages
+    check_launch(ap, args, ranks=(2, 4), alone=4)  # 8 blocks over p ranks x 2 virtual stages
     if args.local:
         minidist.run_local(lambda world: lesson(world, args.png, args.explain, local=True), args.local)
     else:

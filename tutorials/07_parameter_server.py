@@ -278,7 +278,7 @@ def main():
     p.add_argument("--local", type=int, help="run N ranks as threads instead of under mpiexec")
     p.add_argument("--png", default=None, help="draw who waits for whom in the runs of part 2 into this PNG")
     args = p.parse_args()
-    check_launch(p, args, ranks=[n for n in range(2, 9) if CFG.batch_size % (n - 1) == 0])  # 1 server, n - 1 workers
+    check_launch(p, args, ranks=[n for n in range(2, 9) if CFG.batch_size % (n - 1) == 0], alone=4)  # 1 server, n - 1 workers
     if args.local:
         minidist.run_local(lambda group: lesson(group, args.png), args.local)
     else:

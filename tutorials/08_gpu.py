@@ -18,7 +18,12 @@ buffers and (with one GPU per rank) through NCCL, and checks every result agains
 expect: small messages cost the staged ring MORE than the host ring (two copies and a stream
 synchronisation per ring step, on top of MPI's latency); large ones are bound by
 bandwidth, where NCCL (GPU to GPU, no host copy) wins by far.
-Without CuPy or a GPU it says so once (rank 0) and stops, with exit status 0: it has nothing to draw.
+
+Where the lessons run: every lesson but this one runs on CPU ranks, processes under mpiexec or
+threads in one process, NumPy buffers, no GPU. This one needs CuPy and an NVIDIA GPU on every rank:
+its host-ring column is only the baseline of its GPU columns. Without CuPy or a GPU it says so once
+(rank 0) and stops with exit status 0, drawing nothing. Its picture (a GPU run): one group of bars
+per size, host ring, GPU ring and NCCL side by side on a log time axis.
 """
 import argparse
 import time
@@ -127,7 +132,8 @@ def main():
         if launched_rank() == 0:  # one message for the whole job, not one per rank
             print("Lesson 8 needs CuPy and an NVIDIA GPU (pip install -e \".[gpu]\" on a machine with a CUDA "
                   "driver); this machine has none, so it stops here"
-                  + (f" and draws nothing into {args.png}" if args.png else "") + ". Lessons 1-7 run anywhere.")
+                  + (f" and draws nothing into {args.png}" if args.png else "") + ". Every other lesson (00-07, "
+                  "09-15) runs on CPU ranks, as processes under mpiexec or threads in one process: no GPU needed.")
         return
     import cupy
     ring = minidist.init(backend="ring")

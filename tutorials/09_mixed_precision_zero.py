@@ -2,7 +2,7 @@
 paper's table; one overflow shown, then the skipped step and the lowered scale.
 
     mpiexec -n 4 python tutorials/09_mixed_precision_zero.py     (or alone: 4 threads)
-    python tutorials/09_mixed_precision_zero.py --png zero16.png  (also draw the bytes per stage)
+    python tutorials/09_mixed_precision_zero.py --png amp.png   (also draw the loss scale per step)
 
 Read lesson 5 (ZeRO) first. In mixed precision the model computes in float16 and the optimizer
 keeps float32 copies. Per parameter (Psi parameters in all), the ZeRO paper counts
@@ -48,6 +48,14 @@ and the TYPICAL element must differ by far less than one update: median |dw| < 2
 max ~2e-3 against 2 S lr = 1e-2, median ~1e-3 S lr. Stages 1, 2 and 3 run the same float16
 reduce-scatters in the same order: against EACH OTHER they are bitwise equal, asserted exactly
 (stage 0 all-reduces, another summation order: it gets the tolerance).
+
+Picture (``--png PATH``): left, why a scale: two pairs of bars, the share of the nonzero step-0
+gradients float16 would flush to 0 (red) or keep subnormal (orange), unscaled (about 0.2% and 14.5%)
+and x 65536 (about 0.02% and 0.2%), each bar labelled with the printed share. Right, the loss scale
+each step used, as a staircase on a log axis: part 3's run (65536, a red X at step 2 labelled
+"step 2 skipped: 65536 -> 32768", then 32768 to the end) above part 3b's (65536, doubled to 131072
+after 2 clean steps, a red X at step 2 "step 2 skipped: 131072 -> 65536", doubled again at step 5).
+(Lesson 5 draws the bytes per stage.)
 """
 import argparse
 
@@ -258,7 +266,7 @@ def lesson(group, png=None):
         print("\n".join(check))
         print("  stages 1, 2, 3: bitwise equal masters (the same float16 reduce-scatters in the same order)")
         if png:
-            draw(png, results, psi)
+            draw(png, n, counts, results[3][4], growing)
         print("\nTry:")
         print("  1. BLOWUP = 2.0 ** 16. Expect 'inf in own gradient shard: yes' on all 4 ranks at step 2 (rank 3's "
               "inf\n     reaches every shard through the reduce-scatter), the same skip, 65536 -> 32768, and part 4 "
@@ -270,25 +278,60 @@ def lesson(group, png=None):
               "and trains like one process in float16.")
 
 
-def draw(path, results, psi):
+def draw(path, n, counts, scales, growing):
+    """Left, why a loss scale: the share of part 2's nonzero gradients float16 would flush to 0 or
+    keep subnormal, unscaled and scaled. Right, the loss scale each step's backward was seeded with,
+    in part 3's run (top) and in 3b's (bottom) (``scales``, ``growing``: rows (before, after,
+    skipped, clean)), the skipped steps marked; every number as the lesson prints it."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    bottom = np.zeros(len(results))
-    for part in ("parameters", "gradients", "masters", "moments"):
-        values = np.array([results[s][0][part] / psi for s in results])
-        ax.bar([f"stage {s}" for s in results], values, bottom=bottom, label=part)
-        bottom += values
-    ax.set(ylabel="bytes per parameter on rank 0", title="float16 + AdamW ZeRO on 4 ranks (paper: 16, 7, 5.5, 4)")
-    ax.legend()
+    nonzero, *flushes = counts  # unscaled: flushed, subnormal; scaled: flushed, subnormal
+    fig = plt.figure(figsize=(12, 5))
+    grid = fig.add_gridspec(2, 2, width_ratios=[1, 1.7])
+    why = fig.add_subplot(grid[:, 0])
+    x = np.arange(2)
+    for k, (what, colour) in enumerate((("flushed to 0", "#d7301f"), ("subnormal (fewer bits)", "#fdae6b"))):
+        shares = [100 * flushes[k] / nonzero, 100 * flushes[2 + k] / nonzero]
+        bars = why.bar(x + (k - 0.5) * 0.38, shares, 0.38, color=colour, label=what)
+        why.bar_label(bars, [f"{v:.2f}%" for v in shares], fontsize=8)
+    why.set_xticks(x, ["unscaled", f"x {INIT_SCALE:.0f}"])
+    why.set_ylabel(f"% of the {nonzero:,.0f} nonzero step-0 gradients", fontsize=9)
+    why.set_title("part 2, why a scale: float16 gradients", fontsize=10, loc="left")
+    why.legend(fontsize=8, frameon=False, loc="upper right")
+    steps = np.arange(STEPS + 1)
+    runs = ((scales, "part 3: growth_interval 2000 (the default)", "#4c72b0"),
+            (growing, f"part 3b: growth_interval {GROWTH}", "#55a868"))
+    for row, (rows, title, colour) in enumerate(runs):
+        ax = fig.add_subplot(grid[row, 1])
+        used = np.append(rows[:, 0], rows[-1, 1])  # the scale each step's backward used, then the next one
+        ax.plot(steps, used, drawstyle="steps-post", color=colour, marker="o", label="the scale a step used")
+        skipped = np.flatnonzero(rows[:, 2])
+        ax.plot(skipped, rows[skipped, 0], marker="X", markersize=13, color="#d7301f", linestyle="",
+                label="skipped step: no rank updated,\nthe scale halved")
+        for s in skipped:
+            ax.annotate(f"step {s} skipped: {rows[s, 0]:.0f} -> {rows[s, 1]:.0f}", (s, rows[s, 0]), xytext=(0, 9),
+                        textcoords="offset points", fontsize=8, color="#d7301f", ha="center", va="bottom")
+        ax.set_yscale("log", base=2)
+        levels = sorted(set(rows[:, :2].ravel()))
+        ax.set_yticks(levels, [f"{v:.0f}" for v in levels], fontsize=8)
+        ax.minorticks_off()
+        ax.set_ylim(min(levels) / 1.6, max(levels) * 2.2)
+        ax.set_xticks(steps, [f"step {s}" for s in range(STEPS)] + ["after"], fontsize=8)
+        ax.set_ylabel("loss scale", fontsize=9)
+        ax.set_title(title, fontsize=9, loc="left")
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.suptitle(f"Mixed-precision ZeRO-3 on {n} ranks: rank {OVERFLOW_RANK} overflows at step {OVERFLOW_STEP}, "
+                 "every rank skips it and halves the scale", fontsize=11)
+    fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
-    print(f"  bytes per stage drawn in {path}")
+    plt.close(fig)
+    print(f"  the loss scale per step, and why one, drawn in {path}")
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--png", help="draw the bytes rank 0 holds per stage into this PNG")
+    ap.add_argument("--png", help="draw the loss scale per step (skipped steps marked) into this PNG")
     args = ap.parse_args()
     check_launch(ap, args, ranks=(4,), alone=4)  # part 3 overflows on rank 3 of 4
     minidist.run_anywhere(lambda world: lesson(world, args.png), threads=4)

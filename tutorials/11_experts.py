@@ -53,6 +53,14 @@ gate weights and the balance loss stay on the token's rank. Two troubles come wi
          summed over the ep ranks it is one process's (the trainer's dp all-reduce does it);
        - an expert's gradient already holds every rank's tokens (they came to it): rank r's
          experts' gradients ARE block r of one process's, with nothing to add.
+
+Picture (``--png PATH``): left, part 1's routing as a matrix: a row per token (seq r t0..t7,
+coloured by its rank, a black line between ranks), a column per expert (grouped by rank, with the
+rows it computes under its name), each cell shaded and labelled by the router's probability as the
+text prints it; each token's two experts outlined in the colour of the expert's rank, solid where
+the expert lives on the token's rank, dashed where the dispatch sends the token to another rank.
+Right, part 2: assignments per expert without and with the aux loss (a bar per layer, the even load
+dotted, each rank's band shaded and headed by the rows its experts computed).
 """
 import argparse
 from dataclasses import replace
@@ -385,42 +393,53 @@ def lesson(group, png=None):
 
 
 def draw(path, n, probs, trained):
-    """Left: part 1's tokens -> experts, each line as thick as its gate weight, coloured by the rank
-    of the expert (dashed: it crosses to another rank). Right: part 2's assignments per expert."""
+    """Left: part 1's routing as a token x expert matrix, each cell shaded by the router's probability
+    (as printed), each token's top-k experts outlined in the colour of the expert's rank (dashed: sent
+    to another rank). Right: part 2's assignments per expert."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
     L, L2 = E // n, TRAIN.n_experts // n
     colours = plt.get_cmap("tab10").colors
-    fig, axes = plt.subplots(1, 1 + len(COEFS), figsize=(16, 6.5), gridspec_kw={"width_ratios": [1.2, 1, 1]})
+    fig, axes = plt.subplots(1, 1 + len(COEFS), figsize=(16, 1.5 + 0.2 * n * T),
+                             gridspec_kw={"width_ratios": [1.2, 1, 1]})
     ax = axes[0]
-    ys = np.linspace(1, 0, n * T)  # tokens, sequence by sequence
-    ye = np.linspace(0.9, 0.1, E)  # experts, rank by rank
+    ax.imshow(probs.reshape(n * T, E), cmap="Blues", vmin=0, vmax=1, aspect="auto")  # (n T, E): row r T + t
     for r in range(n):
         experts = route(probs[r], K)  # (T, k)
         for t in range(T):
-            y = ys[r * T + t]
-            gates = probs[r, t, experts[t]] / probs[r, t, experts[t]].sum()
-            for e, g in zip(experts[t], gates):
-                ax.plot([0, 1], [y, ye[e]], color=colours[e // L], lw=0.5 + 5 * g, alpha=0.7,
-                        ls="-" if e // L == r else "--")
-            ax.text(-0.02, y, f"seq {r} t{t}", ha="right", va="center", fontsize=8, color=colours[r])
-    for e in range(E):
-        rows = sum(int((route(probs[r], K) == e).sum()) for r in range(n))
-        ax.text(1.02, ye[e], f"e{e} (rank {e // L}): {rows} rows", ha="left", va="center", fontsize=9,
-                color=colours[e // L], weight="bold")
-    ax.set(xlim=(-0.3, 1.4), ylim=(-0.03, 1.03), xticks=[], yticks=[],
-           title=f"part 1: tokens -> their top-{K} experts (width: gate weight;\ncolour: the expert's rank; "
-                 "dashed: sent to the other rank)")
-    for side in ax.spines.values():
-        side.set_visible(False)
-    top = max(load.max() for load, _, _ in trained) * 1.15
+            y = r * T + t
+            for e in range(E):
+                chosen = e in experts[t]
+                ax.text(e, y, f"{probs[r, t, e]:.2f}", ha="center", va="center", fontsize=7,
+                        color="white" if probs[r, t, e] > 0.6 else "black", weight="bold" if chosen else "normal")
+            for e in experts[t]:
+                ax.add_patch(Rectangle((e - 0.45, y - 0.42), 0.9, 0.84, fill=False, lw=2, edgecolor=colours[e // L],
+                                       ls="-" if e // L == r else "--"))
+        if r:
+            ax.axhline(r * T - 0.5, color="black", lw=1.5)
+    for s in range(1, n):
+        ax.axvline(s * L - 0.5, color="black", lw=1.5)
+    rows = [sum(int((route(probs[r], K) == e).sum()) for r in range(n)) for e in range(E)]
+    ax.set_xticks(range(E), [f"e{e}\nrank {e // L}\n{rows[e]} rows" for e in range(E)], fontsize=8)
+    for e, tick in enumerate(ax.get_xticklabels()):
+        tick.set_color(colours[e // L])
+    ax.xaxis.tick_top()
+    ax.set_yticks(range(n * T), [f"seq {r} t{t} (rank {r})" for r in range(n) for t in range(T)], fontsize=7)
+    for y, tick in enumerate(ax.get_yticklabels()):
+        tick.set_color(colours[y // T])
+    ax.set_xlabel(f"router probabilities; outlined: each token's top-{K} experts, in the colour of the expert's "
+                  "rank;\nsolid: computed on the token's own rank, dashed: sent to another rank by the dispatch",
+                  fontsize=8)
+    ax.set_title(f"part 1: {n} sequences of {T} tokens routed to {E} experts", fontsize=10)
+    top = max(load.max() for load, _, _ in trained) * 1.25
     width = 0.8 / TRAIN.n_layer
     for ax, coef, (load, computed, loss) in zip(axes[1:], COEFS, trained):
         for r in range(n):
             ax.axvspan(r * L2 - 0.5, (r + 1) * L2 - 0.5, color=colours[r], alpha=0.08)
-            ax.text((r + 0.5) * L2 - 0.5, top * 0.97, f"rank {r}: " + " + ".join(str(c) for c in computed[r])
-                    + " rows", ha="center", va="top", fontsize=9, color=colours[r])
+            ax.text((r + 0.5) * L2 - 0.5, top * 0.97, f"rank {r}\n" + " + ".join(str(c) for c in computed[r])
+                    + "\nrows", ha="center", va="top", fontsize=9 if n == 2 else 7, color=colours[r])
         x = np.arange(TRAIN.n_experts)
         for i, row in enumerate(load):
             ax.bar(x + (i - (TRAIN.n_layer - 1) / 2) * width, row, width, label=f"layer {i}: max/mean "
@@ -430,7 +449,7 @@ def draw(path, n, probs, trained):
                f"{LAST} steps)", title=f"part 2: {TRAIN.n_experts} experts, aux coef {coef:g} (loss {loss:.2f})")
         ax.legend(loc="center right", fontsize=8)
     fig.suptitle(f"Expert parallelism on {n} ranks: the router decides which rank computes each token "
-                 f"(E = {E}, top-{K}, {L} experts per rank), and the auxiliary loss keeps the work even")
+                 f"(E = {E}, top-{K}, {L} expert{'s' * (L > 1)} per rank), and the auxiliary loss keeps the work even")
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
     print(f"  the routing and the load drawn in {path}")

@@ -25,6 +25,15 @@ unit costs by default; on other costs a schedule placed for unit costs is replay
   1. B then W on one Linear: after B only x.grad; after W the weight gradient, bitwise a backward's.
   2. 1F1B, ZB-H1 and ZB-V for p ranks and m = 8, simulated; idle time and memory vs the formulas.
   3. A GPT trained 3 steps with zb-h1 and with zbv: every loss equals one process's.
+
+Pictures (``--png zb.png``): zb.png has one row per schedule (ZB-H1, ZB-V), ranks top to bottom,
+boxes coloured by micro-batch (F plain, B hatched //, W hatched xx), labelled where the label fits.
+Left, "executed with known stage costs": the schedule run on blocks that sleep 20 ms for each F, B
+and W (the better of 2 steps), so it shows as placed: ZB-H1's W boxes filling what would be 1F1B's
+idle end, ZB-V's half-size chunks packed almost without grey. Right, "executed on this machine": the GPT's last step,
+gaps and stretched boxes from ranks sharing cores. Each title carries the bubble printed beside it.
+zb_schedules.png stacks the three ideal timelines on one axis, F blue, B orange, W green (ZB-V's
+chunk 1 paler): the grey corners shrink from 1F1B to ZB-H1 to ZB-V.
 """
 import argparse
 from dataclasses import replace
@@ -40,15 +49,18 @@ from minidist.nn import Parameter
 from minidist.optim import SGD
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.step import train_step
-from minidist.parallel.pipeline import (PipelineEngine, PipelineStage, build_schedule, compute_spans, draw_timelines,
+from minidist.parallel.pipeline import (PipelineEngine, PipelineStage, build_schedule, compute_spans,
                                         executed_timeline, format_timeline, gather_spans, placement_of,
                                         split_micro_batches, validate)
+from minidist.parallel.pipeline.known_costs import run_known_costs
+from minidist.parallel.pipeline.timeline import Panel, draw_panels, label_boxes
 
 CONFIG = GPTConfig(n_layer=8, n_head=2, n_embd=32, block_size=16)
 BATCH, MICRO, STEPS = 16, 8, 3
 TOKENS = np.random.default_rng(0).integers(0, 256, size=20_000)
 SCHEDULES = (("1f1b", 1), ("zb-h1", 1), ("zbv", 2))
 COSTS = ((1, 1, 1), (2, 2, 1))  # (T_F, T_B, T_W) of one stage
+SLEEP_MS = 20  # --png: T_F = T_B = T_W of a stage in the run with known stage costs
 
 
 def part1():
@@ -158,6 +170,7 @@ def lesson(world, png=None):
         print(f"\n=== 3. a GPT ({config.n_layer} blocks, float64) trained {STEPS} SGD steps, batch {BATCH} in "
               f"{MICRO} micro-batches, against one process ===")
     expected = reference(config) if world.rank == 0 else None
+    executed = {}
     for name, v in SCHEDULES[1:]:
         losses, spans, engine = train(world, name, v, config)
         worst = max(abs(a - b) / abs(b) for a, b in zip(losses, expected)) if world.rank == 0 else 0.0
@@ -165,13 +178,22 @@ def lesson(world, png=None):
             raise AssertionError(f"{name} differs from one process (rank 0: {worst:.1e})")
         if world.rank == 0:
             print(f"{name:<6} losses {' '.join(f'{x:.10f}' for x in losses)}  matches one process ({worst:.1e})")
+            executed[name] = executed_timeline(spans)
+    # --png: both schedules on blocks that sleep SLEEP_MS (B and W as much): known stage costs, 2 steps
+    known = {name: run_known_costs(world, config, name, MICRO, get_batch(TOKENS, 0, BATCH, 16), v, SLEEP_MS / 1e3)
+             for name, v in SCHEDULES[1:]} if png else {}
     if world.rank == 0 and png:
-        executed = executed_timeline(spans)
-        draw_timelines(png, executed, engine.ideal, f"ZB-V, p={p}, m={MICRO}: executed (last step) vs ideal")
+        print(f"\nbubble of the last step: on this machine (the GPT above), and with known stage costs (blocks "
+              f"that sleep\n{SLEEP_MS} ms for each F, B and W, the better of 2 steps: the engine's scheduler and "
+              "messages, costs that do not\ncompete for the CPU)")
+        for name, _ in SCHEDULES[1:]:
+            print(f"  {name:<6} on this machine {100 * executed[name].bubble():5.1f}%   with known stage costs "
+                  f"{100 * known[name][0].bubble():5.1f}%   ideal {100 * known[name][1].bubble():5.1f}%")
+        draw(png, p, known, executed)
         path = png[:-4] + "_schedules.png" if png.endswith(".png") else png + "_schedules.png"
         draw_schedules(path, ideal, p)
-        print(f"\nZB-V executed vs ideal drawn in {png} (measured bubble {100 * executed.bubble():.1f}%, ideal "
-              f"{100 * engine.ideal.bubble():.1f}%); 1F1B, ZB-H1, ZB-V ideal in {path}")
+        print(f"ZB-H1 and ZB-V executed with known stage costs and on this machine drawn in {png}; 1F1B, ZB-H1, "
+              f"ZB-V ideal in {path}")
     if world.rank == 0:
         print("\nTry:")
         print("  1. MICRO = 4 (m = p; the numbers for p = 4). Expect the same idle time per rank, 1F1B 9, "
@@ -182,6 +204,19 @@ def lesson(world, png=None):
               "a zero-bubble order must be "
               "placed for the real costs.")
         print("Zero-bubble schedules: B + W = backward bitwise; zb-h1 and zbv train as one process does.")
+
+
+def draw(path, p, known, executed):
+    """One row per schedule: left, the step executed with known stage costs (the schedule itself),
+    right, the GPT's last step on this machine; titles carry the bubbles printed above."""
+    rows = [[Panel(known[name][0], f"{name}, executed with known stage costs: bubble "
+                   f"{100 * known[name][0].bubble():.1f}%, ideal {100 * known[name][1].bubble():.1f}%", 1e3),
+             Panel(executed[name], f"{name}, executed on this machine (the GPT, last step): bubble "
+                   f"{100 * executed[name].bubble():.1f}%", 1e3)] for name, _ in SCHEDULES[1:]]
+    draw_panels(path, rows, f"Zero-bubble schedules on {p} ranks, m = {MICRO} micro-batches. Left: blocks that sleep "
+                f"{SLEEP_MS} ms for each F, B and W (the better of 2 steps): the schedule as placed.\nRight: the GPT "
+                "trained above: the schedule plus this machine's waits for cores and messages",
+                "milliseconds of the step")
 
 
 def draw_schedules(path, ideal, p):
@@ -199,8 +234,6 @@ def draw_schedules(path, ideal, p):
                 a = s.action
                 ax.barh(r, (s.end - s.start) / v, left=s.start / v, height=0.8, color=colours[a.op],
                         edgecolor="black", linewidth=0.4, alpha=0.6 if v > 1 and a.stage >= p else 1.0)
-                ax.text((s.start + s.end) / 2 / v, r, f"{a.microbatch}" + (f".{a.stage // p}" if v > 1 else ""),
-                        ha="center", va="center", fontsize=6)
         ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
         ax.invert_yaxis()
         ax.set_title(f"{name}: makespan {tl.makespan / v:g}, bubble {100 * tl.bubble():.1f}%, in flight "
@@ -210,6 +243,8 @@ def draw_schedules(path, ideal, p):
                loc="upper center", fontsize=9, ncol=3)
     axes[-1].set_xlabel("time (stage units: T_F = T_B = T_W = 1; ZB-V's chunks are half stages, paler: chunk 1)")
     fig.tight_layout(rect=(0, 0, 1, 0.95))
+    for ax, (name, v) in zip(axes, SCHEDULES):  # each box: its micro-batch (and chunk), where it fits
+        label_boxes(ax, ideal[name], 1 / v, lambda a, v=v: f"{a.microbatch}" + (f".{a.stage // p}" if v > 1 else ""))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

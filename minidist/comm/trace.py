@@ -9,22 +9,25 @@ notebook: short runs that read them all afterwards); ``Trace(keep=N)`` only the 
 run of any length holds the same memory (``init()`` and the trainer keep :data:`KEEP_RECENT`, enough
 for the flight recorder). Whoever needs every event of a stretch asks for it while it runs:
 ``with trace.capture() as events`` collects them in a list, ``with trace.stream(path)`` writes them
-to a JSON-lines file as they happen (the trainer's ``--trace DIR``).
+to a file as they happen (the trainer's ``--trace DIR``).
+
+Files come in two formats, written and read side by side in ``trace_events.py``: plain JSON lines,
+one object per event (:meth:`Trace.save`, :meth:`Trace.to_bytes`), and compact lines, about a fifth
+of the bytes (:meth:`Trace.stream`); :meth:`Trace.load` and :meth:`Trace.from_bytes` read both.
 """
 from __future__ import annotations
 
 import json
-import math
 import threading
 import time
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
 
+from minidist.comm.trace_events import (FIELDS, KINDS, VALID, CompactWriter, Event, TraceReader,  # noqa: F401
+                                        event_dict, event_from_json, plain_line)
 from minidist.files import create
 
 
-KINDS = ("compute", "collective", "p2p", "wait")  # "wait": blocked on a peer (parameter server)
 PURPOSES = {  # the first word of every call site's label: why it sent what it sent
     "gradient": "gradients: reduced over replicas, completed over tp or tied copies, moved for the update",
     "parameter": "parameters or optimizer state: made the same on every replica, gathered for use, published",
@@ -35,75 +38,11 @@ PURPOSES = {  # the first word of every call site's label: why it sent what it s
 KEEP_RECENT = 4096  # events a long run keeps in memory (init(), the trainer): a few hundred KiB per rank
 
 
-@dataclass
-class Event:
-    """One recorded call. Times are seconds from ``time.perf_counter()``."""
-    op: str
-    group: str
-    algorithm: str
-    nbytes: int
-    start: float
-    end: float
-    seq: int
-    rank: int
-    peer: int | None = None
-    kind: str = "collective"  # one of KINDS
-    thread: int | None = None  # the recording thread's ident: a call on the thread of a compute span blocked it
-    label: str = ""  # why the call site sent it, "<purpose>: <what>" (PURPOSES); "" when the caller gave none
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
-
-
-FIELDS = tuple(f.name for f in fields(Event))
-
-
 def purpose_of(label: str) -> str:
     """The purpose a call site's ``label`` gives ("gradient: ZeRO reduce-scatter" -> "gradient"),
     one of :data:`PURPOSES`, or "" for a call without a label."""
     head = label.split(":", 1)[0]
     return head if head in PURPOSES else ""
-
-
-def event_dict(e: Event) -> dict:
-    """``e`` as a flat dict, field by field (``dataclasses.asdict`` without its deep copies)."""
-    return {name: getattr(e, name) for name in FIELDS}
-
-
-def _whole(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and abs(v) < 2**63
-
-
-def _time(v) -> bool:  # a perf_counter reading: finite, and within 30,000 years of its origin
-    return (_whole(v) or isinstance(v, float) and math.isfinite(v)) and abs(v) <= 1e12
-
-
-VALID = {  # what each field of an event read from JSON may hold
-    "op": lambda v: isinstance(v, str), "group": lambda v: isinstance(v, str),
-    "algorithm": lambda v: isinstance(v, str), "nbytes": lambda v: _whole(v) and v >= 0, "start": _time,
-    "end": _time, "seq": _whole, "rank": _whole, "peer": lambda v: v is None or _whole(v),
-    "kind": lambda v: v in KINDS, "thread": lambda v: v is None or _whole(v), "label": lambda v: isinstance(v, str),
-}
-
-
-def event_from_json(line) -> Event:
-    """The :class:`Event` in one JSON line of :meth:`Trace.to_bytes` (str or bytes); ValueError saying
-    what is wrong when it holds none: not JSON (nested too deep included), not an object, a field
-    missing or unknown, a field holding what it cannot (:data:`VALID`: a time that is not finite...)."""
-    try:
-        d = json.loads(line)
-    except RecursionError as e:
-        raise ValueError("JSON nested too deep") from e
-    if not isinstance(d, dict):
-        raise ValueError(f"a JSON {type(d).__name__}, not an event object")
-    missing, unknown = sorted(set(FIELDS[:8]) - d.keys()), sorted(d.keys() - set(FIELDS))
-    if missing or unknown:
-        raise ValueError(f"{'no field' if missing else 'an unknown field'} {(missing or unknown)[0][:40]!r}")
-    for name, value in d.items():
-        if not VALID[name](value):
-            raise ValueError(f"field {name!r} holds {value!r}"[:200])
-    return Event(**d)
 
 
 class Trace:
@@ -191,16 +130,17 @@ class Trace:
 
     @contextmanager
     def stream(self, path, flush_every: int = 256):
-        """Inside the block, write this rank's events to ``path`` as JSON lines (the :meth:`save`
-        format, what :meth:`load` reads): first the events kept when it opens, then each one as it is
-        recorded. At most ``flush_every`` events wait in the file's buffer, so memory stays flat and
-        a crashed run loses at most that many; the file is complete when the block ends."""
-        lock, unflushed = threading.Lock(), [0]
+        """Inside the block, write this rank's events to ``path`` in the compact format
+        (``trace_events.CompactWriter``: JSON lines, repeated texts as ids, times in nanoseconds;
+        what :meth:`load` and ``python -m minidist.inspect`` read): first the events kept when it
+        opens, then each one as it is recorded. At most ``flush_every`` events wait in the file's
+        buffer, so memory stays flat and a crashed run loses at most that many; the file is complete
+        when the block ends."""
+        lock, unflushed, writer = threading.Lock(), [0], CompactWriter()
         with create(path, text=True) as f:  # never through a link planted at ``path``
             def write(event: Event) -> None:
-                line = json.dumps(event_dict(event)) + "\n"
-                with lock:  # a communication thread may record while the main thread does
-                    f.write(line)
+                with lock:  # a communication thread may record while the main thread does; one writer's ids
+                    f.write(writer.line(event))
                     unflushed[0] += 1
                     if unflushed[0] >= flush_every:
                         f.flush()
@@ -233,14 +173,16 @@ class Trace:
         return "\n".join(lines)
 
     def to_bytes(self) -> bytes:
-        """The events as JSON lines (one event per line, UTF-8): what :meth:`save` writes and what
-        ranks send each other (``ProcessGroup.gather_bytes``)."""
-        return "".join(json.dumps(event_dict(e)) + "\n" for e in list(self.events)).encode()
+        """The events in the plain format (``trace_events.plain_line``: one JSON object per line,
+        UTF-8): what :meth:`save` writes and what ranks send each other (``ProcessGroup.gather_bytes``)."""
+        return "".join(plain_line(e) for e in list(self.events)).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes, rank: int | None = None) -> "Trace":
-        """The trace encoded by :meth:`to_bytes`; ``rank`` defaults to the events' rank."""
-        events = [event_from_json(line) for line in data.decode().splitlines() if line.strip()]
+        """The trace encoded by :meth:`to_bytes` (or written by :meth:`stream`: either format);
+        ``rank`` defaults to the events' rank."""
+        read = TraceReader()
+        events = [e for line in data.decode().splitlines() if line.strip() and (e := read(line)) is not None]
         trace = cls(rank if rank is not None else (events[0].rank if events else 0))
         trace.events = events
         return trace
@@ -252,7 +194,7 @@ class Trace:
 
     @classmethod
     def load(cls, path, rank: int | None = None) -> "Trace":
-        """Read a trace written by :meth:`save`; ``rank`` defaults to the events' rank."""
+        """Read a trace written by :meth:`save` or :meth:`stream`; ``rank`` defaults to the events' rank."""
         with open(path, "rb") as f:
             return cls.from_bytes(f.read(), rank)
 

@@ -7,9 +7,11 @@ writes runs/a/trace.json (all ranks, for https://ui.perfetto.dev) and runs/a/tim
 step per rank: compute per module, communication per mesh axis, idle), and prints the communication
 table (op, group, calls, bytes, time, algbw, busbw, and the label each call site gave: why it sent
 what it sent) with its bytes per purpose, the memory table (each rank's bytes after the
-last step and its peak during it) and, for a mixture of experts, the load per rank and per expert.
+last step and its peak during it), the metrics of a sample of steps and, for a mixture of experts,
+the load per rank and per expert.
 
-A run a crash stopped is read too: the line each rank was writing when it died is skipped, and
+A folder with metrics but no trace (``--out DIR`` without ``--trace DIR``) prints its metrics and
+says how to record a trace. A run a crash stopped is read too: the line each rank was writing when it died is skipped, and
 every complete event drawn; what was skipped is said on stderr. A folder that is not a run (missing,
 empty, a file that is not what it should be) exits with status 2 and one line naming the file.
 """
@@ -20,11 +22,13 @@ from pathlib import Path
 from minidist.files import create
 from minidist.inspect.chrome import merge_chrome_trace
 from minidist.inspect.load import RunError, load_run
-from minidist.inspect.tables import comm_table, format_comm_table, format_expert_load, format_memory, format_purposes
+from minidist.inspect.tables import (comm_table, format_comm_table, format_expert_load, format_memory, format_metrics,
+                                     format_purposes)
 from minidist.inspect.timeline import draw_run_timeline, step_title, step_window
 
 MAX_DRAWN_RANKS = 64  # ranks a timeline draws (one figure of 64 ranks is already 60 inches tall)
 MAX_DRAWN_EVENTS = 20_000  # bars a timeline draws (about 10 s of matplotlib)
+NO_TRACE = "no trace here: add --trace DIR to the training command"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,25 +68,33 @@ def draw(run, step: int, png: Path) -> str:
 
 
 def inspect(args) -> None:
-    """Read ``args.run_dir``, say what was skipped, write the merged trace and the timeline, print the tables."""
+    """Read ``args.run_dir``, say what was skipped, write the merged trace and the timeline, print the
+    tables; for a folder without a trace, its metrics tables and how to record one."""
     run = load_run(args.run_dir)
     for note in run.skipped:
         print(f"minidist.inspect: {note}", file=sys.stderr)
-    print(f"{args.run_dir}: {len(run.traces)} ranks, {sum(len(t.events) for t in run.traces):,} events")
+    print(f"{args.run_dir}: {len(run.traces)} ranks, {sum(len(t.events) for t in run.traces):,} events" if run.traces
+          else f"{args.run_dir}: metrics, no trace")
     if run.metrics:
         first, last = run.metrics[0], run.metrics[-1]
         print(f"steps {first['step']}..{last['step']}: loss {_loss(first.get('loss'))} -> {_loss(last.get('loss'))}")
-    print(f"merged trace: {merge_chrome_trace(run)}  (open in https://ui.perfetto.dev)")
-    print(draw(run, args.step, Path(args.png) if args.png else run.path / "timeline.png"))
-    print("\ncommunication, every event read:")
-    rows = comm_table(run.traces, run.group_members())
-    print(format_comm_table(rows))
-    print(f"by purpose, all ranks together: {format_purposes(rows)}")
-    print("\nmemory:")
-    print(format_memory(run.memory))
+    if run.traces:
+        print(f"merged trace: {merge_chrome_trace(run)}  (open in https://ui.perfetto.dev)")
+        print(draw(run, args.step, Path(args.png) if args.png else run.path / "timeline.png"))
+        print("\ncommunication, every event read:")
+        rows = comm_table(run.traces, run.group_members())
+        print(format_comm_table(rows))
+        print(f"by purpose, all ranks together: {format_purposes(rows)}")
+    if run.traces or run.memory:
+        print("\nmemory:")
+        print(format_memory(run.memory))
+    print("\nmetrics:")
+    print(format_metrics(run.metrics))
     if any("expert_load" in m for m in run.metrics):
         print("\nexperts:")
         print(format_expert_load(run.metrics))
+    if not run.traces:
+        print(f"\n{NO_TRACE}")
 
 
 def main(argv=None) -> int:

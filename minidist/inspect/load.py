@@ -2,10 +2,12 @@
 
 The layout (``write.py`` writes it; ``trace_path`` and ``memory_path`` name the files):
 
-    DIR/trace/rank<r>.jsonl    rank r's trace events, one JSON object per line (``Trace.save``; the
-                               trainer streams them as they happen, ``Trace.stream``), times
-                               straight from ``time.perf_counter()``; an event written before
-                               calls had labels has no "label" and reads as unlabelled ("")
+    DIR/trace/rank<r>.jsonl    rank r's trace events, one per line: the trainer streams them as
+                               they happen in the compact format (``Trace.stream``), ``Trace.save``
+                               writes plain JSON objects; both are read (``comm/trace_events.py``
+                               says how), times straight from ``time.perf_counter()``; an event
+                               written before calls had labels has no "label" and reads as
+                               unlabelled ("")
     DIR/memory/rank<r>.json    rank r's memory rows: {"rank": r, "rows": [{"label": ..., <bytes>...}]}
     DIR/metrics.jsonl          one JSON object per step (written by rank 0)
 
@@ -16,11 +18,13 @@ Everything here is read as untrusted input, with bounds. Only regular files are 
 device named like a trace is refused, never waited on). A JSON-lines file (a trace, the metrics) is
 read line by line, at most :data:`MAX_LINE_BYTES` a line, and only its last bytes when it is larger
 than its share of :data:`MAX_TRACE_BYTES` (or :data:`MAX_METRICS_BYTES`): the last steps, which
-is what a timeline draws. A line that holds no event or row (the last one, cut in half when a crash
+is what a timeline draws (a compact trace's share is a quarter: its events are shorter; read from
+its middle, it decodes from the first segment header on). A line that holds no event or row (the last one, cut in half when a crash
 killed the run; a garbled one; JSON nested deeper than Python's parser goes) is skipped and said
-(``Run.skipped``). A run directory that cannot be read at all (missing, not a folder, no trace, a
-file that is not a regular one, a memory report that is not one) is a :class:`RunError` naming the
-file.
+(``Run.skipped``). A folder with metrics but no trace (a run with ``--out`` and no ``--trace``) reads
+as a run without traces. A run directory that cannot be read at all (missing, not a folder, neither
+trace nor metrics, a file that is not a regular one, a memory report that is not one) is a
+:class:`RunError` naming the file.
 """
 from __future__ import annotations
 
@@ -32,13 +36,15 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from minidist.comm.trace import Trace, event_from_json
+from minidist.comm.trace import Trace
+from minidist.comm.trace_events import COMPACT_START, TraceReader
 from minidist.files import kind_of
 
 MAX_RANKS = 1024  # trace files a run directory may hold
-MAX_TRACE_BYTES = 128 << 20  # of trace lines read over all ranks (about 600,000 events): each file's end
+MAX_TRACE_BYTES = 128 << 20  # of plain trace lines read over all ranks (about 600,000 events): each file's end
+COMPACT_SHARE = 4  # a compact trace is read to a quarter of that: its events are about a fifth as long
 MAX_METRICS_BYTES = 32 << 20  # of metrics.jsonl read: its end
-MAX_LINE_BYTES = 1 << 20  # an event is about 250 bytes, a metrics row a few KiB
+MAX_LINE_BYTES = 1 << 20  # a plain event is about 250 bytes, a compact one 50, a metrics row a few KiB
 MAX_REPORT_BYTES = 16 << 20  # one memory report
 RANK = r"rank(0|[1-9][0-9]{0,8})\."  # rank0.<ext> ... rank999999999.<ext>: one spelling per rank
 
@@ -59,9 +65,9 @@ def memory_path(run_dir, rank: int) -> Path:
 
 @dataclass
 class Run:
-    """One run directory, read: ``traces`` in rank order, ``metrics`` (one dict per step),
-    ``memory`` ({rank: rows}), ``skipped`` (what was not read, one line each: lines cut by a crash,
-    garbled lines, the beginning of a file too large). Times are the ranks' raw ``perf_counter``
+    """One run directory, read: ``traces`` in rank order (none for a folder with only metrics),
+    ``metrics`` (one dict per step), ``memory`` ({rank: rows}), ``skipped`` (what was not read, one
+    line each: lines cut by a crash, garbled lines, the beginning of a file too large). Times are the ranks' raw ``perf_counter``
     readings (one machine: one clock)."""
     path: Path
     traces: list[Trace]
@@ -129,14 +135,17 @@ def _lines(f, size: int):
             yield line, line.endswith(b"\n")
 
 
-def read_json_lines(path: Path, budget: int, parse, skipped: list[str]) -> list:
-    """``parse(line)`` of each line of regular file ``path`` (blank lines aside), reading at most its
-    last ``budget`` bytes. A line ``parse`` refuses (ValueError) is skipped; what was skipped is
-    appended to ``skipped``, one line per kind: the beginning of a file over budget, an incomplete
-    last line (a crash cut it), garbled lines (the first reason given)."""
+def read_json_lines(path: Path, budget: int, parser, skipped: list[str]) -> list:
+    """What ``parse(line)`` makes of each line of regular file ``path`` (blank lines aside, and lines
+    it makes None of), reading at most its last ``budget`` bytes, where ``parse = parser(from_middle)``
+    (``from_middle``: whether the lines read start in the middle of the file). A line ``parse``
+    refuses (ValueError) is skipped; what was skipped is appended to ``skipped``, one line per kind:
+    the beginning of a file over budget, an incomplete last line (a crash cut it), garbled lines
+    (the first reason given)."""
     kept, garbled, first_reason, cut = [], 0, "", False
     with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
+        parse = parser(size > budget)
         if size > budget:
             f.seek(size - budget - 1)
             partial = f.read(1) != b"\n"  # the window starts inside a line: drop that line
@@ -154,7 +163,8 @@ def read_json_lines(path: Path, budget: int, parse, skipped: list[str]) -> list:
             try:
                 if line is None:
                     raise ValueError(f"longer than {MAX_LINE_BYTES >> 20} MiB")
-                kept.append(parse(line))
+                if (item := parse(line)) is not None:
+                    kept.append(item)
             except ValueError as e:
                 if not ended:
                     cut = True
@@ -228,9 +238,15 @@ def read_memory_report(path: Path, columns: list | None) -> tuple[list[dict], li
     return rows, columns
 
 
+def _compact(path: Path) -> bool:
+    """Whether trace file ``path`` starts as the compact format does (``Trace.stream``)."""
+    with open_regular(path) as f:
+        return f.read(len(COMPACT_START)) == COMPACT_START
+
+
 def load_run(run_dir) -> Run:
-    """Read ``run_dir`` (see the module docstring). Raises FileNotFoundError when it is missing or
-    holds no trace, :class:`RunError` when a file cannot be read at all; lines that hold nothing are
+    """Read ``run_dir`` (see the module docstring; ``Run.traces`` is empty for a folder with metrics
+    and no trace). Raises FileNotFoundError when it is missing or holds neither, :class:`RunError` when a file cannot be read at all; lines that hold nothing are
     skipped and listed in ``Run.skipped``."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -238,17 +254,19 @@ def load_run(run_dir) -> Run:
             raise RunError(f"{run_dir} is {kind_of(os.stat(run_dir).st_mode)}, not a run folder")
         raise FileNotFoundError(f"{run_dir}: no such folder (run the trainer with --trace {run_dir})")
     ranked = _ranked(run_dir / "trace", "jsonl")
-    if not ranked:
-        raise FileNotFoundError(f"{run_dir} holds no trace/rank<r>.jsonl (run the trainer with --trace {run_dir})")
+    if not ranked and not os.path.lexists(run_dir / "metrics.jsonl"):
+        raise FileNotFoundError(f"{run_dir} holds no trace/rank<r>.jsonl and no metrics.jsonl "
+                                f"(run the trainer with --trace {run_dir} --out {run_dir})")
     skipped: list[str] = []
     traces = []
     for r, p in ranked:
+        share = MAX_TRACE_BYTES // len(ranked)
         trace = Trace(r)
-        trace.events = read_json_lines(p, MAX_TRACE_BYTES // len(ranked), event_from_json, skipped)
+        trace.events = read_json_lines(p, share // COMPACT_SHARE if _compact(p) else share, TraceReader, skipped)
         traces.append(trace)
     metrics = []
     if os.path.lexists(run_dir / "metrics.jsonl"):
-        metrics = read_json_lines(run_dir / "metrics.jsonl", MAX_METRICS_BYTES, metrics_row, skipped)
+        metrics = read_json_lines(run_dir / "metrics.jsonl", MAX_METRICS_BYTES, lambda _: metrics_row, skipped)
         width = next((len(m["expert_rows"]) for m in metrics if "expert_load" in m), None)
         odd = sum("expert_load" in m and len(m["expert_rows"]) != width for m in metrics)
         if odd:  # the expert table averages expert_rows over the steps: one count of ranks

@@ -1,4 +1,4 @@
-"""The communication table and the memory table of a run.
+"""The communication table, the memory table and the metrics table of a run.
 
 The communication table is nccl-tests' view of a whole run: one row per (op, group, label) with the
 calls, bytes and time of one rank, and two bandwidths; the label is why the calls were made, as
@@ -8,6 +8,8 @@ the hardware's bandwidth whatever the group size n: an all-reduce of N bytes sen
 rank, a reduce-scatter or all-gather (n-1)/n N, a broadcast, a reduce or a point-to-point message N.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -88,6 +90,46 @@ def format_memory(memory: dict[int, list[dict]]) -> str:
     """Every rank's memory rows as one table (``format_memory_table``), labelled ``rank r: label``."""
     rows = [{**row, "label": f"rank {rank}: {row['label']}"} for rank in sorted(memory) for row in memory[rank]]
     return format_memory_table(rows) if rows else "(no memory files)"
+
+
+def _cell(v) -> str:
+    """A metrics value as a table cell: whole numbers as they are, large ones with thousands
+    separators, small ones in scientific notation, the rest to 4 decimals; null for a non-finite
+    step's null."""
+    if v is None:
+        return "null"
+    if isinstance(v, int):
+        return f"{v:,}" if abs(v) >= 10_000 else str(v)
+    if abs(v) >= 1000:
+        return f"{v:,.0f}"
+    return f"{v:.2e}" if 0 < abs(v) < 0.01 else f"{v:.4f}"
+
+
+def _number(v) -> bool:
+    return v is None or isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and abs(v) < 2**63
+
+
+def format_metrics(metrics: list[dict], max_rows: int = 11, max_columns: int = 8) -> str:
+    """The metrics rows (``metrics.jsonl``) as a table: one row per step for at most ``max_rows``
+    steps (the first, the last and evenly between), one column per number the rows hold (loss,
+    val_loss, lr, grad_norm, tokens_per_s, ...; at most ``max_columns``, in the order they first
+    appear; a blank cell where a step has none, as val_loss between evaluations)."""
+    if not metrics:
+        return "(no metrics rows)"
+    columns: list[str] = []
+    for row in metrics:
+        columns += [k for k, v in row.items() if k != "step" and k not in columns and _number(v)]
+    columns = columns[:max_columns]
+    picked = sorted(set(np.linspace(0, len(metrics) - 1, min(max_rows, len(metrics))).round().astype(int)))
+    names = ["step"] + ["".join(c if c.isprintable() else "?" for c in k[:20]) for k in columns]
+    cells = [[_cell(metrics[i]["step"])] + [_cell(metrics[i][k]) if _number(metrics[i].get(k, "")) else ""
+                                            for k in columns] for i in picked]
+    widths = [max(len(n), *(len(r[j]) for r in cells)) for j, n in enumerate(names)]
+    lines = ["  ".join(f"{n:>{w}}" for n, w in zip(names, widths))]
+    lines += ["  ".join(f"{c:>{w}}" for c, w in zip(r, widths)) for r in cells]
+    if len(picked) < len(metrics):
+        lines.append(f"({len(picked)} of {len(metrics)} steps shown)")
+    return "\n".join(lines)
 
 
 def format_expert_load(metrics: list[dict]) -> str:

@@ -1,25 +1,30 @@
 """Draw one training step of every rank: compute per module, communication per mesh axis, and the
 idle time between.
 
-Two rows per rank. Compute: the passes (forward blue, backward orange, weight red, optimizer green;
-pipeline spans are labelled with their micro-batch, F3 / B3), cut into their module spans
-(inspect/spans.py: embedding, h.0 ... head, outlined and named where there is room), with the time the
-rank sat blocked inside a collective it called from that thread cut OUT of compute: there it was
-communicating. Communication: one colour per mesh axis of the call's group (dp, tp, pp, cp, ep,
-world; ``accounting.axis_of``), so tensor parallelism's all-reduces and data parallelism's read
-apart. The grey behind them is time the rank did neither: idle, waiting. A step is cut out of the
-trace by the "optimizer" compute spans: step k runs from the end of the optimizer of step k-1 to the
-end of the optimizer of step k. (For the executed-vs-ideal picture of a pipeline schedule, see
+Two rows per rank. Compute, in three bands: on top each pass, whole (forward blue, backward orange,
+weight red, optimizer green; pipeline spans are labelled with their micro-batch, F3 / B3); below it,
+the same colour where the rank computed, with the time it sat blocked inside a collective it called
+from that thread cut OUT (there it was communicating); at the bottom its module spans
+(inspect/spans.py: embedding, h.0 ... head), thin outlined bands in a tint of their pass, named
+where there is room, so they never hide the pass. Communication: one colour per mesh axis of the
+call's group (dp, tp, pp, cp, ep, world; ``accounting.axis_of``), so tensor parallelism's
+all-reduces and data parallelism's read apart. The grey behind them is time the rank did neither:
+idle, waiting. The legend lists only what the picture holds, and every text is black or white,
+whichever contrasts more with the colour under it (``colors.py``). A step is cut out of the trace
+by the "optimizer" compute spans: step k runs from the end of the optimizer of step k-1 to the end
+of the optimizer of step k. (For the executed-vs-ideal picture of a pipeline schedule, see
 ``minidist/parallel/pipeline/timeline.py``.)
 """
 from __future__ import annotations
 
 from minidist.inspect.accounting import axis_of
+from minidist.inspect.colors import text_color, tint
 from minidist.inspect.spans import is_module_span
 
 COMPUTE_COLORS = {"forward": "#4e79a7", "backward": "#f28e2b", "weight": "#e15759", "optimizer": "#59a14f"}
 AXIS_COLORS = {"tp": "#b07aa1", "dp": "#76b7b2", "pp": "#edc948", "cp": "#ff9da7", "ep": "#9c755f",
                "world": "#555555"}
+OTHER, IDLE = "#bab0ac", "#e6e6e6"  # a compute span or axis without a colour of its own; neither computing nor sending
 
 
 def step_title(step: int) -> str:
@@ -111,10 +116,17 @@ def _label(e) -> str:
     return ""
 
 
-def draw_run_timeline(path, traces, window: tuple[float, float] | None = None, title: str = "") -> None:
-    """Save a PNG of ``traces`` (one per rank, clocks shared) inside ``window`` (default: all of
-    it), in milliseconds from the window's start; each rank's label gives its compute, blocked
-    (communicating) and idle fractions."""
+def _occurring(inside_by_rank, module: bool) -> list[str]:
+    """The compute ops drawn (passes; or the passes whose modules are drawn), in legend order."""
+    ops = {e.algorithm if module else e.op for inside in inside_by_rank for e in inside
+           if e.kind == "compute" and is_module_span(e) == module}
+    known = [op for op in COMPUTE_COLORS if op in ops]
+    return known + (["other compute"] if ops - set(known) else [])
+
+
+def timeline_figure(traces, window: tuple[float, float] | None = None, title: str = ""):
+    """The matplotlib figure :func:`draw_run_timeline` saves. Every text drawn on a colour carries
+    that colour as its gid ("on #rrggbb"), so its contrast can be checked."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -124,35 +136,38 @@ def draw_run_timeline(path, traces, window: tuple[float, float] | None = None, t
         window = (min(e.start for e in events), max(e.end for e in events))
     lo, hi = window
     ms = lambda t: 1e3 * (t - lo)  # noqa: E731
-    axes = sorted({axis_of(e.group) for t in traces for e in t.events
-                   if e.kind != "compute" and e.end > lo and e.start < hi}, key=lambda a: (a not in AXIS_COLORS, a))
-    axis_colors = {a: AXIS_COLORS.get(a, "#bab0ac") for a in axes}
-    fig, ax = plt.subplots(figsize=(14, 1.0 + 0.9 * len(traces)))
+    inside_by_rank = [[e for e in t.events if e.end > lo and e.start < hi] for t in traces]
+    axes = sorted({axis_of(e.group) for inside in inside_by_rank for e in inside if e.kind != "compute"},
+                  key=lambda a: (a not in AXIS_COLORS, a))
+    axis_colors = {a: AXIS_COLORS.get(a, OTHER) for a in axes}
+    fig, ax = plt.subplots(figsize=(14, 1.2 + 1.1 * len(traces)))
+
+    def text(left, width, y, s, background, size):  # centred on a box, if it fits (a 14-inch figure: ~860 pt wide)
+        if width / ms(hi) * 860 >= (len(s) + 1) * 0.6 * size:
+            ax.text(left + width / 2, y, s, ha="center", va="center", fontsize=size, color=text_color(background),
+                    gid=f"on {background}", clip_on=True)
+
     ticks, names = [], []
-    for r, t in enumerate(traces):
-        inside = [e for e in t.events if e.end > lo and e.start < hi]
+    for r, (t, inside) in enumerate(zip(traces, inside_by_rank)):
         cuts = blocked(inside)
         y = 2 * r
-        ax.barh(y + 0.5, ms(hi), left=0, height=1.9, color="#e6e6e6")  # idle unless covered
+        ax.barh(y + 0.5, ms(hi), left=0, height=1.9, color=IDLE)  # idle unless covered
         for e in inside:
+            start, width = ms(max(e.start, lo)), ms(min(e.end, hi)) - ms(max(e.start, lo))
             if e.kind == "compute" and not is_module_span(e):
-                for a, b in _minus(_clip([(e.start, e.end)], window), cuts):  # blocked time is not compute
-                    ax.barh(y, ms(b) - ms(a), left=ms(a), height=0.8, color=COMPUTE_COLORS.get(e.op, "#bab0ac"),
-                            linewidth=0)
-                start, width = ms(max(e.start, lo)), ms(min(e.end, hi)) - ms(max(e.start, lo))
-                if _label(e) and width > ms(hi) * 0.015:
-                    ax.text(start + width / 2, y - 0.25, _label(e), ha="center", va="center", fontsize=6, color="white")
-            elif e.kind != "compute":
-                start, width = ms(max(e.start, lo)), ms(min(e.end, hi)) - ms(max(e.start, lo))
+                color = COMPUTE_COLORS.get(e.op, OTHER)
+                ax.barh(y - 0.3, width, left=start, height=0.3, color=color, linewidth=0)  # the whole pass
+                for a, b in _minus(_clip([(e.start, e.end)], window), cuts):  # computing: not blocked in a call
+                    ax.barh(y, ms(b) - ms(a), left=ms(a), height=0.3, color=color, linewidth=0)
+                if _label(e):
+                    text(start, width, y - 0.3, _label(e), color, 6)
+            elif is_module_span(e):  # a thin band below its pass, tinted by the pass, outlined
+                color = tint(COMPUTE_COLORS.get(e.algorithm, OTHER), 0.75)
+                ax.barh(y + 0.31, width, left=start, height=0.26, color=color, edgecolor="#333333", linewidth=0.4)
+                text(start, width, y + 0.31, "emb" if e.op == "embedding" else e.op, color, 5.5)
+            else:
                 ax.barh(y + 1, width, left=start, height=0.8, color=axis_colors[axis_of(e.group)],
                         edgecolor="black", linewidth=0.3)
-        for e in inside:  # module spans: outlined on top, named where they are wide enough
-            if is_module_span(e):
-                start, width = ms(max(e.start, lo)), ms(min(e.end, hi)) - ms(max(e.start, lo))
-                ax.barh(y, width, left=start, height=0.8, fill=False, edgecolor="black", linewidth=0.4)
-                if width > ms(hi) * 0.012:
-                    name = "emb" if e.op == "embedding" else e.op
-                    ax.text(start + width / 2, y + 0.15, name, ha="center", va="center", fontsize=5.5, color="black")
         busy = busy_seconds(inside, window) / (hi - lo)
         computing = compute_seconds(inside, window) / (hi - lo)
         ticks += [y, y + 1]
@@ -161,12 +176,30 @@ def draw_run_timeline(path, traces, window: tuple[float, float] | None = None, t
     ax.set_yticks(ticks, names, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlim(0, ms(hi))
-    ax.set_xlabel("milliseconds (grey: neither computing nor communicating; boxes inside compute: modules; "
-                  "gaps in compute: blocked in a collective)")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in list(COMPUTE_COLORS.values()) + list(axis_colors.values())]
-    ax.legend(handles, list(COMPUTE_COLORS) + [f"{a} comm" for a in axis_colors], loc="lower center",
-              bbox_to_anchor=(0.5, 1.0), ncol=min(10, len(handles)), fontsize=8, frameon=False)
+    ax.set_xlabel("milliseconds. Compute row: the pass on top (F3: forward of micro-batch 3), full height while "
+                  "computing, the top alone while blocked in a collective; its modules below, outlined. "
+                  "Grey: idle", fontsize=8)
+    passes, modules = _occurring(inside_by_rank, False), _occurring(inside_by_rank, True)
+    entries = [(op, plt.Rectangle((0, 0), 1, 1, color=COMPUTE_COLORS.get(op, OTHER))) for op in passes]
+    entries += [(f"{op} modules" if op != "other compute" else "other modules",
+                 plt.Rectangle((0, 0), 1, 1, facecolor=tint(COMPUTE_COLORS.get(op, OTHER), 0.75), edgecolor="#333333",
+                               linewidth=0.4)) for op in modules]
+    entries += [(f"{a} comm", plt.Rectangle((0, 0), 1, 1, color=c)) for a, c in axis_colors.items()]
+    if entries:
+        ax.legend([h for _, h in entries], [name for name, _ in entries], loc="lower center",
+                  bbox_to_anchor=(0.5, 1.0), ncol=min(10, len(entries)), fontsize=8, frameon=False)
     fig.suptitle(title, fontsize=10, x=0.01, ha="left")
     fig.tight_layout()
+    return fig
+
+
+def draw_run_timeline(path, traces, window: tuple[float, float] | None = None, title: str = "") -> None:
+    """Save a PNG of ``traces`` (one per rank, clocks shared) inside ``window`` (default: all of
+    it), in milliseconds from the window's start; each rank's label gives its compute, blocked
+    (communicating) and idle fractions. The legend names only what is drawn; every text is black
+    or white, whichever reads better on its colour (``colors.text_color``)."""
+    import matplotlib.pyplot as plt
+
+    fig = timeline_figure(traces, window, title)
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,7 +1,8 @@
 """Write a run directory for ``python -m minidist.inspect`` (the layout is in ``load.py``).
 
-Each rank writes its own files, so nothing is sent: ``write_trace`` the trace events it holds,
-``stream_trace`` every event of a run as it happens (memory stays flat however long the run),
+Each rank writes its own files, so nothing is sent: ``write_trace`` the trace events it holds (plain
+JSON lines), ``stream_trace`` every event of a run as it happens (the compact format, a fifth of the
+bytes; memory stays flat however long the run),
 ``write_memory_report`` the bytes it holds.
 """
 from __future__ import annotations
@@ -26,8 +27,9 @@ def write_trace(run_dir, trace) -> None:
 @contextmanager
 def stream_trace(run_dir, trace):
     """Inside the block, write every event ``trace`` records (after the ones it keeps already) to
-    ``run_dir/trace/rank<r>.jsonl`` as it happens (``Trace.stream``): the same file as
-    :func:`write_trace`, complete when the block ends, with only a bounded buffer in memory."""
+    ``run_dir/trace/rank<r>.jsonl`` as it happens (``Trace.stream``, in the compact format): the
+    file :func:`write_trace` writes in the plain one, complete when the block ends, with only a
+    bounded buffer in memory."""
     path = trace_path(run_dir, trace.rank)
     real_folder(path.parent)
     with trace.stream(path):

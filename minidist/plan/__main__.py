@@ -8,7 +8,8 @@
         --dtype float32 --hardware local --json
 
 Without ``--model`` the model is minidist's default GPT (2 layers, 64 wide, 4 heads, 256 bytes of
-vocabulary, 64 tokens); the shape flags override a preset's. A configuration that cannot run exits
+vocabulary, 64 tokens; learned positions for ``--seq`` tokens when it is given); the shape flags
+override a preset's. A preset may be spelled as it is usually written (``llama-3-70b``, ``Llama-3-70B``). A configuration that cannot run exits
 with status 2 and every reason; so does one that is more work than the planner does (a schedule too
 long to simulate, a search that would take more than a minute: ``limits.py``, ``search.py``).
 """
@@ -37,10 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m minidist.plan", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     m = p.add_argument_group("model")
-    m.add_argument("--model", help=f"a preset: {', '.join(PRESETS)} (default: minidist's GPT)")
+    m.add_argument("--model", help=f"a preset: {', '.join(PRESETS)}, in any case, dashes and underscores optional "
+                                   "(llama-3-70b, Llama_3_70B) (default: minidist's GPT)")
     for flag, what in (("--n-layer", "blocks"), ("--n-embd", "width h"), ("--n-head", "attention heads"),
                        ("--vocab", "vocabulary size"), ("--n-kv-head", "key/value heads (GQA)"),
-                       ("--ffn", "MLP width (default 4h)"), ("--block-size", "learned positions' table length"),
+                       ("--ffn", "MLP width (default 4h)"),
+                       ("--block-size", "learned positions' table length (default: a preset's; else --seq, or 64)"),
                        ("--n-experts", "experts per MoE block"), ("--top-k", "experts per token")):
         m.add_argument(flag, type=int, help=what)
     r = p.add_argument_group("run")
@@ -58,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--virtual-stages", type=int, default=1)
     r.add_argument("--cp-algorithm", default="ring", choices=["ring", "zigzag", "ulysses"])
     r.add_argument("--dropout", action="store_true", help="Korthikanti et al.'s activations (with dropout masks)")
-    r.add_argument("--offload", default="none", choices=OFFLOAD_CHOICES)
+    r.add_argument("--offload", default="none", choices=OFFLOAD_CHOICES, metavar='{none,optimizer,"optimizer,params"}')
     r.add_argument("--offload-to", default="host", choices=["host", "disk"])
     h = p.add_argument_group("machine and output")
     h.add_argument("--hardware", default="h100", choices=[*PROFILES, "local"])
@@ -77,11 +80,16 @@ def parse_args(argv=None):
 
 
 def model_of(args) -> ModelSpec:
+    """The model of ``args``: a preset (``--model``) or minidist's GPT, with the shape flags given. A
+    custom shape (no preset) has as many learned positions as ``--seq`` unless ``--block-size`` says
+    (minidist's GPT learns one position per token of its block); a preset keeps its published table."""
     base = preset(args.model) if args.model else MINIDIST_DEFAULT
-    model = with_shape(base, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, vocab_size=args.vocab,
-                       n_kv_head=args.n_kv_head, ffn=args.ffn, block_size=args.block_size, n_experts=args.n_experts,
-                       top_k=args.top_k)
-    return model
+    block_size = args.block_size
+    if block_size is None and not args.model and args.seq is not None and not flag_problems({"seq": args.seq}):
+        block_size = args.seq  # an out-of-range --seq is refused by its own name, not as a block size too
+    return with_shape(base, n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, vocab_size=args.vocab,
+                      n_kv_head=args.n_kv_head, ffn=args.ffn, block_size=block_size, n_experts=args.n_experts,
+                      top_k=args.top_k)
 
 
 def run_of(args, model: ModelSpec) -> RunSpec:

@@ -106,5 +106,6 @@ def layout_problems(model, run: RunSpec) -> list[str]:
     if run.offload_to not in OFFLOAD_TO:
         found.append(f"--offload-to must be one of {', '.join(OFFLOAD_TO)}, got {run.offload_to!r}")
     if model.positions == "learned" and run.seq > model.block_size:
-        found.append(f"the sequence of {run.seq} is longer than the model's {model.block_size} learned positions")
+        found.append(f"the sequence of {run.seq} is longer than the model's {model.block_size} learned positions: "
+                     f"a shorter --seq, or --block-size {run.seq}")
     return found or work_problems(model, run)

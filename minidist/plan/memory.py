@@ -36,6 +36,7 @@ the schedule's own simulator says how many (``Timeline.peak_held``).
 """
 from __future__ import annotations
 
+import dataclasses
 from functools import lru_cache
 
 from minidist.inspect import accounting
@@ -202,12 +203,19 @@ def pipeline_schedule(name: str, pp: int, micro_batches: int, virtual_stages: in
 
 def activation_bytes(model: ModelSpec, run: RunSpec) -> list[float]:
     """Per pipeline rank, the peak activation bytes it holds: one micro-batch's without a pipeline
-    (gradient accumulation frees each before the next), else the schedule's in-flight ones."""
+    (gradient accumulation frees each before the next), else the schedule's in-flight ones. The same
+    for every ZeRO stage, optimizer and offload (a search asks once for all of them)."""
+    return list(_activation_bytes(model, dataclasses.replace(run, zero=0, optimizer="adamw", offload="none",
+                                                             offload_to="host")))
+
+
+@lru_cache(maxsize=4096)
+def _activation_bytes(model: ModelSpec, run: RunSpec) -> tuple[float, ...]:
     weights = stage_weights(model, run)
     if run.pp == 1:
-        return [weights[0]]
+        return (weights[0],)
     _, timeline = pipeline_schedule(run.schedule, run.pp, run.micro_batches, run.virtual_stages)
-    return timeline.peak_held(weights.__getitem__)  # its held counts computed once per schedule
+    return tuple(timeline.peak_held(weights.__getitem__))  # its held counts computed once per schedule
 
 
 def working_bytes(model: ModelSpec, run: RunSpec, pp_rank: int = 0) -> float:

@@ -13,6 +13,8 @@ norms, position embeddings and the row-parallel biases stay whole on every rank.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -76,11 +78,28 @@ PRESETS = {  # published shapes: GPT-2 (Radford et al. 2019), GPT-3 (Brown et al
 ALIASES = {"gpt2-124m": "gpt2", "gpt2-350m": "gpt2-medium", "gpt2-774m": "gpt2-large", "gpt2-1.5b": "gpt2-xl"}
 
 
+def spelling(name: str) -> str:
+    """``name`` as the presets are looked up: lower case, without dashes, underscores, spaces or dots
+    but a dot between digits (``Llama-3-70B``, ``llama_3_70b`` and ``llama3-70b`` are ``llama370b``;
+    ``GPT2-1.5B`` keeps its ``1.5``)."""
+    return re.sub(r"[-_\s]+|(?<!\d)\.|\.(?!\d)", "", name.lower())
+
+
+SPELLINGS = {spelling(name): key for key in PRESETS for name in (key, *[a for a, k in ALIASES.items() if k == key])}
+assert len(SPELLINGS) == len(PRESETS) + len(ALIASES), "two presets or aliases are spelled alike"
+
+
 def preset(name: str) -> ModelSpec:
-    """The preset called ``name`` (case-insensitive; GPT-2's sizes also by parameter count)."""
-    key = ALIASES.get(name.lower(), name.lower())
-    if key not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; choose one of {', '.join(list(PRESETS) + list(ALIASES))}")
+    """The preset called ``name``, in any natural spelling (:func:`spelling`: case, dashes,
+    underscores, dots); GPT-2's sizes also by parameter count. An unknown name raises ValueError
+    listing the presets (and the nearest, when one is close)."""
+    key = SPELLINGS.get(spelling(name))
+    if key is None:
+        names = list(PRESETS) + list(ALIASES)
+        near = difflib.get_close_matches(spelling(name), SPELLINGS, n=1, cutoff=0.75)
+        hint = f" (did you mean {SPELLINGS[near[0]]}?)" if near else ""
+        raise ValueError(f"unknown model preset {name!r}{hint}; choose one of {', '.join(names)} "
+                         "(any case; dashes, underscores and dots optional)")
     return PRESETS[key]
 
 
@@ -122,6 +141,7 @@ def block_numel(m: ModelSpec, t: int = 1, layer: int = 0, ep: int = 1) -> dict:
     return {"dense": dense + router, "experts": m.n_experts // ep * _mlp(m, t)}
 
 
+@lru_cache(maxsize=256)
 def parameter_count(m: ModelSpec) -> int:
     """Every parameter of the model once (tied embeddings once)."""
     blocks = sum(sum(block_numel(m, 1, i).values()) for i in range(m.n_layer))
@@ -129,6 +149,7 @@ def parameter_count(m: ModelSpec) -> int:
     return m.vocab_size * m.n_embd * (1 if m.tied else 2) + positions + blocks + _norm(m)
 
 
+@lru_cache(maxsize=256)
 def active_parameters(m: ModelSpec) -> int:
     """The parameters one token's matmuls use: every matrix but the input embedding lookup (tied: the
     matrix counts once, as the LM head) and the position table; of each expert layer top_k experts."""

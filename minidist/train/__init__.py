@@ -5,6 +5,8 @@
     folders.py         every output path checked at start-up; the checkpoint and offload folders held
     build.py           the device, the data, this rank's model part, optimizer, gradient sync, engine
     loop.py            the training loop (one step under any layout: minidist/parallel/step.py)
+    progress.py        rank 0's progress: a bar on a terminal, else a line every few seconds
+    stopping.py        Ctrl-C, SIGTERM, SIGHUP: every rank stops, rank 0 says how far (exit 128 + n)
     outputs.py         metrics, exports, trace files, the sample
     divergence.py      a NaN or inf loss stops the run (exit status 5), never a checkpoint of it
     explain.py         --explain: who holds what and sends what in the first step

@@ -153,7 +153,7 @@ def with_hf_model(cfg):
     return dataclasses.replace(cfg, **{f: getattr(config, f) for f in HF_MODEL_FIELDS})
 
 
-def build_model(cfg, tp_group=None, cp_group=None, ep_group=None):
+def build_model(cfg, tp_group=None, cp_group=None, ep_group=None, announce: bool = False):
     """A byte-level GPT (vocab 256) of the configured size, initialised from ``cfg.seed``; with
     ``cfg.tp > 1`` this rank's tensor-parallel shard of it over ``tp_group`` (the whole GPT is built,
     then cut: minidist/parallel/tensor/apply.py); with ``cfg.cp > 1`` running on this rank's tokens of
@@ -163,7 +163,8 @@ def build_model(cfg, tp_group=None, cp_group=None, ep_group=None):
     (the same values on any device), then moved to ``cfg.device``. With ``cfg.init_from_hf`` the
     GPT of that Hugging Face folder (its vocabulary, tied or untied head) holding its weights:
     every rank reads the whole file, and tensor parallelism then keeps its part (the checkpoints'
-    split rule; vocabulary padding rows zero). Sends nothing."""
+    split rule; vocabulary padding rows zero), and with ``announce`` (global rank 0) says so in one
+    line. Sends nothing."""
     state = None
     if cfg.init_from_hf is not None:
         try:
@@ -179,6 +180,11 @@ def build_model(cfg, tp_group=None, cp_group=None, ep_group=None):
     model = GPT(config, seed=cfg.seed, dtype=dtype)
     if state is not None:
         load_full_state(model, state)
+        if announce:
+            print(f"initialised from {cfg.init_from_hf}: {sum(p.data.size for p in model.parameters()):,} parameters "
+                  f"of a Hugging Face GPT-2 ({config.n_layer} layers, {config.n_head} heads, {config.n_embd} wide, "
+                  f"vocabulary {config.vocab_size}, {config.block_size} positions"
+                  + (", tied embeddings)" if config.tie_embeddings else ", untied head)"), flush=True)
     if cfg.tp > 1:
         tensor_parallel(model, tp_group, sequence_parallel=cfg.sequence_parallel)
     if cfg.cp > 1:
@@ -231,7 +237,7 @@ def build_parallel(cfg, mesh):
     ``cfg.offload_dir`` (minidist/parallel/zero/offload.py); else SGD / AdamW and ``dp`` a DataParallel, and with ``--dtype
     float16 / bfloat16`` ``amp`` the MixedPrecision whose float32 masters the optimizer updates.
     ``engine``: the PipelineEngine running ``cfg.schedule`` (None without pipeline parallelism)."""
-    model = build_model(cfg, mesh.tp_group, mesh.cp_group, mesh.ep_group)
+    model = build_model(cfg, mesh.tp_group, mesh.cp_group, mesh.ep_group, announce=mesh.rank == 0)
     if cfg.recompute:
         recompute_blocks(model)
     if cfg.pp > 1:

@@ -8,7 +8,9 @@ the planner and the support matrix ask too) about :func:`layout_of` its config, 
 the trainer's own (its other numbers, paths, checkpoints, the parameter-server mode, Hugging Face).
 """
 import argparse
+import contextlib
 import dataclasses
+import io
 import math
 
 from minidist.amp import COMPUTE_DTYPES
@@ -36,7 +38,7 @@ class TrainConfig:
     # optimizer and schedule
     optimizer: str = "adamw"
     lr: float = 3e-3
-    min_lr: float = 3e-4
+    min_lr: float | None = None  # None: MIN_LR, or --lr where that is lower (__post_init__)
     warmup: int = 20
     momentum: float = 0.9
     weight_decay: float = 0.1
@@ -95,6 +97,16 @@ class TrainConfig:
     fail_at_step: int = -1
     fail_rank: int = 0
 
+    def __post_init__(self):
+        """An unset --min-lr is :data:`MIN_LR`, or --lr where that is lower: the cosine never rises,
+        so ``--lr 0`` (evaluate or convert a model without moving it) keeps a learning rate of 0."""
+        if self.min_lr is None:
+            lower = isinstance(self.lr, (int, float)) and 0 <= self.lr < MIN_LR
+            self.min_lr = self.lr if lower else MIN_LR
+
+
+MIN_LR = 3e-4  # where the cosine decay ends when --min-lr is not given (and --lr is not lower)
+
 
 def runs_zero_optimizer(cfg) -> bool:
     """Whether ``cfg`` trains with ZeRO's optimizer (minidist/parallel/zero/optimizer.py): a ZeRO stage, or
@@ -107,14 +119,13 @@ class ConfigError(ValueError):
     before any communication."""
 
 
-# The values each numeric flag that is not the layout's may take, as an interval: "[" and "]" include
-# the bound, "(" and ")" exclude it, so an open end at inf refuses inf too, and nan is in no interval.
-# (The layout's numbers: minidist.parallel.spec.RANGES. --save-every, --keep, --comm-timeout and
-# --fail-rank against the world are checked with their features, below.) Every integer flag is also
-# below 2**63, and the model, the batch and what they hold must fit in memory (train/memory.py).
+# The values each numeric flag that is not the layout's may take, as an interval: "[" and "]" include the
+# bound, "(" and ")" exclude it, so an open end at inf refuses inf too, and nan is in no interval. (The layout's
+# numbers: spec.RANGES. --save-every, --keep, --comm-timeout and --fail-rank against the world are checked with
+# their features, below.) Integer flags are below 2**63, and a run must fit in memory (train/memory.py).
 RANGES = {
     "steps": "[1, inf)", "batch_size": "[1, inf)", "seed": "[0, inf)", "loss_scale_window": "[1, inf)",
-    "lr": "(0, inf)", "min_lr": "[0, inf)", "warmup": "[0, inf)", "momentum": "[0, 1)",
+    "lr": "[0, inf)", "min_lr": "[0, inf)", "warmup": "[0, inf)", "momentum": "[0, 1)",
     "weight_decay": "[0, inf)", "grad_clip": "[0, inf)", "block_size": "[1, inf)",
     "capacity_factor": "[0, 1e6]", "aux_loss_coef": "[0, inf)",  # a capacity factor >= E keeps every assignment
     "eval_every": "[1, inf)", "eval_iters": "[1, inf)", "sample_tokens": "[0, inf)",
@@ -126,13 +137,14 @@ RANGES = {
 def range_problems(cfg) -> list[str]:
     """Every flag of ``cfg`` outside its range in :data:`RANGES`, every integer flag at or past 2**63
     (the layout's too: ``spec.RANGES`` bounds them below), --min-lr above --lr, and a --straggler the
-    parameter servers would time out waiting for."""
+    parameter servers would time out waiting for (each comparison once both of its flags are valid)."""
     found = [text for name, interval in RANGES.items() for text in out_of_range(name, getattr(cfg, name), interval)]
     found += [f"{flag(f.name)} must be below 2**63 (NumPy's sizes and indices are int64), got {getattr(cfg, f.name)}"
               for f in dataclasses.fields(TrainConfig) if type(f.default) is int and getattr(cfg, f.name) >= INT64]
-    if not found and cfg.min_lr > cfg.lr:
+    valid = {name for name in ("lr", "min_lr", "straggler") if not out_of_range(name, getattr(cfg, name), RANGES[name])}
+    if {"lr", "min_lr"} <= valid and cfg.min_lr > cfg.lr:
         found.append(f"--min-lr {cfg.min_lr} is larger than --lr {cfg.lr} (the cosine decays from --lr to --min-lr)")
-    if not found and not comm_timeout_problems(cfg) and cfg.straggler >= cfg.comm_timeout:
+    if "straggler" in valid and not comm_timeout_problems(cfg) and cfg.straggler >= cfg.comm_timeout:
         found.append(f"--straggler {cfg.straggler} is not below --comm-timeout {cfg.comm_timeout}: the parameter "
                      f"servers would time out waiting for the straggler")
     return found
@@ -165,16 +177,16 @@ def fault_injection_armed(cfg) -> bool:
 
 def check_config(cfg, world_size: int, memory_bytes: int | None = None) -> None:
     """Raise :class:`ConfigError` listing everything wrong with running ``cfg`` on ``world_size`` ranks,
-    all together: the trainer's out-of-range numbers, the layout's problems (:func:`layout_of`,
-    ``minidist.parallel.spec.problems``), then, with the numbers in range (they divide by them), the
-    trainer's own checks, and with nothing else wrong, whether one rank's run fits in ``memory_bytes``
-    (None: in int64's sizes; train/memory.py)."""
-    found = range_problems(cfg) + problems(layout_of(cfg, None if cfg.mode == "ps" else world_size))
-    if not range_problems(cfg):
-        found += parameter_server_problems(cfg, world_size) if cfg.mode == "ps" else []
-        found += optimizer_problems(cfg) + hugging_face_problems(cfg) + comm_timeout_problems(cfg)
-        found += checkpoint_problems(cfg, world_size) + mixed_precision_problems(cfg) + device_problems(cfg)
-        found += offload_dir_problems(cfg) + output_problems(cfg)
+    together, one line each: out-of-range numbers, the layout's problems (``spec.problems``), the
+    trainer's own checks (names, paths, checkpoints, Hugging Face, mixed precision, the device), with
+    the numbers in range the parameter servers' (they divide by them); with nothing else wrong, whether
+    one rank's run fits in ``memory_bytes`` (None: int64's sizes; train/memory.py)."""
+    numbers = range_problems(cfg)
+    found = numbers + problems(layout_of(cfg, None if cfg.mode == "ps" else world_size))
+    found += parameter_server_problems(cfg, world_size) if cfg.mode == "ps" and not numbers else []
+    found += optimizer_problems(cfg) + hugging_face_problems(cfg) + comm_timeout_problems(cfg)
+    found += checkpoint_problems(cfg, world_size) + mixed_precision_problems(cfg) + device_problems(cfg)
+    found += offload_dir_problems(cfg) + output_problems(cfg)
     found += memory_problems(cfg, memory_bytes) if not found else []
     if found:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(found))
@@ -196,8 +208,7 @@ def hugging_face_problems(cfg) -> list[str]:
 
 
 def comm_timeout_problems(cfg) -> list[str]:
-    """What is wrong with ``--comm-timeout`` (a positive, finite number of seconds). ``main`` asks it
-    before :func:`~minidist.comm.launch.init`, which needs the timeout, and :func:`check_config` again."""
+    """What is wrong with ``--comm-timeout`` (a positive, finite number of seconds)."""
     if not (isinstance(cfg.comm_timeout, (int, float)) and 0 < cfg.comm_timeout < float("inf")):
         return [f"--comm-timeout must be a positive, finite number of seconds, got {cfg.comm_timeout}"]
     return []
@@ -206,16 +217,13 @@ def comm_timeout_problems(cfg) -> list[str]:
 def parameter_server_problems(cfg, world_size: int) -> list[str]:
     """What is wrong with running ``cfg`` in ``--mode ps`` on ``world_size`` ranks (servers + workers,
     whole models: the collective layouts' flags do not apply)."""
-    staleness = None if cfg.staleness < 0 else cfg.staleness
+    staleness, problems = None if cfg.staleness < 0 else cfg.staleness, []
     try:
         check_parameter_server(world_size, cfg.servers, staleness, cfg.straggler, cfg.batch_size)
     except ValueError as e:
-        problems = [str(e)]
-    else:
-        problems = []
-    collective = [f"--{name.replace('_', '-')}" for name in ("dp", "pp", "tp", "cp", "ep", "micro_batches", "zero", "offload", "ckpt_dir",
-                                                             "explain", "sequence_parallel", "recompute",
-                                                             "export_hf", "init_from_hf")
+        problems.append(str(e))
+    collective = [flag(name) for name in ("dp", "pp", "tp", "cp", "ep", "micro_batches", "zero", "offload", "ckpt_dir",
+                  "explain", "sequence_parallel", "recompute", "export_hf", "init_from_hf")
                   if getattr(cfg, name) not in (1, 0, None, False, "none")]
     if collective:
         problems.append(f"--mode ps trains whole models on its workers: {', '.join(collective)} do not apply")
@@ -244,9 +252,8 @@ def mixed_precision_problems(cfg) -> list[str]:
 
 
 def device_problems(cfg) -> list[str]:
-    """What --device cannot be combined with beyond the layout (whose rules say what --device and
-    --backend run). Whether CuPy and a GPU are there is asked when the run starts:
-    :func:`minidist.train.build.select_device`."""
+    """What --device cannot be combined with beyond the layout's rules. Whether CuPy and a GPU are
+    there is asked when the run starts: :func:`minidist.train.build.select_device`."""
     if cfg.device == "cuda" and cfg.mode == "ps":
         return ["--device cuda with --mode ps is not supported: the parameter servers keep NumPy shards"]
     return []
@@ -266,95 +273,126 @@ def checkpoint_problems(cfg, world_size: int) -> list[str]:
     return problems
 
 
-def parse_args(argv=None):
-    """The command line as a :class:`TrainConfig` (flags are the field names with dashes)."""
-    return TrainConfig(**vars(argument_parser().parse_args(argv)))
+LAUNCHER_RANKS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")  # hydra, Open MPI, PMIx, srun
 
 
-def argument_parser() -> argparse.ArgumentParser:
-    """The trainer's argparse parser: a flag per field of :class:`TrainConfig`, with its default."""
-    defaults = TrainConfig()
-    p = argparse.ArgumentParser(prog="python -m minidist.train", description="Train a GPT: ``python -m minidist.train``.",
-                                usage="%(prog)s [--flag value ...]  (--help lists every flag)",  # an error: 2 lines
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    choices = {"mode": ["collective", "ps"], "dtype": list(ITEMSIZE), "optimizer": list(OPTIMIZERS),
-               "schedule": list(SCHEDULES), "cp_algorithm": list(ALGORITHMS), "zero": [0, 1, 2, 3],
-               "offload": list(OFFLOAD_CHOICES), "device": list(DEVICES), "backend": list(BACKENDS)}
-    helps = {
+def launcher_rank(environ) -> int:
+    """This process's rank as its launcher set it in ``environ`` before MPI started (the first of
+    :data:`LAUNCHER_RANKS`; the entry point passes ``os.environ``), 0 when none is (run alone; under an
+    unknown launcher every rank then prints its usage error, as without this)."""
+    for value in (environ.get(name, "") for name in LAUNCHER_RANKS):
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+def parse_args(argv=None, quiet: bool = False) -> TrainConfig:
+    """The command line as a :class:`TrainConfig` (flags are the field names with dashes). A usage
+    error exits with status 2 and --help with 0, as argparse does, printing nothing when ``quiet``
+    (every rank of a job but rank 0, so that a job prints them once)."""
+    hide = (lambda redirect: redirect(io.StringIO())) if quiet else (lambda redirect: contextlib.nullcontext())
+    with hide(contextlib.redirect_stdout), hide(contextlib.redirect_stderr):
+        return TrainConfig(**vars(argument_parser().parse_args(argv)))
+
+
+CHOICES = {"mode": ["collective", "ps"], "dtype": list(ITEMSIZE), "optimizer": list(OPTIMIZERS),
+           "schedule": list(SCHEDULES), "cp_algorithm": list(ALGORITHMS), "zero": [0, 1, 2, 3],
+           "offload": list(OFFLOAD_CHOICES), "device": list(DEVICES), "backend": list(BACKENDS)}
+METAVARS = {int: "N", float: "X", "data": "PATH", "export": "PATH", "loss_scale": "S",
+            "offload": '{none,optimizer,"optimizer,params"}'}  # else DIR; a choice: its choices
+
+GROUPS = {  # the flags of --help, by what they are about: field -> help
+    "training": {
         "steps": "optimizer steps", "batch_size": "sequences per step (the global batch)",
-        "seed": "seeds the weights and the batches",
-        "dtype": "parameter and activation dtype; float16 / bfloat16 (emulated): mixed precision, float32 masters",
-        "device": "where parameters, gradients, optimizer states and batches live: cpu (NumPy) or cuda (CuPy, "
-                  "one GPU per rank: local rank modulo the GPUs of its machine)",
-        "backend": "collectives: ring (hand-written, over MPI point-to-point), mpi (MPI's own), nccl (GPU buffers, "
-                   "--device cuda)",
-        "system_allocator": "keep glibc's default malloc settings (by default the trainer keeps freed memory "
-                            "mapped for the next step: minidist/allocator.py)",
-        "comm_timeout": "seconds a collective or point-to-point call waits for a peer before the job fails "
-                        "(exit status 3) naming the rank that never arrived",
-        "loss_scale": "mixed precision: 'dynamic' (float16) or a fixed scale", "loss_scale_window":
-        "dynamic loss scaling: clean steps before the scale doubles",
-        "optimizer": "update rule",
-        "lr": "peak learning rate", "min_lr": "learning rate at the end of the cosine decay",
-        "warmup": "linear warmup steps", "momentum": "SGD momentum",
-        "weight_decay": "decay of >= 2-D parameters", "grad_clip": "max global grad norm (0: off)",
-        "data": "a text file to train on (default: the generated corpus)",
-        "data_dir": "cache folder of the generated corpus (None: ~/.cache/minidist)",
-        "eval_every": "steps between validation-loss estimates",
-        "eval_iters": "validation batches per estimate", "sample_tokens": "tokens sampled at the end",
-        "out": "directory for metrics.jsonl",
+        "seed": "seeds the weights and the batches", "optimizer": "update rule",
+        "lr": "peak learning rate (0: the weights never move, to evaluate or convert a model)",
+        "min_lr": "learning rate at the end of the cosine decay (default: 3e-4, or --lr where that is lower)",
+        "warmup": "linear warmup steps", "momentum": "SGD momentum", "weight_decay": "decay of >= 2-D parameters",
+        "grad_clip": "max global grad norm (0: off)"},
+    "model": {
         "n_layer": "transformer blocks", "n_head": "attention heads", "n_embd": "embedding width",
-        "block_size": "context length T",
-        "mode": "collective (all-reduce and friends) or ps (parameter servers: ranks 0..K-1 serve, the rest work)",
-        "servers": "--mode ps: parameter-server ranks", "staleness": "--mode ps: asynchronous with this "
-        "staleness bound (-1: synchronous)", "straggler": "--mode ps: seconds of sleep added to every step of worker 0",
-        "dp": "data-parallel replicas", "pp": "pipeline stages per replica",
-        "tp": "tensor-parallel ranks per pipeline stage",
-        "cp": "context-parallel ranks: each holds 1/cp of every sequence's tokens",
-        "ep": "expert-parallel ranks, inside dp: each holds 1/ep of every MoE layer's experts, tokens reach them "
-              "by all-to-all",
-        "n_experts": "experts per MoE layer (0: a dense GPT)", "top_k": "experts each token is routed to",
-        "moe_every": "every n-th block has experts (the last of every n)",
+        "block_size": "context length T", "n_experts": "experts per MoE layer (0: a dense GPT)",
+        "top_k": "experts each token is routed to", "moe_every": "every n-th block has experts (the last of every n)",
         "capacity_factor": "0: dropless; c > 0: each expert takes at most ceil(c k T / E) of each sequence's "
                            "assignments, the rest are dropped",
         "aux_loss_coef": "weight of the load-balancing loss (per sequence, Switch-style)",
+        "init_from_hf": "start from a local Hugging Face GPT-2 folder (config.json + model.safetensors; its "
+                        "tokenizer.json, if there, tokenizes --data): the model's size comes from it"},
+    "data": {
+        "data": "a text file to train on (default: the generated corpus)",
+        "data_dir": "cache folder of the generated corpus (default: ~/.cache/minidist)",
+        "eval_every": "steps between validation-loss estimates", "eval_iters": "validation batches per estimate"},
+    "parallelism": {
+        "dp": "data-parallel replicas", "pp": "pipeline stages per replica", "tp": "tensor-parallel ranks per "
+        "pipeline stage", "cp": "context-parallel ranks: each holds 1/cp of every sequence's tokens",
+        "ep": "expert-parallel ranks, inside dp: each holds 1/ep of every MoE layer's experts, tokens reach them "
+              "by all-to-all",
+        "sequence_parallel": "also split the LayerNorm and residual activations along the sequence over tp",
         "cp_algorithm": "how attention reaches the other cp ranks' tokens: ring (K/V blocks passed around), zigzag "
                         "(the ring with balanced causal work), ulysses (all-to-alls: heads split over cp)",
-        "sequence_parallel": "also split the LayerNorm and residual activations along the sequence over tp",
         "micro_batches": "micro-batches per step and dp rank (gradient accumulation; the pipeline's units)",
         "schedule": "pipeline schedule", "virtual_stages": "model chunks per pipeline rank (interleaved; 2 for zbv)",
         "zero": "ZeRO stage: shard optimizer states (1), + gradients (2), + parameters (3) over dp",
+        "bucket_mb": "data-parallel gradient bucket size in MiB: a bucket closes once it holds this much (any "
+                     "positive size: below the smallest parameter's, one bucket per parameter; above the model's, "
+                     "one bucket)",
+        "backend": "collectives: ring (hand-written, over MPI point-to-point), mpi (MPI's own), nccl (GPU buffers, "
+                   "--device cuda)",
+        "mode": "collective (all-reduce and friends) or ps (parameter servers: ranks 0..K-1 serve, the rest work)",
+        "servers": "--mode ps: parameter-server ranks", "straggler": "--mode ps: seconds of sleep added to every "
+        "step of worker 0", "staleness": "--mode ps: asynchronous with this staleness bound (-1: synchronous)"},
+    "precision and memory": {
+        "dtype": "parameter and activation dtype; float16 / bfloat16 (emulated): mixed precision, float32 masters",
+        "loss_scale": "mixed precision: 'dynamic' (float16) or a fixed scale",
+        "loss_scale_window": "dynamic loss scaling: clean steps before the scale doubles",
+        "device": "where parameters, gradients, optimizer states and batches live: cpu (NumPy) or cuda (CuPy, "
+                  "one GPU per rank: local rank modulo the GPUs of its machine)",
+        "recompute": "recompute each block's activations in backward instead of keeping them",
         "offload": "ZeRO-Offload: keep the optimizer shard (masters, moments) off the device and update it on the "
                    "host; optimizer,params: with --zero 3 the parameter shards too",
         "offload_dir": "ZeRO-Infinity: keep the offloaded state in memory-mapped files under this folder instead of "
                        "host memory",
-        "recompute": "recompute each block's activations in backward instead of keeping them",
-        "bucket_mb": "data-parallel gradient bucket size in MiB: a bucket closes once it holds this much (any "
-                     "positive size: below the smallest parameter's, one bucket per parameter; above the model's, "
-                     "one bucket)",
-        "export": "write the consolidated full-model state_dict here at the end (.npz or .safetensors; nanoGPT / "
-                  "PyTorch layout, not Hugging Face's: use --export-hf)",
-        "export_hf": "write a Hugging Face GPT-2 folder here at the end (config.json + model.safetensors, for "
-                     "transformers.GPT2LMHeadModel.from_pretrained)",
-        "init_from_hf": "start from a local Hugging Face GPT-2 folder (config.json + model.safetensors; its "
-                        "tokenizer.json, if there, tokenizes --data): the model's size comes from it",
-        "trace": "run directory for python -m minidist.inspect: DIR/trace/rank<r>.jsonl, DIR/memory/rank<r>.json",
-        "explain": "print each rank's first step: what it holds, what it sends to whom",
+        "system_allocator": "keep glibc's default malloc settings (by default the trainer keeps freed memory "
+                            "mapped for the next step: minidist/allocator.py)"},
+    "checkpoints and faults": {
         "ckpt_dir": "directory of sharded checkpoints (step-<n>/ folders)",
         "save_every": "steps between checkpoints (0: none)", "keep": "newest checkpoints kept",
         "resume": "continue from the newest valid checkpoint in --ckpt-dir (in any layout); refused (exit 2) when "
                   "none is valid or it is another run's (model, seed, data or hyper-parameters differ)",
         "async_save": "write checkpoints in a background thread while training goes on",
+        "comm_timeout": "seconds a collective or point-to-point call waits for a peer before the job fails "
+                        "(exit status 3) naming the rank that never arrived",
         "fail_at_step": "fault injection: rank --fail-rank kills itself at the start of this step (-1: never; "
-                        "not when resuming)",
-        "fail_rank": "the rank --fail-at-step kills",
-    }
-    for field in dataclasses.fields(TrainConfig):
-        default = getattr(defaults, field.name)
-        if isinstance(default, bool):
-            p.add_argument(flag(field.name), action="store_true", help=helps[field.name])
-            continue
-        kind = type(default) if default is not None else str
-        p.add_argument(flag(field.name), type=kind, default=default, choices=choices.get(field.name),
-                       help=helps[field.name])
+                        "not when resuming)", "fail_rank": "the rank --fail-at-step kills"},
+    "output and inspection": {
+        "out": "directory for metrics.jsonl", "sample_tokens": "tokens sampled at the end",
+        "export": "write the consolidated full-model state_dict here at the end (.npz or .safetensors; nanoGPT / "
+                  "PyTorch layout, not Hugging Face's: use --export-hf)",
+        "export_hf": "write a Hugging Face GPT-2 folder here at the end (config.json + model.safetensors, for "
+                     "transformers.GPT2LMHeadModel.from_pretrained)",
+        "trace": "run directory for python -m minidist.inspect: DIR/trace/rank<r>.jsonl, DIR/memory/rank<r>.json",
+        "explain": "print each rank's first step: what it holds, what it sends to whom"},
+}
+
+
+def argument_parser() -> argparse.ArgumentParser:
+    """The trainer's argparse parser: a flag per field of :class:`TrainConfig`, in the groups of
+    :data:`GROUPS`, each default shown once."""
+    resolved = TrainConfig()  # the type of a field whose default is None (--min-lr: float)
+    p = argparse.ArgumentParser(prog="python -m minidist.train", description="Train a GPT: ``python -m minidist.train``.",
+                                usage="%(prog)s [--flag value ...]  (--help lists every flag)")  # an error: 2 lines
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    for title, helps in GROUPS.items():
+        group = p.add_argument_group(title)
+        for name, text in helps.items():
+            default = fields[name].default
+            if default is not None and default is not False and "default" not in text:
+                text += " (default: %(default)s)"
+            if isinstance(default, bool):
+                group.add_argument(flag(name), action="store_true", help=text)
+                continue
+            kind = type(getattr(resolved, name)) if getattr(resolved, name) is not None else str
+            metavar = METAVARS.get(name, None if name in CHOICES else METAVARS.get(kind, "DIR"))
+            group.add_argument(flag(name), type=kind, default=default, choices=CHOICES.get(name), help=text,
+                               metavar=metavar)
     return p

@@ -17,6 +17,7 @@ prints them grouped by rank, so 8 ranks read as 8 short stories rather than inte
 from __future__ import annotations
 
 import difflib
+import itertools
 import re
 import sys
 from contextlib import contextmanager
@@ -33,7 +34,9 @@ def _bytes(n: int) -> str:
 
 
 def group_members(mesh) -> dict[str, list[int]]:
-    """{group name: its global ranks, in group-rank order} for this rank's world and axis groups."""
+    """{group name: its global ranks, in group-rank order} for this rank's world and axis groups, and
+    with a pipeline its embedding group (the first and the last stage's ranks, where a pipeline sums
+    its tied embedding's copies: ``pipeline/tied_embeddings.py``)."""
     s = mesh.shape
     d, p, c, t = mesh.dp_rank, mesh.pp_rank, mesh.cp_rank, mesh.tp_rank
     experts = {}
@@ -42,12 +45,14 @@ def group_members(mesh) -> dict[str, list[int]]:
         experts = {mesh.ep_group.name: [s.rank_of(block + i, p, t, c) for i in range(s.ep)],
                    mesh.expert_dp_group.name: [s.rank_of(i * s.ep + d % s.ep, p, t, j)
                                                for i in range(s.dp // s.ep) for j in range(s.cp)]}
+    pp = [s.rank_of(d, i, t, c) for i in range(s.pp)]
+    tied = {f"{mesh.pp_group.name}/embedding": [pp[0], pp[-1]]} if s.pp > 1 else {}  # first and last stage's ranks
     return experts | {mesh.world.name: list(range(s.world)),
             mesh.tp_group.name: [s.rank_of(d, p, i, c) for i in range(s.tp)],
             mesh.cp_group.name: [s.rank_of(d, p, t, i) for i in range(s.cp)],
-            mesh.pp_group.name: [s.rank_of(d, i, t, c) for i in range(s.pp)],
+            mesh.pp_group.name: pp,
             mesh.dp_group.name: [s.rank_of(i, p, t, c) for i in range(s.dp)],
-            mesh.dp_cp_group.name: [s.rank_of(i, p, t, j) for i in range(s.dp) for j in range(s.cp)]}
+            mesh.dp_cp_group.name: [s.rank_of(i, p, t, j) for i in range(s.dp) for j in range(s.cp)]} | tied
 
 
 def _zero3_held(shards) -> dict[int, tuple[tuple, int, int]]:
@@ -131,7 +136,7 @@ def _partners(e, members, me: int) -> str:
         return f"{where} rank {ranks[e.peer]} ({e.group} rank {e.peer})" if ranks else f"{where} {e.group} rank {e.peer}"
     others = [r for r in ranks if r != me] if ranks else []
     if ranks == [me]:
-        return f"on {e.group} (this rank alone: nothing sent)"
+        return f"on {e.group}, this rank alone (nothing sent)"
     return f"on {e.group}" + (f" with rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))}" if others else "")
 
 
@@ -139,6 +144,17 @@ def label_text(e) -> str:
     """What a call's label says, "<purpose>: <what>", as its call site gave it; "(unlabelled)" when
     the call site gave none."""
     return e.label or "(unlabelled)"
+
+
+def _outermost(spans):
+    """Those of ``spans`` (sorted by start) inside no other of them: the step's passes (forward,
+    backward, optimizer, a pipeline's per micro-batch ones), not the spans a pass records inside
+    itself (an MoE layer's "moe dispatch")."""
+    found = []
+    for s in spans:
+        if not found or s.start > found[-1].end or s.end > found[-1].end:
+            found.append(s)
+    return found
 
 
 def _enclosing(spans, e):
@@ -153,32 +169,37 @@ def _enclosing(spans, e):
 
 
 def step_story(events, members: dict[str, list[int]], me: int) -> list[str]:
-    """The events of one step as lines, in start order: a compute span as a heading, each call made
-    inside it (or under ``after <span>:``, once it ended) as ``op bytes group partners (algorithm) —
-    label [during module spans]`` (:func:`label_text`: the purpose its call site gave); consecutive
-    calls that differ only in the module span (inspect/spans.py) they were made during fold into
-    ``k x``, those modules listed. Module spans are not headings: they say when a call was made (a
-    prefetch made during h.0 may fetch h.1: its label says what it moves)."""
+    """The events of one step as lines, in start order: each pass (a compute span inside no other) as
+    a heading, each call made inside it (or under ``after <span>:``, once it ended; ``before its
+    first compute:`` before any) as ``op bytes group partners (algorithm) — label [during module
+    spans]`` (:func:`label_text`: the purpose its call site gave; a group of this rank alone sends
+    nothing and names no algorithm); consecutive calls that differ only in the module span
+    (inspect/spans.py) they were made during fold into ``k x``, those modules listed (``h.0 (2)``:
+    twice during h.0). Module spans, and the spans a pass records inside itself (an MoE layer's
+    dispatch), are not headings: they say when a call was made (a prefetch made during h.0 may fetch
+    h.1: its label says what it moves)."""
     lines, span, heading = [], None, None  # span: the last compute event, while not yet left
     last, wheres = None, []  # the call line being folded and the module spans of its calls
 
     def flush():
         if last is not None:
-            places = [w for w in wheres if w]
+            places = [(w, len(list(run))) for w, run in itertools.groupby(w for w in wheres if w)]
             repeat = "  " if len(wheres) == 1 else f"  {len(wheres)} x "
-            lines.append(f"{repeat}{last}" + (f" [during {', '.join(places)}]" if places else ""))
+            during = ", ".join(w if n == 1 or len(places) == 1 else f"{w} ({n})" for w, n in places)
+            lines.append(f"{repeat}{last}" + (f" [during {during}]" if places else ""))
 
     hop = None  # the last ring hop span (ring attention): its own isend / irecv are told by it
     ordered = sorted(events, key=lambda e: e.start)
     modules = [e for e in ordered if is_module_span(e)]
-    passes = [e for e in ordered if e.kind == "compute" and not is_module_span(e)]
+    passes = _outermost([e for e in ordered if e.kind == "compute" and not is_module_span(e)])
+    top = {id(p) for p in passes}
     for e in ordered:
         if e.op.startswith("ring sendrecv"):
             hop = e
         elif hop is not None and e.op in ("isend", "irecv") and e.group == hop.group and e.start <= hop.end:
             continue
-        if is_module_span(e):
-            continue
+        if is_module_span(e) or (e.kind == "compute" and id(e) not in top):  # a span inside a pass: its calls
+            continue                                                           # are told under the pass
         if e.kind == "compute":
             flush()
             last, wheres = None, []
@@ -187,6 +208,8 @@ def step_story(events, members: dict[str, list[int]], me: int) -> list[str]:
             lines.append(heading)
             span = e
             continue
+        if not lines:  # a call before any compute (a pipeline stage waiting for its first input)
+            lines.append("before its first compute:")
         if span is not None and e.start >= span.end:  # outside the span: say so once
             flush()
             last, wheres = None, []
@@ -197,7 +220,8 @@ def step_story(events, members: dict[str, list[int]], me: int) -> list[str]:
             span = None
         pass_span = _enclosing(passes, e)
         module = _enclosing([m for m in modules if pass_span is None or m.algorithm == pass_span.op], e)
-        algorithm = f" ({e.algorithm})" if e.algorithm else ""
+        alone = members.get(e.group) == [me]  # a group of one rank: no algorithm ran
+        algorithm = f" ({e.algorithm})" if e.algorithm and not alone else ""
         text = f"{e.op} {_bytes(e.nbytes)} {_partners(e, members, me)}{algorithm} — {label_text(e)}"
         if text == last:
             wheres.append(module.op if module is not None else "")
@@ -208,15 +232,33 @@ def step_story(events, members: dict[str, list[int]], me: int) -> list[str]:
     return lines
 
 
+def zero_line(stage: int, shards) -> str:
+    """What ZeRO stage ``stage`` (1-3) keeps of ``shards`` (a ZeroOptimizer's) on this rank, in one
+    line: which states are cut, over which groups, and how many elements of how many units."""
+    what = {1: "optimizer state", 2: "gradients and optimizer state",
+            3: "parameters, gradients and optimizer state"}[stage]
+    groups = {s.group.name: s.group.size for s in shards}
+    over = ", ".join(f"{name} ({size} rank{'s' if size > 1 else ''})" for name, size in groups.items())
+    kept, total = sum(s.unit.hi - s.unit.lo for s in shards), sum(s.unit.numel for s in shards)
+    line = (f"ZeRO-{stage}: this rank keeps its shard of each unit's {what}, {kept:,} of the {total:,} elements of "
+            f"its {len(shards)} units (shards over {over})")
+    if stage == 3:
+        return line + "; between uses it holds only these parameter elements (below), each use all-gathers a unit"
+    return line + ("; its parameters and gradients stay whole (below)" if stage == 1 else
+                   "; its parameters stay whole (below)")
+
+
 def explain_first_step(mesh, model, events, *, batch_shape=None, state_bytes: dict | None = None,
-                       notes: list[str] | None = None, shards=None) -> list[str]:
+                       notes: list[str] | None = None, shards=None, zero=None) -> list[str]:
     """This rank's account of one step: heading, groups, what it holds, then the step's ``events``
     (trace events recorded during it, each call told by its label). ``batch_shape`` is this rank's
     batch; ``state_bytes`` ({what: bytes}) its memory; ``notes`` more lines about the step (what
-    offload moved); ``shards``: ZeRO-3's shards, whose parameters this rank keeps only in part."""
+    offload moved); ``shards``: ZeRO-3's shards, whose parameters this rank keeps only in part;
+    ``zero``: (stage, a ZeroOptimizer's shards), said in one line (:func:`zero_line`)."""
     members = group_members(mesh)
+    used = {e.group for e in events}
     groups = [f"{name} = ranks {ranks}" for name, ranks in members.items()
-              if len(ranks) > 1 and name != mesh.world.name]
+              if len(ranks) > 1 and name != mesh.world.name and (not name.endswith("/embedding") or name in used)]
     lines = [f"=== rank {mesh.rank}: {mesh.name} ===", "groups: " + ("; ".join(groups) or "none (one rank)")]
     if batch_shape is not None:
         lines.append(f"reads a batch of {tuple(batch_shape)} token ids")
@@ -225,6 +267,8 @@ def explain_first_step(mesh, model, events, *, batch_shape=None, state_bytes: di
             T = batch_shape[1] - 1
             lines.append(f"computes on tokens {token_ranges(cp.chunks(T))} of each {T}-token "
                          f"sequence (context parallelism, {cp.algorithm})")
+    if zero is not None and zero[0] > 0:
+        lines.append(zero_line(*zero))
     lines += holdings(model, mesh.shape.tp, mesh.ep_rank, mesh.shape.ep, shards) + routing(model, mesh)
     if state_bytes:
         lines.append("model states: " + ", ".join(f"{k} {_bytes(v)}" for k, v in state_bytes.items()))
@@ -260,18 +304,35 @@ def differences(story: list[str], like: list[str], rank: int = 0) -> list[str]:
     """``story`` (a rank's lines after its heading and groups) told against ``like`` (rank ``rank``'s):
     one line when they match but for the ranks' own groups, partners and times, else only the lines
     that differ (difflib's opcodes on the blanked lines): ``~`` this rank's version of a line of
-    ``rank``'s in the same place, ``+`` a line only this rank has, ``-`` one only ``rank`` has."""
+    ``rank``'s in the same place, ``+`` a line only this rank has, ``-`` one only ``rank`` has. A call
+    both ranks made, only in another order (concurrent calls start in the order the threads and the
+    cores let them), is not a difference: it is counted in one closing line."""
     a, b = [_same_part(line) for line in like], [_same_part(line) for line in story]
+    blocks = [(tag, list(range(i1, i2)), list(range(j1, j2)))
+              for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
+              if tag != "equal"]
+    only_there = [i for _, removed, _ in blocks for i in removed]
+    moved = 0
+    for _, _, added in blocks:  # a line of this rank's found among rank's unmatched lines: the same call, moved
+        for j in list(added):
+            match = next((i for i in only_there if a[i] == b[j]), None)
+            if match is not None:
+                only_there.remove(match)
+                added.remove(j)
+                moved += 1
     out = []
-    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
-        if tag == "replace" and i2 - i1 == j2 - j1:
-            out += [f"~ {line}" for line in story[j1:j2]]
-        elif tag != "equal":
-            out += [f"- {line}" for line in like[i1:i2]] + [f"+ {line}" for line in story[j1:j2]]
+    for tag, removed, added in blocks:
+        removed = [i for i in removed if i in only_there]
+        if tag == "replace" and removed and len(removed) == len(added):
+            out += [f"~ {story[j]}" for j in added]
+        else:
+            out += [f"- {like[i]}" for i in removed] + [f"+ {story[j]}" for j in added]
+    order = (f"{moved} of its lines in another order than on rank {rank}: the same calls, started in whichever "
+             "order the threads and cores let them") if moved else ""
     if not out:
-        return [f"the same step as rank {rank}, with its own groups and partners (above)"]
-    return [f"as rank {rank}, with its own groups and partners (above), except (~: this rank's version of "
-            f"rank {rank}'s line, +: only here, -: only on rank {rank}):"] + out
+        return [f"the same step as rank {rank}, with its own groups and partners (above)" + (f"; {order}" if moved else "")]
+    return ([f"as rank {rank}, with its own groups and partners (above), except (~: this rank's version of "
+             f"rank {rank}'s line, +: only here, -: only on rank {rank}):"] + out + ([f"  ({order})"] if moved else []))
 
 
 def format_stories(stories: list[list[str]]) -> str:

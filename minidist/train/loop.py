@@ -44,10 +44,9 @@ object per step to DIR/metrics.jsonl (step, loss, lr, tokens_per_s, grad_norm; v
 evaluation steps; with --n-experts the routing: expert_load per MoE block, expert_imbalance, dropped,
 aux_loss).
 """
+import os
 import sys
 import time
-
-from tqdm import tqdm
 
 from minidist.allocator import keep_freed_memory
 from minidist.checkpoint.identity import run_identity
@@ -62,18 +61,21 @@ from minidist.parallel.data.sampler import DistributedSampler
 from minidist.parallel.step import loss_scaler, train_step
 from minidist.train.build import (build_parallel, describe_layout, load_data, memory_table, select_device,
                                   tokenizer_for, with_hf_model, world_of_one)
-from minidist.train.config import (ConfigError, check_config, comm_timeout_problems, fault_injection_armed, parse_args,
-                                   runs_zero_optimizer)
+from minidist.train.config import (ConfigError, TrainConfig, check_config, comm_timeout_problems, fault_injection_armed,
+                                   launcher_rank, parse_args, runs_zero_optimizer)
 from minidist.train.divergence import Diverged, DivergenceWatch
 from minidist.train.memory import memory_available
 from minidist.train.folders import FoldersInUse, held_folders
 from minidist.files import NoSpace, PathRefused
 from minidist.train.outputs import (estimate_val_loss, explain_step, metrics_line, open_metrics, sample, trace_file,
                                     write_outputs)
+from minidist.train.progress import Progress
 from minidist.train.ps import train_ps
+from minidist.train.stopping import Stopped, Stopping, exit_stopped, stop_line
+from minidist.threads import limit_blas_threads
 
 
-def train(cfg, progress=True, world=None, keep_history=True, memory_bytes=None):
+def train(cfg, progress=True, world=None, keep_history=True, memory_bytes=None, progress_every=5.0, stopping=None):
     """Run the training loop of ``cfg`` on ``world`` (a ProcessGroup of dp * pp * cp * tp ranks; None:
     one process). Returns (model, history): this rank's model (or pipeline stage) and one dict per
     step run here (the same on every rank; with ``keep_history=False`` only the last, so a long run's
@@ -82,16 +84,20 @@ def train(cfg, progress=True, world=None, keep_history=True, memory_bytes=None):
     it saves checkpoints and ``cfg.resume`` continues from the newest. A run that diverges raises
     :class:`~minidist.train.divergence.Diverged` on every rank at the same step (train/divergence.py),
     after that step's metrics line and before any checkpoint of it. A run that cannot fit in
-    ``memory_bytes`` (what the entry point read; None: int64's sizes) is refused (train/memory.py)."""
+    ``memory_bytes`` (what the entry point read; None: int64's sizes) is refused (train/memory.py).
+    ``progress``: rank 0 shows a bar on a terminal, else a line every ``progress_every`` seconds
+    (train/progress.py). ``stopping`` (train/stopping.py) learns how many steps are done."""
     world = world if world is not None else world_of_one()
     cfg = with_hf_model(cfg)  # --init-from-hf: the model's size from the folder (checked: nothing sent yet)
     check_config(cfg, world.size, memory_bytes)  # every output path too, before the first step
     train_tokens, val_tokens = load_data(cfg)  # may refuse the data: before anything is sent
     with held_folders(cfg, world):  # --ckpt-dir, --offload-dir: this run's alone until it ends (train/folders.py)
-        return _train_held(cfg, world, train_tokens, val_tokens, progress, keep_history)
+        return _train_held(cfg, world, train_tokens, val_tokens, progress, keep_history, progress_every,
+                           stopping if stopping is not None else Stopping())
 
 
-def _train_held(cfg, world, train_tokens, val_tokens, progress: bool, keep_history: bool):
+def _train_held(cfg, world, train_tokens, val_tokens, progress: bool, keep_history: bool, progress_every: float,
+                stopping: Stopping):
     """The run of :func:`train` once its folders are held."""
     select_device(cfg, world)
     lead = world.rank == 0
@@ -112,9 +118,10 @@ def _train_held(cfg, world, train_tokens, val_tokens, progress: bool, keep_histo
     history, watch = [], DivergenceWatch(mixed_precision=scaler is not None)
     close = optimizer.close if runs_zero_optimizer(cfg) else None  # offload: its files go, also when it diverges
     with open_metrics(cfg.out if lead else None, start) as metrics_file, trace_file(cfg, world.trace):
-        # the bar only on a terminal (disable=None): piped into a log, the step lines below tell the story
-        bar = tqdm(range(start, cfg.steps), disable=None if progress and lead else True, dynamic_ncols=True)
-        for step in bar:
+        # rank 0's progress: a bar on a terminal; under mpiexec or piped, a line every few seconds
+        shown = Progress(start, cfg.steps, cfg.batch_size * cfg.block_size, every_s=progress_every,
+                         enabled=progress and lead)
+        for step in shown:
             if step == cfg.fail_at_step and fault_injection_armed(cfg) and mesh.rank == cfg.fail_rank:
                 crash_here()
             lr = lr_at(step, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr)
@@ -129,7 +136,7 @@ def _train_held(cfg, world, train_tokens, val_tokens, progress: bool, keep_histo
             if step == start and cfg.explain:
                 explain_step(cfg, mesh, model, step_events, batch.shape, optimizer)
             if step == start and runs_zero_optimizer(cfg) and lead:  # after a step: every model state exists, at its size
-                bar.write(memory_table(optimizer))
+                shown.write(memory_table(optimizer))
             record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "grad_norm": grad_norm}
             if cfg.n_experts:  # the routing's load per expert (one small all-reduce)
                 record.update(expert_load(model, mesh, cfg.micro_batches))
@@ -138,8 +145,8 @@ def _train_held(cfg, world, train_tokens, val_tokens, progress: bool, keep_histo
             if step % cfg.eval_every == 0 or step == cfg.steps - 1:
                 record["val_loss"] = estimate_val_loss(model, val_tokens, cfg, engine)
                 if lead:
-                    bar.write(f"step {step:5d}  train loss {loss:.4f}  val loss {record['val_loss']:.4f}")
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_s:.0f}")
+                    shown.write(f"step {step:5d}  train loss {loss:.4f}  val loss {record['val_loss']:.4f}")
+            shown.update(step, loss)
             if not keep_history:
                 history.clear()  # only the last record: memory stays flat however long the run
             history.append(record)
@@ -150,6 +157,7 @@ def _train_held(cfg, world, train_tokens, val_tokens, progress: bool, keep_histo
                 watch.after_step(step, loss, grad_norm)  # before the save: a diverged step is never saved
                 if ckpts is not None:
                     ckpts.after_step(step, model, optimizer, {"seed": cfg.seed}, amp, scaler)
+            stopping.done = step + 1  # what a stop signal reports (train/stopping.py)
     if ckpts is not None:
         with watch.stops(ckpts, close):
             ckpts.wait()
@@ -160,25 +168,49 @@ def _train_held(cfg, world, train_tokens, val_tokens, progress: bool, keep_histo
 
 
 def main(argv=None):
-    """Entry point of ``python -m minidist.train``."""
-    cfg = parse_args(argv)
+    """Entry point of ``python -m minidist.train``. Each message comes once, from rank 0, and every
+    rank exits with the same status (2 refused, 3 a timeout, 4 a mismatch, 5 diverged, 128 + n stopped
+    by signal n), so the job prints it once and ``mpiexec`` exits with it (it ORs its ranks' statuses).
+
+    A usage error (or --help) is found before MPI starts, and MPI is not started only to say which
+    rank prints it: starting it takes a while and fails where MPI is broken, where --help must still
+    work. The launcher's environment says it (:func:`~minidist.train.config.launcher_rank`, read here
+    only: rank 0 prints, the others exit 2 silently); once MPI has started, it says. A stop signal
+    (SIGINT, SIGTERM, SIGHUP) stops every rank at once, rank 0 saying how far the run got
+    (train/stopping.py)."""
+    stopping = Stopping(rank=launcher_rank(os.environ))  # the launcher's rank until MPI says
+    cfg = parse_args(argv, quiet=stopping.rank != 0)
+    with stopping:
+        try:
+            _run(cfg, stopping)
+        except Stopped as stop:  # every rank, at once
+            if stopping.rank == 0:
+                steps = cfg.steps if cfg.mode != "ps" else None  # the parameter servers count their own
+                print(f"python -m minidist.train: {stop_line(stop, stopping.done, steps, cfg.ckpt_dir)}",
+                      file=sys.stderr, flush=True)
+            exit_stopped(stop)
+
+
+def _run(cfg, stopping):
+    """:func:`main` once its stop signals are held: start MPI, train, print the result and the sample."""
     if not cfg.system_allocator:
         keep_freed_memory()  # the process's malloc setting, made here at the entry point, never by the library
     # the MPI world: under mpiexec, its ranks; run alone, a world of one. A timeout's flight record
-    # lands in the run directory. init needs the timeout, so it is checked first (exit 2, every rank).
-    for problem in comm_timeout_problems(cfg):
-        print(f"python -m minidist.train: invalid configuration: {problem}", file=sys.stderr)
-        sys.exit(EXIT_CONFIG)
+    # lands in the run directory. init needs a valid timeout: a bad one is refused with the rest (rank 0)
+    timeout = TrainConfig.comm_timeout if comm_timeout_problems(cfg) else cfg.comm_timeout
     try:
-        world = init(cfg.backend, timeout=cfg.comm_timeout, flight_dir=cfg.out or cfg.trace)
+        world = init(cfg.backend, timeout=timeout, flight_dir=cfg.out or cfg.trace)
     except (ImportError, RuntimeError) as e:
         if cfg.backend != "nccl":
             raise
         print(f"python -m minidist.train: {e}", file=sys.stderr)  # no CuPy, no GPU, fewer GPUs than ranks
         sys.exit(EXIT_CONFIG)
+    stopping.mpi_started(world.rank)  # its rank from now on; the stop signals taken back from MPI's start-up
+    limit_blas_threads(os.environ.get("OMP_NUM_THREADS"))  # ranks sharing this machine: a share of its cores each
     try:
         model, history = (train_ps(cfg, world=world) if cfg.mode == "ps"  # below: only the last record
-                          else train(cfg, world=world, keep_history=False, memory_bytes=memory_available()))
+                          else train(cfg, world=world, keep_history=False, memory_bytes=memory_available(),
+                                     stopping=stopping))
     except (ConfigError, ResumeRefused, FoldersInUse) as e:
         if world.rank == 0:
             print(f"python -m minidist.train: {e}", file=sys.stderr)

@@ -57,7 +57,8 @@ def finite_or_null(value):
 
 def trace_file(cfg, trace):
     """``--trace DIR``: a context inside which every event ``trace`` records goes to
-    DIR/trace/rank<r>.jsonl as it happens (each rank its own file; nothing sent), so the in-memory
+    DIR/trace/rank<r>.jsonl as it happens, in the compact format (``comm/trace_events.py``: about 50
+    bytes an event; each rank its own file; nothing sent), so the in-memory
     trace can stay a short ring however long the run. The file starts with the events the trace
     still keeps when the context opens (with ``init()``'s ring of ``KEEP_RECENT``: every call since
     ``init``, unless more came before the loop). A no-op context without ``--trace``."""
@@ -86,8 +87,9 @@ def explain_step(cfg, mesh, model, events, batch_shape, optimizer=None):
     (collective over the world). Under ZeRO-3 each story holds the shards ``optimizer`` keeps; under
     offload it says what ``optimizer`` moved between device, host and disk."""
     offload = getattr(optimizer, "offload", None)
+    zero = (cfg.zero, optimizer.shards) if runs_zero_optimizer(cfg) else None
     print_explanation(mesh, model, events, batch_shape=batch_shape, shards=optimizer.shards if cfg.zero == 3 else None,
-                      notes=offload.story() if offload is not None else None)
+                      zero=zero, notes=offload.story() if offload is not None else None)
 
 
 def write_outputs(cfg, model, optimizer, mesh, amp=None):
@@ -104,9 +106,11 @@ def write_outputs(cfg, model, optimizer, mesh, amp=None):
               else contextlib.nullcontext()):
             state = full_state_dict(model, mesh)
         if mesh.rank == 0 and cfg.export is not None:
-            export(state, cfg.export)
+            export(state, cfg.export, model.config)
         if mesh.rank == 0 and cfg.export_hf is not None:
             write_hf(cfg.export_hf, state, model.config)
+            print(f"exported {parameter_count(state, model.config):,} parameters ({dtype_of(state)}) as a Hugging "
+                  f"Face GPT-2 folder: {cfg.export_hf}/config.json and model.safetensors", flush=True)
     if cfg.trace is not None:
         held = zero_memory.model_state_bytes(optimizer) if runs_zero_optimizer(cfg) else model_state_bytes(model, optimizer)
         write_memory_report(cfg.trace, mesh.rank, [dict(label="after last step", **held,
@@ -126,9 +130,10 @@ def masters_in_model(amp):
             p.data = data
 
 
-def export(state: dict, path: str) -> None:
-    """Write a full state_dict ({GPT-2 name: array}) to ``path``: safetensors when it ends in
-    ``.safetensors``, else .npz (NumPy's zip of arrays; neither pickles)."""
+def export(state: dict, path: str, config) -> None:
+    """Write a full state_dict ({GPT-2 name: array}) of the GPT of ``config`` to ``path``:
+    safetensors when it ends in ``.safetensors``, else .npz (NumPy's zip of arrays; neither
+    pickles); then print one line saying what was written where (the caller is global rank 0)."""
     real_folder(Path(path).parent)
     if path.endswith(".safetensors"):
         save_state_dict(state, path)
@@ -136,6 +141,20 @@ def export(state: dict, path: str) -> None:
         data = io.BytesIO()
         np.savez(data, **state)
         write_atomically(path, data.getvalue())  # the old file or the whole new one; a link replaced, not followed
+    kind = "safetensors" if path.endswith(".safetensors") else "NumPy .npz"
+    print(f"exported {parameter_count(state, config):,} parameters ({len(state)} tensors, {dtype_of(state)}, GPT-2 "
+          f"names) to {path} ({kind})", flush=True)
+
+
+def parameter_count(state: dict, config) -> int:
+    """The elements of a full state_dict, a tied ``lm_head.weight`` counted once (as the model does)."""
+    tied = getattr(config, "tie_embeddings", False) and "lm_head.weight" in state
+    return sum(int(v.size) for v in state.values()) - (int(state["lm_head.weight"].size) if tied else 0)
+
+
+def dtype_of(state: dict) -> str:
+    """The dtype(s) of a state_dict's arrays, in words ("float32")."""
+    return "/".join(sorted({np.dtype(v.dtype).name for v in state.values()}))
 
 
 def sample(model, prompt, max_new_tokens, seed=0, pp_group=None, tokenizer=None):

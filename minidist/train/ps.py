@@ -25,5 +25,5 @@ def train_ps(cfg, world):
             for record in history if metrics_file is not None else []:
                 metrics_file.write(metrics_line(record))
         if cfg.export is not None:  # the whole model is on rank 0: a mesh of one consolidates it
-            export(consolidated_state_dict(model, DeviceMesh(world_of_one(), dp=1, pp=1, tp=1)), cfg.export)
+            export(consolidated_state_dict(model, DeviceMesh(world_of_one(), dp=1, pp=1, tp=1)), cfg.export, model.config)
     return model, history

@@ -30,12 +30,14 @@ the trainer refuses it with that problem. Every other cell must be accepted by
 is :func:`markdown`, checked against it by a test; tests/test_layout_problems.py holds the trainer,
 the planner and this matrix to the same verdict on every cell.
 
-    python -m minidist.support_matrix          # the README's table
+    python -m minidist.support_matrix              # a summary that fits a terminal
+    python -m minidist.support_matrix --markdown   # the README's table
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import textwrap
 from functools import lru_cache
 
 from minidist.parallel.spec import lacks
@@ -98,15 +100,19 @@ def grid() -> list[Cell]:
             for layout, cp, a, z, sp, s, r, d, c, e, o in itertools.product(*AXES.values())]
 
 
-@lru_cache(maxsize=None)
 def meaningless(cell: Cell) -> str | None:
     """Why ``cell`` names a combination that does not exist (the first of ``spec.lacks`` of its
-    layout: a problem the trainer refuses it with), or None."""
-    found = layout_lacks(layout_of(config_for(cell), cell.world))
+    layout: a problem the trainer refuses it with), or None. Recompute and checkpoints are not part
+    of a layout: the cells that differ only in them share one answer, found once."""
+    return _layout_meaningless(cell.dp, cell.tp, cell.pp, cell.cp, cell.cp_algorithm, cell.zero, cell.sequence_parallel,
+                               cell.schedule, cell.dtype, cell.moe, cell.offload)
+
+
+@lru_cache(maxsize=None)
+def _layout_meaningless(dp, tp, pp, cp, cp_algorithm, zero, sequence_parallel, schedule, dtype, moe, offload):
+    cell = Cell(dp, tp, pp, cp, cp_algorithm, zero, sequence_parallel, schedule, False, dtype, False, moe, offload)
+    found = lacks(layout_of(config_for(cell), cell.world))
     return found[0] if found else None
-
-
-layout_lacks = lru_cache(maxsize=None)(lacks)  # cells that differ only off the layout (recompute, checkpoints) share it
 
 
 def config_for(cell: Cell, **sizes) -> TrainConfig:
@@ -126,10 +132,11 @@ def config_for(cell: Cell, **sizes) -> TrainConfig:
                        offload=cell.offload, offload_dir="offload" if cell.offload == "optimizer,params" else None)
 
 
-def refusals() -> dict:
-    """{cell: the trainer's message} for every meaningful cell :func:`check_config` refuses."""
+def refusals(cells: list[Cell] | None = None) -> dict:
+    """{cell: the trainer's message} for every meaningful cell of ``cells`` (default: the whole
+    :func:`grid`) :func:`check_config` refuses."""
     refused = {}
-    for cell in grid():
+    for cell in grid() if cells is None else cells:
         if meaningless(cell) is None:
             try:
                 check_config(config_for(cell), cell.world)
@@ -156,24 +163,63 @@ FEATURES = {  # a feature: the cells that have it
 }
 
 
-def markdown() -> str:
-    """The README's support matrix: for every pair of features, "✓" when every meaningful cell that
-    has both runs, "✗" when one is refused, "·" when no cell can have both (one axis, or a
-    meaningless pair); then the counts and the meaningless kinds."""
-    cells = grid()
+@dataclasses.dataclass(frozen=True)
+class Verdicts:
+    """What the matrix says: ``marks[a, b]`` for every pair of :data:`FEATURES` ("✓" every meaningful
+    cell that has both runs, "✗" one of them is refused, "·" no cell can have both: one axis, or a
+    meaningless pair); the counts of cells; the refused ones with the trainer's message; the kinds
+    of meaningless cells."""
+    marks: dict
+    cells: int
+    valid: int
+    refused: dict
+    kinds: list
+
+
+def verdicts(cells: list[Cell] | None = None) -> Verdicts:
+    """The :class:`Verdicts` of ``cells`` (default: the whole :func:`grid`)."""
+    cells = grid() if cells is None else cells
     valid = [c for c in cells if meaningless(c) is None]
-    refused = refusals()
+    refused = refusals(valid)
+    having = {name: {i for i, c in enumerate(valid) if has(c)} for name, has in FEATURES.items()}
+    bad = {i for i, c in enumerate(valid) if c in refused}
+    marks = {(a, b): "·" if a == b or not having[a] & having[b] else "✗" if having[a] & having[b] & bad else "✓"
+             for a in FEATURES for b in FEATURES}
+    return Verdicts(marks, len(cells), len(valid), refused, sorted({meaningless(c) for c in cells} - {None}))
+
+
+def counts_line(v: Verdicts) -> str:
+    return (f"{v.valid - len(v.refused):,} of the {v.cells:,} cells run and {len(v.refused)} are refused; "
+            f"the other {v.cells - v.valid:,} are meaningless:")
+
+
+def markdown(v: Verdicts | None = None) -> str:
+    """The README's support matrix (:class:`Verdicts` as a Markdown table, a row and a column per
+    feature); then the counts and the meaningless kinds."""
+    v = verdicts() if v is None else v
     names = list(FEATURES)
     lines = ["| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    for a in names:
-        row = []
-        for b in names:
-            both = [c for c in valid if FEATURES[a](c) and FEATURES[b](c)]
-            row.append("·" if not both or a == b else "✗" if any(c in refused for c in both) else "✓")
-        lines.append(f"| **{a}** | " + " | ".join(row) + " |")
-    kinds = sorted({meaningless(c) for c in cells} - {None})
-    lines += ["", f"{len(valid) - len(refused):,} of the {len(cells):,} cells run and {len(refused)} are refused; "
-              f"the other {len(cells) - len(valid):,} are meaningless:"]
-    lines += [f"- {kind}" for kind in kinds]
+    lines += [f"| **{a}** | " + " | ".join(v.marks[a, b] for b in names) + " |" for a in names]
+    lines += ["", counts_line(v)] + [f"- {kind}" for kind in v.kinds]
     return "\n".join(lines)
 
+
+def summary(v: Verdicts | None = None, width: int = 100) -> str:
+    """The matrix for a terminal, in at most ``width`` columns: the features numbered, one row each,
+    the columns by number; the pairs refused, the counts and the meaningless kinds wrapped."""
+    v = verdicts() if v is None else v
+    names = list(FEATURES)
+    label = max(map(len, names)) + 5
+    lines = ["Which pairs of features train together, over every cell of the grid (--markdown: the README's table)",
+             "", " " * label + "".join(f"{i:>3}" for i in range(1, len(names) + 1))]
+    lines += [f"{i:>3}  {a:<{label - 5}}" + "".join(f"{v.marks[a, b]:>3}" for b in names)
+              for i, a in enumerate(names, 1)]
+    lines += ["", "✓ every cell that has both runs   ✗ a cell that has both is refused",
+              "· no cell has both: one axis (ZeRO-1 and ZeRO-2), or a meaningless pair (below)"]
+    refused = [f"{a} + {b}" for i, a in enumerate(names) for b in names[i + 1:] if v.marks[a, b] == "✗"]
+    lines += textwrap.wrap("refused pairs: " + (", ".join(refused) if refused else "none"), width,
+                           subsequent_indent="  ")
+    lines += textwrap.wrap(counts_line(v), width)
+    lines += [line for kind in v.kinds for line in textwrap.wrap(kind, width, initial_indent="- ",
+                                                                 subsequent_indent="  ")]
+    return "\n".join(lines)

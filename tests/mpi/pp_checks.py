@@ -36,6 +36,9 @@ LAYOUTS = [  # (dp, pp, tp, schedule, m, v, n_layer)
     (2, 2, 1, "zb-h1", 2, 1, 4), (1, 2, 2, "zbv", 2, 2, 4),
 ]
 references = {}
+# each layout trains with one optimizer, alternating (both over the layouts); --both-optimizers: both
+OPTIMIZERS = [("sgd", "adamw")] * len(LAYOUTS) if "--both-optimizers" in sys.argv else [
+    ("sgd",) if i % 2 == 0 else ("adamw",) for i in range(len(LAYOUTS))]
 
 
 def sub_world(size):
@@ -43,9 +46,9 @@ def sub_world(size):
     return world.split(world.rank // size, name=f"world/{world.rank // size}")
 
 
-for dp, pp, tp, schedule, m, v, n_layer in LAYOUTS:
+for (dp, pp, tp, schedule, m, v, n_layer), optimizers in zip(LAYOUTS, OPTIMIZERS):
     group = sub_world(dp * pp * tp)
-    for optimizer in ("sgd", "adamw"):
+    for optimizer in optimizers:
         if (n_layer, optimizer) not in references:
             references[n_layer, optimizer] = one_process(n_layer, optimizer)
         ref_losses, ref_weights = references[n_layer, optimizer]
@@ -72,7 +75,7 @@ for schedule, pp, m, v in [("gpipe", 4, 4, 1), ("1f1b", 4, 8, 1), ("interleaved"
                           placement=placement_of(schedule))
     engine = PipelineEngine(stage, mesh, schedule, m, v)
     bubbles, problems = [], []
-    for step in range(3):  # best of 3 steps: other jobs on the machine only ever add idle time
+    for step in range(2):  # the better of 2 steps: other jobs on the machine only ever add idle time
         group.barrier()
         group.trace.clear()
         engine.forward_backward(split_micro_batches(get_batch(TOKENS, step, B, 8), m))

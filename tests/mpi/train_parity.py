@@ -23,14 +23,15 @@ TINY = dict(n_layer=2, n_head=4, n_embd=16, block_size=16, batch_size=8, steps=1
             eval_iters=1, sample_tokens=0, warmup=2, lr=1e-2, grad_clip=0.5, bucket_mb=0.01)
 
 
-def layouts(world_size):
-    """(dp, tp, sequence_parallel, micro_batches, optimizer, dtype) for every layout that fits."""
+def layouts(world_size, both_optimizers=False):
+    """(dp, tp, sequence_parallel, micro_batches, optimizer, dtype) for every layout that fits: each
+    float64 layout with SGD and AdamW alternating (both over every dp x tp), or with both."""
     grid = [(dp, tp) for dp in (1, 2, 4) for tp in (1, 2, 4) if 1 < dp * tp <= world_size]
-    for optimizer in ("sgd", "adamw"):
-        for dp, tp in grid:
-            for sp in ((False, True) if tp > 1 else (False,)):
-                for micro in (1, 2):
-                    yield dp, tp, sp, micro, optimizer, "float64"
+    shapes = [(dp, tp, sp, micro) for dp, tp in grid for sp in ((False, True) if tp > 1 else (False,))
+              for micro in (1, 2)]
+    for i, shape in enumerate(shapes):
+        for optimizer in ("sgd", "adamw") if both_optimizers else (("sgd", "adamw")[i % 2],):
+            yield *shape, optimizer, "float64"
     yield 2, 2, True, 2, "adamw", "float32"
     yield 4, 1, False, 2, "sgd", "float32"
 
@@ -47,7 +48,7 @@ def main(data_dir, out_dir):
     world = minidist.init(timeout=60.0)
     base = TrainConfig(**TINY, data_dir=data_dir)
     references = {}
-    for i, (dp, tp, sp, micro, optimizer, dtype) in enumerate(layouts(world.size)):
+    for i, (dp, tp, sp, micro, optimizer, dtype) in enumerate(layouts(world.size, "--both-optimizers" in sys.argv)):
         cfg = dataclasses.replace(base, dp=dp, tp=tp, sequence_parallel=sp, micro_batches=micro,
                                   optimizer=optimizer, dtype=dtype, export=str(Path(out_dir) / f"{i}.npz"))
         sub = world.split(0 if world.rank < dp * tp else -1, name=f"layout{i}")
@@ -71,4 +72,4 @@ def main(data_dir, out_dir):
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    main(*[a for a in sys.argv[1:] if a != "--both-optimizers"])

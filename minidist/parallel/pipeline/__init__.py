@@ -15,7 +15,8 @@ validate.py (static checks and the dry runs that show a schedule cannot deadlock
 extensions it needs), timeline.py (a schedule drawn), partition.py (blocks split by cost),
 tied_embeddings.py, interleaved.py and zero_bubble.py (more schedules), and the executor's
 extensions, each wrapping every compute action: split_backward.py (zero-bubble's B and W),
-handover.py (ZB-V's two stages on one rank), peak_memory.py, module_spans.py.
+handover.py (ZB-V's two stages on one rank), peak_memory.py, module_spans.py; known_costs.py
+(stages that sleep a known time, for the lessons' executed timelines).
 """
 from minidist.parallel.pipeline.actions import Action, rank_stages, stage_rank
 from minidist.parallel.pipeline.engine import PipelineEngine, split_micro_batches

@@ -1,0 +1,133 @@
+"""Stopping a training job: SIGINT (Ctrl-C), SIGTERM and SIGHUP sent to a running ``mpiexec -n 2 python -m
+minidist.train`` stop every rank at once, without a traceback; rank 0 prints one line, how far the run
+got and the newest checkpoint (or that there is none), and the job exits with 128 + the signal's number.
+
+MPICH's ``mpiexec`` (hydra) forwards SIGINT and SIGTERM to the ranks, SIGINT after two lines of its own
+(minidist/train/stopping.py says which, and why they cannot be avoided). It does not handle SIGHUP: sent
+to ``mpiexec`` it kills ``mpiexec``, whose proxies kill the ranks, so nothing is printed at all; sent to
+the ranks (as a batch system or ``python -m minidist.run`` does) it stops them like the others.
+
+Each test signals once a line of the run's output says it is training, never after a time.
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minidist.process_tree import descendants, is_running, signal_processes, wait_gone
+from tests.mpi.harness import REPO, find_mpiexec, mpiexec_command
+
+TINY = ["--n-layer", "2", "--n-head", "4", "--n-embd", "16", "--block-size", "16", "--batch-size", "4",
+        "--eval-iters", "1", "--sample-tokens", "0"]
+HYDRA_SIGINT = ["Sending Ctrl-C to processes as requested", "Press Ctrl-C again to force abort"]
+
+
+def start(tmp_path, *args):
+    """``mpiexec -n 2 python -m minidist.train`` on a tiny model with a long run, its output piped."""
+    cmd = [*mpiexec_command(find_mpiexec(), 2), sys.executable, "-m", "minidist.train", *TINY,
+           "--dp", "2", "--steps", "1000000", "--data-dir", str(tmp_path / "data"), *map(str, args)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), start_new_session=True)
+
+
+def wait_for(job, pattern: str) -> list[str]:
+    """The job's stdout lines up to the first that matches ``pattern``."""
+    lines = []
+    for line in job.stdout:
+        lines.append(line)
+        if re.match(pattern, line):
+            return lines
+    raise AssertionError("the job ended before " + pattern + ":\n" + "".join(lines) + job.stderr.read())
+
+
+def finish(job, timeout: float = 60.0) -> tuple[str, str]:
+    """The rest of the job's (stdout, stderr) once it has ended; past ``timeout`` it is killed, ranks and all."""
+    try:
+        return job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        ranks = descendants(job.pid)
+        os.killpg(job.pid, signal.SIGKILL)
+        signal_processes(ranks, signal.SIGKILL)
+        wait_gone(ranks, 5.0)
+        raise AssertionError("the job did not stop: " + "".join(job.communicate()))
+
+
+def ranks_of(job) -> list:
+    """The job's ranks: the processes under mpiexec that run the trainer."""
+    def runs_trainer(process):
+        try:
+            return b"minidist.train" in Path(f"/proc/{process.pid}/cmdline").read_bytes()
+        except OSError:
+            return False
+    return [p for p in descendants(job.pid) if runs_trainer(p)]
+
+
+def assert_quiet(before: list[str], after: str, stderr: str) -> str:
+    """The job's only line on stderr (which it returns); nothing on stdout after the signal but hydra's
+    SIGINT lines and progress lines; no traceback anywhere."""
+    everything = "".join(before) + after + stderr
+    for noise in ("Traceback", "KeyboardInterrupt", "BAD TERMINATION", "YOUR APPLICATION TERMINATED"):
+        assert noise not in everything, everything
+    assert len(stderr.splitlines()) == 1, everything
+    for line in after.splitlines():
+        assert any(h in line for h in HYDRA_SIGINT) or re.search(r"\bsteps?\b.*\bloss\b", line), everything
+    return stderr.strip()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_mpiexec_stops_the_job_with_one_line(tmp_path, signum):
+    job = start(tmp_path, "--eval-every", 1000000)
+    before = wait_for(job, r"step\s+0\s+train loss")
+    job.send_signal(signum)
+    after, stderr = finish(job)
+    assert job.returncode == 128 + signum, after + stderr
+    line = assert_quiet(before, after, stderr)
+    name = signal.Signals(signum).name
+    assert re.fullmatch(rf"python -m minidist\.train: stopped by {name} (after \d+ of 1000000 steps|before it "
+                        r"finished a step); no --ckpt-dir, so nothing to resume from", line), line
+    if signum == signal.SIGINT:  # hydra's own two lines, before it forwards Ctrl-C (stopping.py)
+        assert [h for h in HYDRA_SIGINT if h in after] == HYDRA_SIGINT, after
+
+
+def test_sighup_to_the_ranks_stops_the_job_with_one_line(tmp_path):
+    job = start(tmp_path, "--eval-every", 1000000)
+    before = wait_for(job, r"step\s+0\s+train loss")
+    ranks = ranks_of(job)
+    assert len(ranks) == 2, ranks
+    signal_processes(ranks, signal.SIGHUP)
+    after, stderr = finish(job)
+    assert job.returncode == 128 + signal.SIGHUP, after + stderr
+    assert "stopped by SIGHUP" in assert_quiet(before, after, stderr)
+
+
+def test_sighup_to_mpiexec_ends_the_job_silently_as_hydra_does(tmp_path):
+    """hydra does not catch SIGHUP: mpiexec dies of it (a shell says 129) and its proxies SIGKILL the
+    ranks before they can say anything; no rank survives it, and nothing is printed."""
+    job = start(tmp_path, "--eval-every", 1000000)
+    wait_for(job, r"step\s+0\s+train loss")
+    ranks = ranks_of(job)
+    job.send_signal(signal.SIGHUP)
+    after, stderr = finish(job)
+    assert job.returncode == -signal.SIGHUP, after + stderr
+    assert (after, stderr) == ("", "")
+    assert not wait_gone(ranks, 30.0) and not any(is_running(r) for r in ranks)
+
+
+def test_a_stop_names_the_newest_checkpoint(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    job = start(tmp_path, "--ckpt-dir", ckpt, "--save-every", 1, "--eval-every", 1)
+    before = wait_for(job, r"step\s+1\s+train loss")  # printed in step 1: step 0's checkpoint is saved
+    job.send_signal(signal.SIGTERM)
+    after, stderr = finish(job)
+    assert job.returncode == 128 + signal.SIGTERM, after + stderr
+    line = assert_quiet(before, after, stderr)
+    found = re.fullmatch(rf"python -m minidist\.train: stopped by SIGTERM after (\d+) of 1000000 steps; the newest "
+                         rf"checkpoint is {re.escape(str(ckpt))}/step-(\d+): --resume continues from it", line)
+    assert found, line
+    done, saved = int(found[1]), int(found[2])
+    assert saved >= 1 and done <= saved <= done + 1  # a step counts as done just after its checkpoint
+    assert sorted(p.name for p in ckpt.glob("step-*"))[-1] == f"step-{saved:06d}"
