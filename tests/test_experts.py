@@ -333,7 +333,9 @@ def test_explain_says_which_experts_each_rank_holds_and_who_sends_which_tokens_w
     assert "(2, 64, 16)  experts 2-3 of 4 (ep)" in out  # rank 1's c_fc: its 2 experts of (4, 64, 16)
     assert len(re.findall(r"routes transformer\.h\.[01]\.mlp: token rows \(last micro-batch\) \d+ to rank 0 "
                           r"\(experts 0-1: \d+/\d+\), \d+ to rank 1 \(experts 2-3: \d+/\d+\); its experts got", out)) == 4
-    assert "moe dispatch" in out and "moe combine backward" in out
+    # each all-to-all with the purpose its call site gave, inside the block whose MoE sent it
+    assert "— activation: tokens to their experts [during h.0]" in out, out
+    assert "— activation: the tokens' gradients back from their experts [during h.0]" in out, out
 
 
 def test_inspect_tables_the_load_per_rank_and_per_expert():

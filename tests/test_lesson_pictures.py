@@ -3,7 +3,8 @@
 Each lesson runs in this process on threads (its ``lesson`` function, as ``--local N`` would) with a
 ``--png`` path; every figure it saves is kept (``Figure.savefig`` is wrapped) and read back: titles
 against the printed lines, text extents measured on matplotlib's renderer. What is compared is
-text, never a time: a title must carry the very number the lesson printed, whatever it is.
+text, never a time: a title must carry the very number the lesson printed, whatever it is. Lessons
+02, 04 and 12 run whole here, again after tests/test_tutorials.py: with ``--slow``.
 """
 import re
 import runpy
@@ -118,6 +119,7 @@ def bubbles_in_titles(fig, names):
     return found
 
 
+@pytest.mark.slow  # a whole lesson again (tests/test_tutorials.py runs it): 10-30 s
 def test_lesson_04_draws_known_stage_costs_beside_this_machine_with_the_printed_bubbles(tmp_path, saved, capsys):
     module = lesson("04_pipeline.py")
     minidist.run_local(lambda world: module["lesson"](world, str(tmp_path / "pp.png"), local=True), 2)
@@ -134,6 +136,7 @@ def test_lesson_04_draws_known_stage_costs_beside_this_machine_with_the_printed_
     assert overlapping(fig) == [] and outside_boxes(fig) == []
 
 
+@pytest.mark.slow  # a whole lesson again (tests/test_tutorials.py runs it): 10-30 s
 def test_lesson_12_draws_known_stage_costs_beside_this_machine_with_the_printed_bubbles(tmp_path, saved, capsys):
     module = lesson("12_zero_bubble.py")
     minidist.run_local(lambda world: module["lesson"](world, str(tmp_path / "zb.png")), 2)
@@ -153,6 +156,7 @@ def test_lesson_12_draws_known_stage_costs_beside_this_machine_with_the_printed_
 
 # ---- lesson 02: the titles say what the text says ---------------------------------------------------
 
+@pytest.mark.slow  # a whole lesson again (tests/test_tutorials.py runs it): 10-30 s
 def test_lesson_02_titles_carry_the_printed_shares_and_what_the_overlap_saved(tmp_path, saved, capsys):
     module = lesson("02_data_parallel.py")
     drawing = minidist.run_local(module["lesson"], 2)[0]
