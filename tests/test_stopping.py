@@ -3,9 +3,11 @@ minidist.train`` stop every rank at once, without a traceback; rank 0 prints one
 got and the newest checkpoint (or that there is none), and the job exits with 128 + the signal's number.
 
 MPICH's ``mpiexec`` (hydra) forwards SIGINT and SIGTERM to the ranks, SIGINT after two lines of its own
-(minidist/train/stopping.py says which, and why they cannot be avoided). It does not handle SIGHUP: sent
-to ``mpiexec`` it kills ``mpiexec``, whose proxies kill the ranks, so nothing is printed at all; sent to
-the ranks (as a batch system or ``python -m minidist.run`` does) it stops them like the others.
+(minidist/train/stopping.py says which, and why they cannot be avoided). SIGHUP sent to the ranks (as a
+batch system or ``python -m minidist.run`` does) stops them like the others. SIGHUP sent to ``mpiexec``
+itself is hydra's to handle, not the trainer's, and is not tested here: it usually killed ``mpiexec``
+and with it the ranks, silently, but once in a default-suite run (27 Nov) the job trained on, so a test
+of it failed by chance.
 
 Each test signals once a line of the run's output says it is training, never after a time.
 """
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from minidist.process_tree import descendants, is_running, signal_processes, wait_gone
+from minidist.process_tree import descendants, signal_processes, wait_gone
 from tests.mpi.harness import REPO, find_mpiexec, mpiexec_command
 
 TINY = ["--n-layer", "2", "--n-head", "4", "--n-embd", "16", "--block-size", "16", "--batch-size", "4",
@@ -102,19 +104,6 @@ def test_sighup_to_the_ranks_stops_the_job_with_one_line(tmp_path):
     after, stderr = finish(job)
     assert job.returncode == 128 + signal.SIGHUP, after + stderr
     assert "stopped by SIGHUP" in assert_quiet(before, after, stderr)
-
-
-def test_sighup_to_mpiexec_ends_the_job_silently_as_hydra_does(tmp_path):
-    """hydra does not catch SIGHUP: mpiexec dies of it (a shell says 129) and its proxies SIGKILL the
-    ranks before they can say anything; no rank survives it, and nothing is printed."""
-    job = start(tmp_path, "--eval-every", 1000000)
-    wait_for(job, r"step\s+0\s+train loss")
-    ranks = ranks_of(job)
-    job.send_signal(signal.SIGHUP)
-    after, stderr = finish(job)
-    assert job.returncode == -signal.SIGHUP, after + stderr
-    assert (after, stderr) == ("", "")
-    assert not wait_gone(ranks, 30.0) and not any(is_running(r) for r in ranks)
 
 
 def test_a_stop_names_the_newest_checkpoint(tmp_path):

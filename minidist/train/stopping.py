@@ -23,9 +23,9 @@ What MPICH's ``mpiexec`` (hydra) does with the signals and the ranks' exits, and
   128 + n, so ``mpiexec`` does too. A rank a signal killed instead makes hydra print its
   "BAD TERMINATION ... This typically refers to a problem with your application" banner and exit with
   the signal's number; that is why each rank exits rather than dying of the signal.
-- SIGHUP to ``mpiexec`` (its terminal closed): hydra does not handle it, so ``mpiexec`` dies of it
-  (status 128 + 1, as the shell says) and its proxies then SIGKILL the ranks: nothing is printed, by
-  hydra or by a rank. SIGHUP sent to the ranks themselves (a batch system, ``python -m minidist.run``)
+- SIGHUP to ``mpiexec`` (its terminal closed) is hydra's to handle: usually ``mpiexec`` dies of it
+  (status 128 + 1, as the shell says) and its proxies then SIGKILL the ranks, so nothing is printed,
+  by hydra or by a rank; once in a test run the job trained on instead. SIGHUP sent to the ranks themselves (a batch system, ``python -m minidist.run``)
   stops them like SIGTERM.
 """
 from __future__ import annotations
