@@ -290,8 +290,9 @@ def parse_args(argv=None, quiet: bool = False) -> TrainConfig:
     """The command line as a :class:`TrainConfig` (flags are the field names with dashes). A usage
     error exits with status 2 and --help with 0, as argparse does, printing nothing when ``quiet``
     (every rank of a job but rank 0, so that a job prints them once)."""
-    hide = (lambda redirect: redirect(io.StringIO())) if quiet else (lambda redirect: contextlib.nullcontext())
-    with hide(contextlib.redirect_stdout), hide(contextlib.redirect_stderr):
+    silenced = io.StringIO()
+    with (contextlib.redirect_stdout(silenced) if quiet else contextlib.nullcontext()), \
+            (contextlib.redirect_stderr(silenced) if quiet else contextlib.nullcontext()):
         return TrainConfig(**vars(argument_parser().parse_args(argv)))
 
 
