@@ -148,7 +148,7 @@ def free_links(hw):
 
 
 def part_timing(layouts, reps: int, steps: int, scratch: Path) -> dict:
-    from minidist.run import find_mpiexec
+    from minidist.launchers import find_mpiexec
     mpiexec = find_mpiexec()
     rows = {}
     t0 = time.perf_counter()

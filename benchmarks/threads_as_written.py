@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from minidist.run import find_mpiexec, mpiexec_flags
+from minidist.launchers import find_mpiexec, mpiexec_flags
 from minidist.threads import machine_cores
 
 REPO = Path(__file__).resolve().parents[1]

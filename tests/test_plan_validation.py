@@ -144,7 +144,7 @@ def test_local_step_time_is_within_the_stated_band(ranks, flags, tmp_path, data_
     import subprocess
     import sys
 
-    from minidist.run import find_mpiexec, mpiexec_flags
+    from minidist.launchers import find_mpiexec, mpiexec_flags
     mpiexec = find_mpiexec()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [mpiexec, *mpiexec_flags(mpiexec, allow_root=os.geteuid() == 0), "-n", str(ranks), sys.executable, "-m",

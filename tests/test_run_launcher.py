@@ -22,7 +22,8 @@ import pytest
 
 from minidist.checkpoint.format import rank_file, step_dir
 from minidist.process_tree import read_process
-from minidist.run import checkpoint_dir, job_command, mpiexec_flags, mpiexec_flavour, parse_args
+from minidist.launchers import job_command, mpiexec_flags, mpiexec_flavour
+from minidist.run import checkpoint_dir, parse_args
 from tests.mpi.harness import HERE, REPO, find_mpiexec, run_mpi
 
 SCRIPT = str(HERE / "restartable.py")
@@ -88,9 +89,9 @@ def test_a_job_that_keeps_failing_is_given_up(tmp_path):
 
 
 def test_job_command_substitutes_n_and_adds_resume_once():
-    assert job_command("mpiexec", 3, ["-m", "minidist.train", "--dp", "{n}"], resume=True) == \
+    assert job_command(["mpiexec"], 3, ["-m", "minidist.train", "--dp", "{n}"], resume=True) == \
         ["mpiexec", "-n", "3", sys.executable, "-m", "minidist.train", "--dp", "3", "--resume"]
-    assert job_command("mpiexec", 2, ["s.py", "--resume"], resume=True)[-2:] == ["s.py", "--resume"]
+    assert job_command(["mpiexec"], 2, ["s.py", "--resume"], resume=True)[-2:] == ["s.py", "--resume"]
     assert checkpoint_dir(["s.py", "--ckpt-dir", "a"]) == "a" and checkpoint_dir(["--ckpt-dir=b"]) == "b"
     assert checkpoint_dir(["s.py"]) is None
 
@@ -103,7 +104,7 @@ def test_open_mpi_alone_gets_oversubscribe_so_more_ranks_than_cores_start(tmp_pa
     fake.chmod(0o755)
     assert mpiexec_flags(str(fake)) == flags
     assert mpiexec_flags(str(fake), allow_root=True) == flags + ["--allow-run-as-root"] * bool(flags)
-    assert job_command(str(fake), 2, ["s.py"], False, flags) == [str(fake), *flags, "-n", "2", sys.executable, "s.py"]
+    assert job_command([str(fake), *flags], 2, ["s.py"], False) == [str(fake), *flags, "-n", "2", sys.executable, "s.py"]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -171,10 +172,10 @@ def test_a_job_that_ignores_the_stop_signal_is_killed_after_the_grace_period(tmp
 
 
 def test_the_launchers_time_limit_ends_the_job_and_is_named_a_time_limit(tmp_path):
-    run = launch("-n", 2, "--timeout", 8, "--grace", 1, "--", JOB, "sleep", tmp_path)
+    run = launch("-n", 2, "--timeout", 3, "--grace", 1, "--", JOB, "sleep", tmp_path)
     assert run.returncode == 124, run.stderr
-    assert "attempt 1 hit the time limit of 8s (--timeout)" in run.stderr
-    started = [int(f.read_text()) for f in tmp_path.glob("rank*.pid") if f.read_text()]  # however many had, in 8 s
+    assert "attempt 1 hit the time limit of 3s (--timeout)" in run.stderr
+    started = [int(f.read_text()) for f in tmp_path.glob("rank*.pid") if f.read_text()]  # however many had, in 3 s
     assert not [pid for pid in started if running(pid)]
 
 

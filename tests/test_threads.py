@@ -42,7 +42,7 @@ def test_each_rank_takes_its_share_of_the_cores_at_least_one(cores, ranks, threa
 
 LIMIT = POOL_OF_4 + """import sys
 from minidist.threads import limit_blas_threads
-limit = limit_blas_threads(sys.argv[1] or None, thread_ranks=int(sys.argv[2]), cores=4)
+limit = limit_blas_threads(sys.argv[1] or None, ranks_here=int(sys.argv[2]), cores=4)
 print(json.dumps(limit))
 """ + POOLS
 

@@ -162,7 +162,7 @@ def memory(group, plain_bytes, sp_bytes):
           f"{100 * (sp_bytes - plain_bytes) / plain_bytes:.1f}%); one process {one:,} B")
     assert (rows == rows[0]).all(), f"ranks differ: {rows.tolist()}"
     print(f"  one block, term by term (minidist.plan.memory.layer_activation_terms), B of {B}x{T} tokens:")
-    print(f"    {'term':<52} {f'tp {n}':>7} {f'+ sp':>7}")
+    print(f"    {'term':<52} {f'tp {n}':>7} {'+ sp':>7}")
     for (what, a), (_, b) in zip(*(layer_activation_terms(spec, run) for run in runs)):
         note = {True: f"  1/{n}: its T/{n} tokens", False: ""}[b < a]
         print(f"    {what:<52} {int(a):>7,} {int(b):>7,}{note}")

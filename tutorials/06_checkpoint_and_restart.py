@@ -54,7 +54,7 @@ from minidist.parallel.data.sampler import DistributedSampler
 from minidist.parallel.step import train_step
 from minidist.parallel.tensor.layout import regions, unshard
 from minidist.train.build import build_model, build_optimizer, load_data
-from minidist.run import find_mpiexec
+from minidist.launchers import find_mpiexec
 from minidist.train.config import TrainConfig
 
 CFG = TrainConfig(n_layer=2, n_head=6, n_embd=24, block_size=16, batch_size=8, steps=6, warmup=2, lr=1e-2,

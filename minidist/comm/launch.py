@@ -15,6 +15,7 @@ import time
 from minidist.comm.flight_recorder import FlightRecorder
 from minidist.comm.group import ProcessGroup
 from minidist.comm.local_transport import LocalTransport
+from minidist.comm.machines import from_mpi
 from minidist.comm.trace import KEEP_RECENT, Trace
 
 
@@ -25,8 +26,8 @@ def init(backend: str = "ring", *, timeout: float = 300.0, debug: bool = False, 
     """The world group of an ``mpiexec`` job (this starts MPI).
 
     ``backend="ring"`` runs the hand-written collectives over MPI point-to-point messages, ``"mpi"``
-    MPI's own collectives, ``"nccl"`` NCCL's on GPU (CuPy) arrays, with one GPU per rank: rank i of
-    a node takes GPU i (see ``nccl.select_device``). An uncaught exception on any rank aborts the
+    MPI's own collectives, ``"nccl"`` NCCL's on GPU (CuPy) arrays, with one GPU per rank: the i-th rank of
+    a machine takes GPU i (``comm/machines.py``, ``nccl.select_device``). An uncaught exception on any rank aborts the
     whole job. ``trace=False`` turns recording off; the trace keeps this rank's last ``trace_keep``
     calls, so a job of any length holds the same memory (None keeps every call: it grows with the job).
     ``threshold_bytes`` overrides where all-reduce switches from recursive doubling to the
@@ -45,9 +46,8 @@ def init(backend: str = "ring", *, timeout: float = 300.0, debug: bool = False, 
     transport = MPITransport.world(timeout, cuda_aware=cuda_aware)
     if backend == "nccl":  # the GPU first: arrays and NCCL communicators belong to the current one
         from minidist.comm.nccl import select_device
-        node = transport.comm.Split_type(transport.MPI.COMM_TYPE_SHARED)  # the ranks of this machine
-        select_device(node.Get_rank(), node.Get_size())
-        node.Free()
+        machines = from_mpi(transport.comm)  # which ranks share this rank's machine
+        select_device(machines.local_rank(transport.rank), machines.local_size(transport.rank))
     settings = {k: v for k, v in (("threshold_bytes", threshold_bytes), ("segment_bytes", segment_bytes))
                 if v is not None}
     return ProcessGroup(transport, backend=backend, trace=Trace(transport.rank, enabled=trace, keep=trace_keep),

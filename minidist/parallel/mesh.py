@@ -39,6 +39,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from minidist.comm.machines import Machines, one_machine
+
 
 class Coords(NamedTuple):
     """A rank's place on each axis, in mesh order."""
@@ -71,22 +73,41 @@ class MeshShape:
         """The global rank at these coordinates."""
         return ((dp_rank * self.pp + pp_rank) * self.cp + cp_rank) * self.tp + tp_rank
 
+    def groups(self, axis: str) -> list[list[int]]:
+        """Every group of ``axis`` (``"tp"``, ``"cp"``, ``"pp"``, ``"dp"`` or ``"ep"``), each as its
+        ranks in group order: the ranks that differ only in that coordinate (ep: in the dp rank,
+        inside one block of ep dp ranks)."""
+        groups: dict[tuple, list[int]] = {}
+        for rank in range(self.world):
+            d, p, c, t = self.coords(rank)
+            key = {"tp": (d, p, c), "cp": (d, p, t), "pp": (d, c, t), "dp": (p, c, t), "ep": (d // self.ep, p, c, t)}[axis]
+            groups.setdefault(key, []).append(rank)
+        return list(groups.values())
+
+    def sized_axes(self) -> list[str]:
+        """The axes of more than one rank, fastest first (tp, cp, pp, dp, then ep, which cuts dp)."""
+        return [a for a in ("tp", "cp", "pp", "dp", "ep") if getattr(self, a) > 1]
+
 
 class DeviceMesh:
     """This rank's place in the (dp, pp, cp, tp) grid and its axis groups.
 
     Building it is collective over ``world`` (one ``split`` per axis, one more for ``dp_cp_group``
     when cp > 1 and two for the ep groups when ep > 1: every rank must build the same shape).
+    ``machines``: which machine each world rank runs on (``comm.machines.machines_of(world)``;
+    None: all on one), for :meth:`machines_spanned`.
     ``world.size`` must equal dp * pp * cp * tp, and ep divide dp. ``ep_group`` is None when ep = 1.
     """
 
-    def __init__(self, world, dp: int = 1, pp: int = 1, tp: int = 1, cp: int = 1, ep: int = 1):
+    def __init__(self, world, dp: int = 1, pp: int = 1, tp: int = 1, cp: int = 1, ep: int = 1,
+                 machines: Machines | None = None):
         self.shape = s = MeshShape(dp, pp, tp, cp, ep)
         if world.size != s.world:
             raise ValueError(f"world size {world.size} != dp*pp*cp*tp = {dp}*{pp}*{cp}*{tp} = {s.world}")
         if dp % ep:
             raise ValueError(f"expert parallelism cuts the dp axis: ep {ep} must divide dp {dp}")
         self.world = world
+        self.machines = machines if machines is not None else one_machine(world.size)
         self.rank = world.rank
         self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = d, p, c, t = s.coords(world.rank)
         self.tp_group = world.split((d * pp + p) * cp + c, key=t, name=f"tp[dp{d},pp{p}{_cp(c, cp)}]")
@@ -125,6 +146,27 @@ class DeviceMesh:
     def next_stage(self) -> int | None:
         """The pp-group rank of the next pipeline stage, or None on the last stage."""
         return None if self.is_last_stage else self.pp_rank + 1
+
+    def machines_spanned(self) -> dict[str, int]:
+        """{axis: the most machines one of its groups spans} for every axis of more than one rank:
+        1 where each group stays inside a machine (``comm/machines.py`` says which rank is where)."""
+        return {axis: max(len(self.machines.spanned(g)) for g in self.shape.groups(axis))
+                for axis in self.shape.sized_axes()}
+
+    def machine_lines(self) -> list[str]:
+        """Where the groups run, when the world spans several machines (nothing on one): which ranks
+        each machine holds, whether each axis's groups stay inside a machine or cross machines, and
+        a warning when tensor parallelism crosses them (the planner's search keeps it inside)."""
+        if self.machines.count == 1:
+            return []
+        spans = self.machines_spanned()
+        lines = [f"{self.machines}; " + ", ".join(
+            f"{axis} groups {'inside a machine' if n == 1 else f'across {n} machines'}" for axis, n in spans.items())]
+        if spans.get("tp", 1) > 1:
+            lines.append(f"warning: tensor-parallel groups cross machines: tp sums activations in every layer, forward "
+                         f"and backward, so each step waits on the link between machines; give every machine a "
+                         f"multiple of {self.shape.tp} consecutive ranks (--tp), or lower --tp")
+        return lines
 
     def __repr__(self) -> str:
         s = self.shape

@@ -147,7 +147,7 @@ def all_reduce_link() -> tuple[float, float, str]:
     when ``mpiexec`` runs here, else over threads."""
     times, how = None, "2 threads"
     try:
-        from minidist.run import find_mpiexec, mpiexec_flags
+        from minidist.launchers import find_mpiexec, mpiexec_flags
         mpiexec = find_mpiexec()  # SystemExit when there is none
         root = hasattr(os, "geteuid") and os.geteuid() == 0
         cmd = [mpiexec, *mpiexec_flags(mpiexec, allow_root=root), "-n", "2", sys.executable, "-c",

@@ -3,7 +3,6 @@ device, the data, the model (or this rank's shard / pipeline stage of it), the o
 gradient sync, the pipeline engine and mixed precision; and describe the layout that results.
 """
 import dataclasses
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -42,10 +41,11 @@ def world_of_one(timeout: float = 60.0) -> ProcessGroup:
     return ProcessGroup(LocalTransport.world(1, timeout)[0], trace=Trace(0, keep=KEEP_RECENT))
 
 
-def select_device(cfg, world) -> None:
+def select_device(cfg, local_rank: int) -> None:
     """``--device cuda``: CuPy and a GPU must be there (else a :class:`ConfigError` saying so, on
-    every rank, before anything is sent), and this rank takes GPU ``local_rank % gpu_count`` of its
-    machine (with ``--backend nccl`` the NCCL group has chosen it already). Nothing for ``cpu``."""
+    every rank, before anything is sent), and this rank takes GPU ``local_rank % gpu_count``, its
+    index among the ranks of its machine (``comm/machines.py``; with ``--backend nccl`` the NCCL
+    group has chosen it already). Nothing for ``cpu``; sends nothing."""
     if cfg.device != "cuda":
         return
     try:
@@ -53,22 +53,7 @@ def select_device(cfg, world) -> None:
     except (ImportError, RuntimeError) as e:
         raise ConfigError(str(e)) from e
     if cfg.backend != "nccl":
-        use_gpu(local_rank(world))
-
-
-def local_rank(world) -> int:
-    """This rank's index among the ranks of ``world`` that run on its machine, in global rank order.
-    Collective over ``world``: one ``gather_bytes`` of every host name to rank 0, one broadcast of
-    every rank's local index (int64) from it."""
-    hosts = world.gather_bytes(socket.gethostname().encode(), dst=0, label="setup: every rank's host name, to rank 0")
-    local = np.zeros(world.size, dtype=np.int64)  # (world,)
-    if hosts is not None:
-        count = {}
-        for rank, host in enumerate(hosts):
-            local[rank] = count.get(host, 0)
-            count[host] = local[rank] + 1
-    world.broadcast(local, src=0, label="setup: every rank's index on its machine, from rank 0")
-    return int(local[world.rank])
+        use_gpu(local_rank)
 
 
 def load_data(cfg):
@@ -290,7 +275,7 @@ def describe_layout(cfg, mesh, model) -> str:
     cp = f" x cp {shape.cp}" if shape.cp > 1 else ""
     lines = [f"mesh: dp {shape.dp} x pp {shape.pp}{cp} x tp {shape.tp} = {shape.world} ranks, "
              f"per dp rank {cfg.micro_batches} micro-batch(es) x {cfg.batch_size // (cfg.dp * cfg.micro_batches)} "
-             f"row(s){pipeline}"]
+             f"row(s){pipeline}"] + [f"  {line}" for line in mesh.machine_lines()]
     if shape.cp > 1:
         zigzag = cfg.cp_algorithm == "zigzag"
         lines.append(f"  every sequence of {cfg.block_size} tokens is cut over the cp ranks ({cfg.cp_algorithm}): "

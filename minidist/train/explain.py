@@ -55,6 +55,14 @@ def group_members(mesh) -> dict[str, list[int]]:
             mesh.dp_cp_group.name: [s.rank_of(i, p, t, j) for i in range(s.dp) for j in range(s.cp)]} | tied
 
 
+def _machines_of(machines, ranks) -> str:
+    """`` (inside machine 1)`` or `` (across machines 0, 1)`` when the job spans several machines, else nothing."""
+    if machines.count == 1:
+        return ""
+    spanned = machines.spanned(ranks)
+    return f" (inside machine {spanned[0]})" if len(spanned) == 1 else f" (across machines {', '.join(map(str, spanned))})"
+
+
 def _zero3_held(shards) -> dict[int, tuple[tuple, int, int]]:
     """{id(parameter): (its shape, first, last + 1 of its flattened elements this rank holds)} for
     the parameters of ZeRO-3 ``shards`` (each ``.unit``: a flat vector of ``params`` whose elements
@@ -257,9 +265,13 @@ def explain_first_step(mesh, model, events, *, batch_shape=None, state_bytes: di
     ``zero``: (stage, a ZeroOptimizer's shards), said in one line (:func:`zero_line`)."""
     members = group_members(mesh)
     used = {e.group for e in events}
-    groups = [f"{name} = ranks {ranks}" for name, ranks in members.items()
+    groups = [f"{name} = ranks {ranks}{_machines_of(mesh.machines, ranks)}" for name, ranks in members.items()
               if len(ranks) > 1 and name != mesh.world.name and (not name.endswith("/embedding") or name in used)]
     lines = [f"=== rank {mesh.rank}: {mesh.name} ===", "groups: " + ("; ".join(groups) or "none (one rank)")]
+    if mesh.machines.count > 1:
+        m = mesh.machines
+        lines[1:1] = [f"on machine {m.of_rank[mesh.rank]} of {m.count}, local rank {m.local_rank(mesh.rank)} of "
+                      f"{m.local_size(mesh.rank)}"] + mesh.machine_lines()[1:]  # [1:]: the warning, if any
     if batch_shape is not None:
         lines.append(f"reads a batch of {tuple(batch_shape)} token ids")
         cp = getattr(model, "context_parallel", None)

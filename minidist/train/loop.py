@@ -52,6 +52,7 @@ from minidist.allocator import keep_freed_memory
 from minidist.checkpoint.identity import run_identity
 from minidist.checkpoint.training import ResumeRefused, TrainingCheckpoints, crash_here
 from minidist.comm import init
+from minidist.comm.machines import machines_of
 from minidist.comm.transport import EXIT_CONFIG, EXIT_DIVERGED
 from minidist.device import to_device
 from minidist.optim import lr_at
@@ -99,9 +100,10 @@ def train(cfg, progress=True, world=None, keep_history=True, memory_bytes=None, 
 def _train_held(cfg, world, train_tokens, val_tokens, progress: bool, keep_history: bool, progress_every: float,
                 stopping: Stopping):
     """The run of :func:`train` once its folders are held."""
-    select_device(cfg, world)
+    machines = machines_of(world)  # which machine each rank is on: its GPU, and the mesh's report
+    select_device(cfg, machines.local_rank(world.rank))
     lead = world.rank == 0
-    mesh = DeviceMesh(world, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp, ep=cfg.ep)
+    mesh = DeviceMesh(world, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp, ep=cfg.ep, machines=machines)
     sampler = DistributedSampler(train_tokens, cfg.batch_size, cfg.block_size, cfg.seed, mesh.dp_rank, cfg.dp)
     model, optimizer, dp, engine, amp = build_parallel(cfg, mesh)
     scaler = loss_scaler(optimizer, amp)  # mixed precision's, or None
@@ -206,7 +208,8 @@ def _run(cfg, stopping):
         print(f"python -m minidist.train: {e}", file=sys.stderr)  # no CuPy, no GPU, fewer GPUs than ranks
         sys.exit(EXIT_CONFIG)
     stopping.mpi_started(world.rank)  # its rank from now on; the stop signals taken back from MPI's start-up
-    limit_blas_threads(os.environ.get("OMP_NUM_THREADS"))  # ranks sharing this machine: a share of its cores each
+    here = machines_of(world).local_size(world.rank)  # the ranks on this machine (MPI's shared-memory split)
+    limit_blas_threads(os.environ.get("OMP_NUM_THREADS"), here, announce=world.rank == 0)  # a share of its cores each
     try:
         model, history = (train_ps(cfg, world=world) if cfg.mode == "ps"  # below: only the last record
                           else train(cfg, world=world, keep_history=False, memory_bytes=memory_available(),

@@ -31,7 +31,7 @@ def find_mpiexec() -> str | None:
 def mpiexec_command(mpiexec: str, n: int) -> list:
     """``mpiexec [flags] -n n``: with Open MPI, ``--oversubscribe`` (tests start up to 8 ranks on 2
     cores) and, as root, ``--allow-run-as-root``; MPICH needs neither."""
-    from minidist.run import mpiexec_flags
+    from minidist.launchers import mpiexec_flags
     return [mpiexec, *mpiexec_flags(mpiexec, allow_root=os.geteuid() == 0), "-n", str(n)]
 
 

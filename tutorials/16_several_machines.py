@@ -1,0 +1,160 @@
+"""Lesson 16: several machines. The same commands, through the cluster's own launcher.
+
+    python tutorials/16_several_machines.py      (it starts its jobs itself; needs mpiexec, MPICH's)
+    python tutorials/16_several_machines.py --png machines.png   (also draw which groups cross machines)
+
+Nothing in minidist changes when a job leaves one machine: MPI carries the messages, and the
+launcher decides where each rank runs. What minidist needs to know is WHICH ranks share a machine,
+and it asks MPI itself: the shared-memory split (``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)``,
+minidist/comm/machines.py) groups the ranks of one machine. From it come a rank's GPU (its index on
+its machine), its share of the machine's cores, and the mesh's report of which parallelism crosses
+the slow link between machines.
+
+This lesson rehearses a cluster of two machines on this one:
+  1. which axes cross machines, for four layouts of 4 ranks on 2 machines of 2 (ranks fill a
+     machine before the next, and tp varies fastest, so tp groups stay inside a machine unless
+     a machine holds fewer ranks than --tp): the mesh's own report, and its warning for tp;
+  2. a hostfile that names this machine twice, ``localhost:2`` and ``<hostname>:2``: MPICH's
+     launcher (hydra) starts one "machine" per line, and MPI's split follows it;
+  3. ``python -m minidist.run -n 4 --hostfile hosts -- -m minidist.train --dp 2 --tp 2 ...``: the
+     trainer says where its groups run, and its weights equal one process's to 1e-10 (float64).
+
+On a real cluster only the hostfile's names change (or ``srun`` replaces mpiexec: README, "Several
+machines"). Everything is written in a temporary folder, removed at the end.
+"""
+import argparse
+import contextlib
+import io
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import numpy as np
+
+import minidist
+from minidist.comm.machines import Machines
+from minidist.launch_check import check_launch
+from minidist.launchers import find_mpiexec, mpiexec_flavour
+from minidist.parallel.mesh import DeviceMesh
+from minidist.train import train
+from minidist.train.config import TrainConfig
+
+SIZES = dict(n_layer=2, n_head=2, n_embd=16, block_size=16, batch_size=8, steps=3, eval_every=100, eval_iters=1,
+             sample_tokens=0, dtype="float64", seed=3)
+TWO_OF_TWO = Machines((0, 0, 1, 1))  # ranks 0-1 on machine 0, ranks 2-3 on machine 1
+
+
+LAYOUTS = (dict(dp=2, tp=2), dict(dp=2, pp=2), dict(pp=2, tp=2), dict(tp=4))
+
+
+def axes_across_machines():
+    """Section 1: the mesh's report for four layouts on TWO_OF_TWO (thread ranks, nothing trained)."""
+    print(f"1. 4 ranks on {TWO_OF_TWO}:")
+    for layout in LAYOUTS:
+        lines = minidist.run_local(lambda g: DeviceMesh(g, **layout, machines=TWO_OF_TWO).machine_lines(), 4)[0]
+        name = " x ".join(f"{axis} {size}" for axis, size in layout.items())
+        print(f"   {name:<12} {lines[0].split('; ')[1]}")
+        for warning in lines[1:]:
+            print(textwrap.fill(warning, 100, initial_indent=" " * 16, subsequent_indent=" " * 18))
+    # the rule behind it: a group crosses machines when its ranks do
+    spans = minidist.run_local(lambda g: DeviceMesh(g, tp=4, machines=TWO_OF_TWO).machines_spanned(), 4)[0]
+    assert spans == {"tp": 2}, spans
+
+
+def draw(path: str):
+    """One row per layout: the two machines as boxes, their ranks inside, and each axis's groups as
+    lines between their ranks; a group that crosses machines is drawn red and dashed."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from minidist.parallel.mesh import MeshShape
+
+    fig, rows = plt.subplots(len(LAYOUTS), 1, figsize=(7, 1.9 * len(LAYOUTS)))
+    colour = {"tp": "tab:blue", "pp": "tab:green", "dp": "tab:orange"}
+    for ax, layout in zip(rows, LAYOUTS):
+        shape = MeshShape(**layout)
+        for machine in range(TWO_OF_TWO.count):
+            ax.add_patch(plt.Rectangle((machine * 2 - 0.45, -0.85), 1.9, 1.65, fill=False, lw=1.5))
+            ax.text(machine * 2 + 0.5, 0.65, f"machine {machine}", ha="center", va="bottom", fontsize=8)
+        for rank in range(4):
+            ax.text(rank, 0, f"rank {rank}", ha="center", va="center", fontsize=8,
+                    bbox=dict(boxstyle="round", fc="white", ec="grey"))
+        for level, axis in enumerate(shape.sized_axes()):
+            for i, group in enumerate(shape.groups(axis)):  # groups that interleave, one below the other
+                crosses = len(TWO_OF_TWO.spanned(group)) > 1
+                y = -0.22 - 0.3 * level - 0.08 * (i % 2)
+                ax.plot(group, [y] * len(group), color="red" if crosses else colour[axis], lw=2,
+                        ls="--" if crosses else "-", marker="o", ms=3)
+            ax.text(3.6, -0.26 - 0.3 * level, f"{axis} groups", color=colour[axis], va="center", fontsize=8)
+        ax.set_title(" x ".join(f"{a} {n}" for a, n in layout.items()) + " (red dashed: across machines)", fontsize=9)
+        ax.set_xlim(-0.6, 4.4)
+        ax.set_ylim(-0.95, 0.95)
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"\ndrew the groups of each layout on the two machines into {path}")
+
+
+def launch(*args) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "minidist.run", *map(str, args)], capture_output=True, text=True,
+                          timeout=300)
+    if done.returncode != 0:
+        raise AssertionError(f"minidist.run failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+    return done
+
+
+def flags(sizes: dict) -> list:
+    return [a for k, v in sizes.items() for a in (f"--{k.replace('_', '-')}", v)]
+
+
+def on_two_machines(root: Path):
+    """Sections 2 and 3: a hostfile of this machine twice; the trainer on it; one process to compare."""
+    hosts = root / "hosts"
+    hosts.write_text(f"localhost:2\n{socket.gethostname()}:2\n")
+    print(f"\n2. a hostfile naming this machine twice (hydra's format, 'name:slots'):\n   "
+          + hosts.read_text().strip().replace("\n", "\n   "))
+    print("\n3. python -m minidist.run -n 4 --hostfile hosts -- -m minidist.train --dp 2 --tp 2 --dtype float64 ...")
+    run = launch("-n", 4, "--hostfile", hosts, "--", "-m", "minidist.train", "--dp", 2, "--tp", 2, *flags(SIZES),
+                 "--export", root / "w.npz")
+    said = [line for line in run.stdout.splitlines() if "machine" in line]
+    print("   " + "\n   ".join(line.strip() for line in said))
+    assert any("2 machines: ranks 0-1 on machine 0, ranks 2-3 on machine 1; tp groups inside a machine, "
+               "dp groups across 2 machines" in line for line in said), run.stdout
+    one = TrainConfig(**SIZES, export=str(root / "one.npz"))
+    with contextlib.redirect_stdout(io.StringIO()):  # its own report: not this lesson's
+        train(one, progress=False)
+    weights, ref = dict(np.load(root / "w.npz")), dict(np.load(one.export))
+    worst = max(float(np.abs(weights[k] - r).max() / np.abs(r).max()) for k, r in ref.items())
+    assert weights.keys() == ref.keys() and worst <= 1e-10, worst
+    print(f"   its weights vs one process on the full batch: largest relative difference {worst:.1e} (<= 1e-10)")
+
+
+def main():
+    ap = argparse.ArgumentParser(description="Lesson 16: several machines, rehearsed on this one.")
+    ap.add_argument("--png", help="draw each layout's groups on the two machines into this PNG")
+    args = ap.parse_args()
+    check_launch(ap, args, mpiexec=False)  # alone: it starts its jobs itself
+    axes_across_machines()
+    if args.png:
+        draw(args.png)
+    try:
+        mpiexec = find_mpiexec()
+    except SystemExit:
+        mpiexec = None
+    if mpiexec is None or mpiexec_flavour(mpiexec) == "openmpi":
+        print("\n2-3. skipped: they use MPICH's hostfile (pip install mpich); with Open MPI: mpiexec --host "
+              "localhost:2,$(hostname):2 ...")
+    else:
+        with tempfile.TemporaryDirectory(prefix="lesson16-") as root:
+            on_two_machines(Path(root))
+    print("\nTry: write the hostfile as 'localhost:1' and '<hostname>:3' and keep --tp 2: the tp group of\n"
+          "     ranks 0-1 now spans both machines, and the trainer warns before its first step.")
+    print("MPI's split says which ranks share a machine; the mesh says which groups cross machines. "
+          "All checks passed.")
+
+
+if __name__ == "__main__":
+    main()
