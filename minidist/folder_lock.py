@@ -2,7 +2,8 @@
 
 Two runs writing one ``--ckpt-dir`` delete each other's saves in progress; two runs in one
 ``--offload-dir`` write each other's memory-mapped stores. So a run holds such a folder with
-``flock`` on the file ``.minidist.lock`` in it, which records the holder (pid, host, since when). A
+``flock`` on the file ``.minidist.lock`` in it, which records the holder (pid, host, since when, and a
+random token that tells ranks on other machines whether they see the same folder). A
 second run finds the lock taken and is refused, naming the holder. The kernel releases a ``flock``
 when its process dies however it dies (``kill -9`` included): a dead run's lock is simply free
 again, and the next run takes it over and writes itself in as the holder. (``flock`` is advisory:
@@ -48,8 +49,9 @@ class FolderLock:
             os.close(fd)
             raise FolderInUse(f"{purpose} {self.folder} is in use by another run ({holder}): give each run its own "
                               f"folder, or wait for that run to end") from None
+        self.token = int.from_bytes(os.urandom(7), "little")  # this hold's own number: who else sees the file
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "token": self.token,
                                   "since": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
         self._fd = fd
 
@@ -69,3 +71,22 @@ def _holder(fd: int) -> str:
         return f"pid {int(record['pid'])} on host {str(record['host'])[:255]} since {str(record['since'])[:32]}"
     except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
         return "its holder did not say who it is"
+
+
+def holder_token(folder) -> int | None:
+    """The ``token`` the holder of ``folder``'s lock wrote, or None (no lock file, a link, unreadable
+    or not a holder's record): read bounded, without following a link, and checked. A rank on
+    another machine that finds rank 0's token sees the same folder (a shared file system)."""
+    try:
+        fd = os.open(os.path.join(folder, LOCK_FILE), os.O_RDONLY | NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        token = json.loads(os.pread(fd, MAX_HOLDER_BYTES, 0).decode())["token"]
+        return token if type(token) is int else None
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
+        return None
+    finally:
+        os.close(fd)

@@ -24,6 +24,7 @@ from minidist.parallel.mesh import DeviceMesh
 from minidist.run import parse_args, split_launcher_args
 from minidist.train import train
 from minidist.train.config import TrainConfig
+from minidist.train.folders import FolderNotShared, held_folders
 from tests.mpi.harness import HERE, REPO, find_mpiexec as mpiexec_here, run_mpi
 from tests.netns import TCP_ONLY, Unavailable, two_machines
 
@@ -203,3 +204,19 @@ def test_two_network_namespaces_joined_by_a_veth_pair_train_like_one_process(tmp
     # every step, ranks 0 and 1 send their gradients (float64) to ranks 2 and 3 across the pair
     assert crossed >= SIZES["steps"] * 2 * 8 * params, (crossed, params)
     assert_like(dict(np.load(tmp_path / "w.npz")), one_process(tmp_path, data_dir))
+
+
+def test_a_checkpoint_folder_that_another_machine_does_not_see_is_refused_on_every_rank(tmp_path):
+    """Rank 1 plays a machine whose --ckpt-dir is a folder of its own (not a shared file system):
+    it does not find rank 0's lock token there, and every rank refuses before anything is saved."""
+    def hold(folder_of_rank, machines):
+        def body(world):
+            cfg = TrainConfig(ckpt_dir=str(folder_of_rank(world.rank)))
+            with held_folders(cfg, world, machines):
+                return "held"
+        return run_local(body, 2)
+
+    with pytest.raises(FolderNotShared, match=r"rank 1 \(machine 1\) does not find in it the lock rank 0 holds"):
+        hold(lambda rank: tmp_path / ("ckpt" if rank == 0 else "its-own-disk"), Machines((0, 1)))
+    assert hold(lambda rank: tmp_path / "ckpt", Machines((0, 1))) == ["held", "held"]  # shared: one folder
+    assert hold(lambda rank: tmp_path / f"ckpt{rank}", one_machine(2)) == ["held", "held"]  # one machine: not asked

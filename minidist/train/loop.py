@@ -66,7 +66,7 @@ from minidist.train.config import (ConfigError, TrainConfig, check_config, comm_
                                    launcher_rank, parse_args, runs_zero_optimizer)
 from minidist.train.divergence import Diverged, DivergenceWatch
 from minidist.train.memory import memory_available
-from minidist.train.folders import FoldersInUse, held_folders
+from minidist.train.folders import FolderNotShared, FoldersInUse, held_folders
 from minidist.files import NoSpace, PathRefused
 from minidist.train.outputs import (estimate_val_loss, explain_step, metrics_line, open_metrics, sample, trace_file,
                                     write_outputs)
@@ -92,15 +92,15 @@ def train(cfg, progress=True, world=None, keep_history=True, memory_bytes=None, 
     cfg = with_hf_model(cfg)  # --init-from-hf: the model's size from the folder (checked: nothing sent yet)
     check_config(cfg, world.size, memory_bytes)  # every output path too, before the first step
     train_tokens, val_tokens = load_data(cfg)  # may refuse the data: before anything is sent
-    with held_folders(cfg, world):  # --ckpt-dir, --offload-dir: this run's alone until it ends (train/folders.py)
-        return _train_held(cfg, world, train_tokens, val_tokens, progress, keep_history, progress_every,
+    machines = machines_of(world)  # which machine each rank is on: its GPU, its folders, the mesh's report
+    with held_folders(cfg, world, machines):  # --ckpt-dir, --offload-dir: this run's alone until it ends
+        return _train_held(cfg, world, machines, train_tokens, val_tokens, progress, keep_history, progress_every,
                            stopping if stopping is not None else Stopping())
 
 
-def _train_held(cfg, world, train_tokens, val_tokens, progress: bool, keep_history: bool, progress_every: float,
-                stopping: Stopping):
+def _train_held(cfg, world, machines, train_tokens, val_tokens, progress: bool, keep_history: bool,
+                progress_every: float, stopping: Stopping):
     """The run of :func:`train` once its folders are held."""
-    machines = machines_of(world)  # which machine each rank is on: its GPU, and the mesh's report
     select_device(cfg, machines.local_rank(world.rank))
     lead = world.rank == 0
     mesh = DeviceMesh(world, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp, ep=cfg.ep, machines=machines)
@@ -214,7 +214,7 @@ def _run(cfg, stopping):
         model, history = (train_ps(cfg, world=world) if cfg.mode == "ps"  # below: only the last record
                           else train(cfg, world=world, keep_history=False, memory_bytes=memory_available(),
                                      stopping=stopping))
-    except (ConfigError, ResumeRefused, FoldersInUse) as e:
+    except (ConfigError, ResumeRefused, FoldersInUse, FolderNotShared) as e:
         if world.rank == 0:
             print(f"python -m minidist.train: {e}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
