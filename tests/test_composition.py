@@ -166,18 +166,25 @@ def sample(n: int, seed: int = 14) -> list:
 
 def pairwise_cover(cells, seed: int = 17) -> list:
     """Cells of ``cells`` in which every pair of (axis, value)s that any cell of ``cells`` has occurs
-    at least once: greedily, the cell covering most uncovered pairs first (a seeded order breaks ties).
-    Each cell's pairs are the bits of one integer, so counting what a cell would cover is one AND."""
+    at least once: greedily, the cell covering most uncovered pairs first (a seeded order breaks ties:
+    the first such cell). A boolean matrix has a row per cell and a column per pair of values, so
+    what every cell would cover is one count over the uncovered columns."""
     cells = cells[:]
     random.Random(seed).shuffle(cells)
-    bit: dict = {}
-    masks = [sum(1 << bit.setdefault(pair, len(bit)) for pair in set(itertools.combinations(axis_values(c), 2)))
-             for c in cells]
-    uncovered, chosen = (1 << len(bit)) - 1, []
-    while uncovered:
-        best = max(range(len(cells)), key=lambda i: (masks[i] & uncovered).bit_count())
+    values = [axis_values(c) for c in cells]
+    indices = [{} for _ in values[0]]  # per axis: value -> its number
+    codes = np.array([[index.setdefault(v, len(index)) for index, v in zip(indices, row)] for row in values])
+    sizes = codes.max(axis=0) + 1  # (axes,)
+    pairs = list(itertools.combinations(range(codes.shape[1]), 2))
+    offsets = np.cumsum([0] + [sizes[i] * sizes[j] for i, j in pairs])
+    has = np.zeros((len(cells), offsets[-1]), bool)  # (cells, pairs of values)
+    for (i, j), offset in zip(pairs, offsets):
+        has[np.arange(len(cells)), offset + codes[:, i] * sizes[j] + codes[:, j]] = True
+    uncovered, chosen = np.flatnonzero(has.any(axis=0)), []  # the pairs some cell has
+    while uncovered.size:
+        best = int(np.argmax(np.count_nonzero(has[:, uncovered], axis=1)))  # the first of the most
         chosen.append(cells[best])
-        uncovered &= ~masks[best]
+        uncovered = uncovered[~has[best, uncovered]]
     return chosen
 
 

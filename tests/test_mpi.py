@@ -19,14 +19,14 @@ from tests.mpi.harness import find_mpiexec, run_mpi
 needs_mpi = pytest.mark.skipif(find_mpiexec() is None, reason="mpiexec not found")
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", [pytest.param(2, marks=pytest.mark.slow), 3, 4])  # 3: uneven; 4: a power of two
 @needs_mpi
 def test_ring_equals_mpi_for_every_collective_dtype_op_and_count(n):
     run = run_mpi(n, "ring_equals_mpi.py", timeout=120)
     assert re.search(rf"OK \d+ checks on {n} ranks", run.stdout), run.output
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", [pytest.param(2, marks=pytest.mark.slow), 3, 4])
 @needs_mpi
 def test_all_to_all_equals_mpis_own_and_refuses_counts_that_disagree(n):
     run = run_mpi(n, "all_to_all_equals_mpi.py", timeout=60)

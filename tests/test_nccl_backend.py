@@ -452,12 +452,13 @@ def test_a_receive_nobody_sends_ends_in_a_timeout_naming_the_peer(cp):
 
 # ---- the trainer over NCCL -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("layout", [dict(dp=2), dict(dp=2, zero=1), dict(dp=2, zero=3), dict(tp=2),
-                                    dict(pp=2, micro_batches=2), dict(dp=2, ep=2, n_experts=4, zero=1),
-                                    dict(pp=2, micro_batches=4, schedule="zb-h1"),
-                                    dict(pp=2, micro_batches=4, schedule="interleaved", virtual_stages=2, n_layer=4),
-                                    dict(pp=2, micro_batches=4, schedule="zbv", virtual_stages=2, n_layer=4)],
-                         ids=["dp", "zero1", "zero3", "tp", "pp", "ep", "zb-h1", "interleaved", "zbv"])
+@pytest.mark.parametrize("layout", [
+    dict(dp=2), pytest.param(dict(dp=2, zero=1), marks=pytest.mark.slow), dict(dp=2, zero=3), dict(tp=2),
+    dict(pp=2, micro_batches=2), dict(dp=2, ep=2, n_experts=4, zero=1),
+    pytest.param(dict(pp=2, micro_batches=4, schedule="zb-h1"), marks=pytest.mark.slow),  # zbv splits B and W too
+    pytest.param(dict(pp=2, micro_batches=4, schedule="interleaved", virtual_stages=2, n_layer=4), marks=pytest.mark.slow),
+    dict(pp=2, micro_batches=4, schedule="zbv", virtual_stages=2, n_layer=4)],
+    ids=["dp", "zero1", "zero3", "tp", "pp", "ep", "zb-h1", "interleaved", "zbv"])
 def test_the_trainer_over_nccl_trains_bitwise_like_the_host_run(cp, tmp_path, layout):
     """``--device cuda --backend nccl`` on 2 ranks (threads, a fake GPU each) against the same run on
     NumPy over the ring. Two ranks' sums do not depend on the order of addition, so: bitwise."""

@@ -102,15 +102,16 @@ def grid() -> list[Cell]:
 
 def meaningless(cell: Cell) -> str | None:
     """Why ``cell`` names a combination that does not exist (the first of ``spec.lacks`` of its
-    layout: a problem the trainer refuses it with), or None. Recompute and checkpoints are not part
-    of a layout: the cells that differ only in them share one answer, found once."""
+    layout: a problem the trainer refuses it with), or None. Recompute, checkpoints and the precision
+    are not part of a layout (no ``lacks`` reads them): the cells that differ only in them share one
+    answer, found once."""
     return _layout_meaningless(cell.dp, cell.tp, cell.pp, cell.cp, cell.cp_algorithm, cell.zero, cell.sequence_parallel,
-                               cell.schedule, cell.dtype, cell.moe, cell.offload)
+                               cell.schedule, cell.moe, cell.offload)
 
 
 @lru_cache(maxsize=None)
-def _layout_meaningless(dp, tp, pp, cp, cp_algorithm, zero, sequence_parallel, schedule, dtype, moe, offload):
-    cell = Cell(dp, tp, pp, cp, cp_algorithm, zero, sequence_parallel, schedule, False, dtype, False, moe, offload)
+def _layout_meaningless(dp, tp, pp, cp, cp_algorithm, zero, sequence_parallel, schedule, moe, offload):
+    cell = Cell(dp, tp, pp, cp, cp_algorithm, zero, sequence_parallel, schedule, False, "float32", False, moe, offload)
     found = lacks(layout_of(config_for(cell), cell.world))
     return found[0] if found else None
 
