@@ -90,11 +90,12 @@ def test_the_hostfile_is_given_in_the_flavours_own_spelling(tmp_path, says, spel
 
 
 def test_bad_launcher_choices_fail_at_once_with_exit_2(tmp_path, capsys, monkeypatch):
+    machine = "localhost slots=2" if mpiexec_flavour(find_mpiexec()) == "openmpi" else "localhost:2"  # its format
     hosts = tmp_path / "hosts"
-    hosts.write_text("localhost:2\n")
+    hosts.write_text(machine + "\n")
     (tmp_path / "junk").write_bytes(bytes(range(256)))
     (tmp_path / "empty").write_text("# no machine yet\n\n")
-    (tmp_path / "bad").write_text("localhost:2\nnode-1 2 slots\n")
+    (tmp_path / "bad").write_text(f"{machine}\nnode-1 2 slots\n")
     for argv, message in [
         (["--hostfile", str(tmp_path / "none")], "--hostfile " + str(tmp_path / "none") + ": no such file"),
         (["--hostfile", str(tmp_path)], "not a readable file"),
@@ -157,12 +158,14 @@ def test_a_hostfile_of_two_machines_places_the_ranks_reports_the_axes_and_trains
 
 @needs_mpi
 @pytest.mark.skipif(mpiexec_flavour(find_mpiexec()) != "openmpi", reason="Open MPI's --host (bash .ci/openmpi)")
-def test_open_mpis_host_option_places_the_ranks_and_trains_like_one_process(tmp_path, data_dir):
+def test_open_mpis_host_option_reaches_mpiexec_and_the_job_trains_like_one_process(tmp_path, data_dir):
     run = launch("-n", 4, "--launcher-args", "--host", f"localhost:2,{socket.gethostname()}:2", "--", "-m",
                  "minidist.train", "--pp", 2, "--tp", 2, *flags(SIZES), "--data-dir", data_dir, "--export", tmp_path / "w.npz")
     assert run.returncode == 0, run.stdout + run.stderr
-    machines = next(line for line in run.stdout.splitlines() if "machine" in line and "groups" in line)
-    assert machines.endswith("tp groups inside a machine, pp groups across 2 machines") or "1 machine" in machines
+    assert "--host localhost:2," in run.stderr  # the launcher's attempt line: the option reached mpiexec
+    # Open MPI 5 maps two names of one machine onto one node (hydra keeps a node per hostfile line), so
+    # MPI's split says one machine, and minidist, which asks MPI, reports no group crossing machines
+    assert "machines:" not in run.stdout and "across" not in run.stdout, run.stdout
     assert_like(dict(np.load(tmp_path / "w.npz")), one_process(tmp_path, data_dir))
 
 
