@@ -10,6 +10,7 @@ Open MPI is the MPI (``bash .ci/openmpi``). Slurm is not installed here: ``--lau
 stand-in (tests/doubles/slurm/srun) that records its arguments and starts the tasks with mpiexec.
 """
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from minidist.train.config import TrainConfig
 from minidist.train.folders import FolderNotShared, held_folders
 from tests.mpi.harness import HERE, REPO, find_mpiexec as mpiexec_here, run_mpi
 from tests.netns import TCP_ONLY, Unavailable, two_machines
+from tests.test_run_launcher import rank_pids, running
 
 SLURM = REPO / "tests" / "doubles" / "slurm"
 SIZES = dict(n_layer=2, n_head=2, n_embd=16, block_size=16, batch_size=8, steps=3, eval_every=100, eval_iters=1,
@@ -169,21 +171,44 @@ def test_open_mpis_host_option_reaches_mpiexec_and_the_job_trains_like_one_proce
     assert_like(dict(np.load(tmp_path / "w.npz")), one_process(tmp_path, data_dir))
 
 
+def with_srun(log) -> dict:
+    """The environment in which ``srun`` is the stand-in (tests/doubles/slurm/srun), logging to ``log``."""
+    return dict(os.environ, PATH=f"{SLURM}{os.pathsep}{os.environ['PATH']}", FAKE_SRUN_MPIEXEC=find_mpiexec(),
+                FAKE_SRUN_LOG=str(log))
+
+
 @needs_mpi
-def test_srun_starts_the_job_with_its_arguments_and_restarts_it_from_the_checkpoint(tmp_path):
+def test_srun_starts_the_job_with_its_arguments_and_restarts_it_elastically_from_the_checkpoint(tmp_path):
     log = tmp_path / "srun.log"
-    env = dict(os.environ, PATH=f"{SLURM}{os.pathsep}{os.environ['PATH']}", FAKE_SRUN_MPIEXEC=find_mpiexec(),
-               FAKE_SRUN_LOG=str(log))
     script = [str(HERE / "restartable.py"), "--ckpt-dir", tmp_path / "ckpt", "--steps", 6, "--save-every", 2,
               "--out", tmp_path / "w.npy"]
-    run = launch("-n", 2, "--launcher", "srun", "--max-restarts", 1, "--launcher-args", "--mpi=pmix", "--", *script,
-                 "--fail-at-step", 5, "--fail-rank", 1, env=env)
+    run = launch("-n", 2, "--launcher", "srun", "--max-restarts", 1, "--elastic-n", 1, "--launcher-args",
+                 "--mpi=pmix", "--", *script, "--fail-at-step", 5, "--fail-rank", 1, env=with_srun(log))
     assert run.returncode == 0, run.stderr
     calls = log.read_text().splitlines()
-    assert len(calls) == 2 and all(c.startswith("srun --kill-on-bad-exit=1 --mpi=pmix -n 2 ") for c in calls)
-    assert calls[1].endswith("--resume") and "restart 1/1 on 2 ranks with --resume from checkpoint" in run.stderr
+    assert [c.split(" -n ")[0] for c in calls] == ["srun --kill-on-bad-exit=1 --mpi=pmix"] * 2, calls
+    assert " -n 2 " in calls[0] and " -n 1 " in calls[1] and calls[1].endswith("--resume"), calls
+    assert "restart 1/1 on 1 ranks with --resume from checkpoint" in run.stderr
     run_mpi(2, "restartable.py", "--ckpt-dir", tmp_path / "ref", *script[3:7], "--out", tmp_path / "ref.npy")
-    assert np.array_equal(np.load(tmp_path / "w.npy"), np.load(tmp_path / "ref.npy"))  # as if never interrupted
+    # the same numbers; only the all-reduce's order of summation over 2 or 1 ranks differs
+    np.testing.assert_allclose(np.load(tmp_path / "w.npy"), np.load(tmp_path / "ref.npy"), rtol=1e-13)
+
+
+@needs_mpi
+def test_a_stop_signal_ends_an_srun_job_and_restarts_nothing(tmp_path):
+    launcher = subprocess.Popen([sys.executable, "-m", "minidist.run", "-n", "2", "--launcher", "srun", "--max-restarts",
+                                 "2", "--grace", "3", "--", str(HERE / "launcher_job.py"), "sleep", str(tmp_path)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                                env=with_srun(tmp_path / "srun.log"))
+    try:
+        pids = rank_pids(tmp_path)
+        launcher.send_signal(signal.SIGTERM)
+        _, stderr = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGTERM, stderr
+    assert "stopped by SIGTERM: the job was ended" in stderr and "attempt 2" not in stderr
+    assert not [pid for pid in pids if running(pid)], "a rank outlived the launcher"
 
 
 @needs_mpi
