@@ -251,7 +251,8 @@ def build_parallel(cfg, mesh):
 
 def describe_layout(cfg, mesh, model) -> str:
     """Who holds what, one line per rank: its (dp, pp, cp, tp) coordinates, the blocks of its
-    pipeline stage(s), and what tensor parallelism, context parallelism and ZeRO cut further."""
+    pipeline stage(s), and what tensor parallelism, context parallelism and ZeRO cut further; on
+    several machines first which ranks each holds and which axes cross them (``mesh.machine_lines``)."""
     shape = mesh.shape
     counts = model.layers_per_stage if cfg.pp > 1 else [cfg.n_layer]
     starts = np.cumsum([0] + counts)
