@@ -32,7 +32,7 @@ shell reports a process the signal ended.
 Bad input is refused before anything starts (exit 2, one message): a job kept on this machine (no
 ``--hostfile``, no ``--launcher-args``, not ``srun``) of more ranks than it can start
 (:data:`MAX_RANKS`, or fewer where its available memory holds fewer: :func:`startable_ranks`), more
-than :data:`MAX_RESTARTS` restarts, a hostfile that is not a readable file, a launcher not found,
+than :data:`MAX_RESTARTS` restarts, a ``--grace`` over :data:`MAX_GRACE`, a hostfile that is not a readable file, a launcher not found,
 and a job python could not start (:func:`job_problem`: a missing script, a FIFO python would wait
 on, a module not found).
 
@@ -65,6 +65,8 @@ LAUNCHER_ARGS = "--launcher-args"
 """Everything after it, up to ``--``, goes to the launcher as it is."""
 RANK_BYTES = 64 << 20
 """The least memory a rank holds: Python with NumPy, mpi4py and minidist imported (about 57 MiB)."""
+MAX_GRACE = 3600.0
+"""The longest ``--grace``: a job that ignores its stop signal for an hour will not end by itself."""
 MAX_RESTARTS = 1000
 """The most restarts ``--max-restarts`` asks for: a job that failed a thousand times will not be cured."""
 TIME_LIMIT = 124
@@ -287,8 +289,8 @@ def parse_args(argv=None):
         p.error(f"--max-restarts must be >= 0 and at most {MAX_RESTARTS:,}, got {args.max_restarts:,}")
     if args.timeout is not None and not 0 < args.timeout < float("inf"):
         p.error(f"--timeout must be a positive number of seconds, got {args.timeout}")
-    if not 0 <= args.grace < float("inf"):
-        p.error(f"--grace must be a number of seconds >= 0, got {args.grace}")
+    if not 0 <= args.grace <= MAX_GRACE:
+        p.error(f"--grace must be a number of seconds from 0 to {MAX_GRACE:g}, got {args.grace}")
     problem = job_problem([args.script[0].replace("{n}", str(args.n)), *args.script[1:]])
     if problem:
         p.error(f"the job cannot start: {problem}")

@@ -113,7 +113,8 @@ def test_open_mpi_alone_gets_oversubscribe_so_more_ranks_than_cores_start(tmp_pa
     (["-n", "2", "--max-restarts", "-1", "--", "s.py"], "--max-restarts must be >= 0"),
     (["-n", "2", "--timeout", "0", "--", "s.py"], "--timeout must be a positive number of seconds, got 0.0"),
     (["-n", "2", "--timeout", "nan", "--", "s.py"], "--timeout must be a positive number of seconds, got nan"),
-    (["-n", "2", "--grace", "-1", "--", "s.py"], "--grace must be a number of seconds >= 0, got -1.0"),
+    (["-n", "2", "--grace", "-1", "--", "s.py"], "--grace must be a number of seconds from 0 to 3600, got -1.0"),
+    (["-n", "2", "--grace", "1e308", "--", "s.py"], "--grace must be a number of seconds from 0 to 3600, got 1e+308"),
 ])
 def test_bad_arguments_fail_clearly(argv, message, capsys):
     with pytest.raises(SystemExit):
