@@ -32,9 +32,9 @@ shell reports a process the signal ended.
 Bad input is refused before anything starts (exit 2, one message): a job kept on this machine (no
 ``--hostfile``, no ``--launcher-args``, not ``srun``) of more ranks than it can start
 (:data:`MAX_RANKS`, or fewer where its available memory holds fewer: :func:`startable_ranks`), more
-than :data:`MAX_RESTARTS` restarts, a ``--grace`` over :data:`MAX_GRACE`, a hostfile that is not a readable file, a launcher not found,
-and a job python could not start (:func:`job_problem`: a missing script, a FIFO python would wait
-on, a module not found).
+than :data:`MAX_RESTARTS` restarts, a ``--grace`` over :data:`MAX_GRACE`, a hostfile mpiexec would
+refuse (``launchers.hostfile_problem``), srun not found, and a job python could not start
+(:func:`job_problem`: a missing script, a FIFO python would wait on, a module not found).
 
     python -m minidist.run -n 4 --max-restarts 2 -- -m minidist.train --dp 4 --ckpt-dir ckpt --save-every 50
     python -m minidist.run -n 8 --hostfile hosts -- -m minidist.train --dp 2 --tp 4 --ckpt-dir /shared/ckpt
