@@ -1,5 +1,6 @@
 """Session-wide: the test report's header says which GPU, if any, the GPU tests ran on; ``--slow``;
-and ``cp``, the fake CuPy with the fake NCCL (tests/doubles), for the tests of backend "nccl"."""
+``--skip-passed``; and ``cp``, the fake CuPy with the fake NCCL (tests/doubles), for the tests of
+backend "nccl"."""
 import pytest
 
 
@@ -14,16 +15,26 @@ def pytest_report_header(config):
 
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", help="also run the tests marked slow (the full matrices)")
+    parser.addoption("--skip-passed", action="append", default=[], metavar="LOG",
+                     help="deselect the tests a LOG of an earlier `-v` run reports PASSED (repeatable): how a "
+                          "long --slow grid goes on, on the same commit, where earlier runs stopped")
+
+
+def passed_in(log: str) -> set[str]:
+    """The node ids a ``pytest -v`` log reports PASSED (xdist's lines: ``[gw0] [ 5%] PASSED nodeid``)."""
+    with open(log, encoding="utf-8", errors="replace") as f:
+        return {line.split(" PASSED ", 1)[1].strip() for line in f if " PASSED " in line}
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``slow`` (the full composition grid) are deselected unless ``--slow``."""
-    if config.getoption("--slow"):
-        return
-    slow = [item for item in items if "slow" in item.keywords]
-    if slow:
-        config.hook.pytest_deselected(items=slow)
-        items[:] = [item for item in items if "slow" not in item.keywords]
+    """Tests marked ``slow`` (the full composition grid) are deselected unless ``--slow``; with
+    ``--skip-passed LOG``, so are the tests LOG reports passed."""
+    done = set().union(*map(passed_in, config.getoption("--skip-passed")))
+    slow = not config.getoption("--slow")
+    skip = [item.nodeid in done or (slow and "slow" in item.keywords) for item in items]
+    if any(skip):
+        config.hook.pytest_deselected(items=[item for item, s in zip(items, skip) if s])
+        items[:] = [item for item, s in zip(items, skip) if not s]
 
 
 @pytest.fixture(scope="session")
