@@ -33,10 +33,10 @@ from minidist.inspect.accounting import axis_of
 from minidist.inspect.spans import is_module_span
 from minidist.train import train
 from minidist.train.support_matrix import config_for
-from tests.test_composition import (ADAMW_CELLS, CP_CELLS, FIRST, MOE_COVER, OFFLOAD_COVER, SIZES, TRAIN, experts,
-                                    run_dtype, sample)
+from tests.test_composition import (ADAMW_CELLS, CP_CELLS, FIRST, MOE_COVER, OFFLOAD_COVER, SAMPLE, SIZES, TRAIN,
+                                    experts, run_dtype, sample)
 
-CELLS = list(dict.fromkeys(sample(18) + ADAMW_CELLS + CP_CELLS[:FIRST] + MOE_COVER[:FIRST] + OFFLOAD_COVER[:FIRST]))
+CELLS = list(dict.fromkeys(sample(SAMPLE) + ADAMW_CELLS + CP_CELLS[:FIRST] + MOE_COVER[:FIRST] + OFFLOAD_COVER[:FIRST]))
 LIBRARY = os.path.join("minidist", "")
 COMM = os.path.join("minidist", "comm", "")
 
