@@ -41,7 +41,7 @@ def run(cfg, root, start, stop, load=None, pp=1):
             load_training_state(Checkpoint(load), model, optimizer, mesh)
         if stop > start:
             dp = DataParallel(model, mesh.dp_group)
-            sampler = DistributedSampler(load_data(cfg)[0], cfg.batch_size, cfg.block_size, cfg.seed,
+            sampler = DistributedSampler(load_data(cfg)[1].train, cfg.batch_size, cfg.block_size, cfg.seed,
                                          mesh.dp_rank, cfg.dp)
             for step in range(start, stop):
                 train_step(model, optimizer, sampler.batch(step), lr_at(step, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr),

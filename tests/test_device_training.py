@@ -23,7 +23,8 @@ from minidist.checkpoint import step_dir
 from minidist.device import to_device
 from minidist.model import GPT, GPTConfig
 from minidist.train import train
-from minidist.train.config import ConfigError, TrainConfig, check_config, parse_args
+from minidist.train.config import ConfigError, TrainConfig, check_config
+from minidist.train.cli import parse_args
 
 TINY = dict(n_layer=2, n_head=4, n_embd=16, block_size=16, batch_size=8, steps=4, eval_every=2,
             eval_iters=1, dtype="float64", sample_tokens=0, warmup=2, lr=1e-2, grad_clip=0.5, bucket_mb=0.001)

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from minidist.comm.transport import EXIT_DIVERGED
 from minidist.train.build import load_data
-from minidist.train.config import TrainConfig, argument_parser
+from minidist.train.config import TrainConfig
+from minidist.train.cli import argument_parser
 from tests.fuzz import (NUMBERS, Tally, argument_lists, assert_fails_well, flags_of, fuzz_settings, hostile_paths,
                         run_command)
 

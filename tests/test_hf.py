@@ -181,7 +181,7 @@ def test_import_then_export_is_lossless_in_every_layout(folder, text, tmp_path, 
 def test_first_step_loss_is_the_reference_loss_in_one_process(folder, text):
     cfg = TrainConfig(**dict(RUN, data=text, init_from_hf=folder))
     loss = train(cfg, progress=False)[1][0]["loss"]
-    train_tokens, _ = load_data(with_hf_model(cfg))
+    train_tokens = load_data(with_hf_model(cfg))[1].train
     idx, targets = inputs_and_targets(get_batch(train_tokens, 0, cfg.batch_size, T, cfg.seed))
     expected = reference_loss(reference_logits(load_file(folder + "/model.safetensors"), idx), targets)
     assert loss == pytest.approx(expected, rel=1e-10)
@@ -285,7 +285,8 @@ def test_a_tokenizer_json_in_the_folder_tokenizes_the_data(folder, text, tmp_pat
     path = tmp_path / "with-tokenizer"
     write_folder(path, load_file(folder + "/model.safetensors"), json.loads(open(folder + "/config.json").read()))
     tokenizer.save(str(path / "tokenizer.json"))
-    train_tokens, val_tokens = load_data(with_hf_model(TrainConfig(**dict(RUN, data=text, init_from_hf=str(path)))))
+    corpus = load_data(with_hf_model(TrainConfig(**dict(RUN, data=text, init_from_hf=str(path)))))[1]
+    train_tokens, val_tokens = corpus.train, corpus.val
     expected = tokenizer.encode(open(text).read()).ids
     assert train_tokens.dtype == np.uint16 and list(np.concatenate([train_tokens, val_tokens])) == expected
     assert max(expected) > 0 and len(expected) < len(open(text).read()) / 2  # words, not bytes

@@ -33,6 +33,7 @@ from minidist.parallel.zero.full_state import full_parameters
 from minidist.parallel.zero.optimizer import ZeroOptimizer
 from minidist.train import train
 from minidist.train.config import ConfigError, TrainConfig, check_config
+from minidist.train.outputs import TIMINGS
 from minidist.inspect import zero_memory
 from minidist.parallel.compose.gradients import apply_gradients
 from tests.mpi import zero_reference as zr
@@ -133,7 +134,7 @@ TINY = dict(n_layer=4, n_head=4, n_embd=16, block_size=16, batch_size=8, steps=4
 def fit(cfg):
     """(history rows without timings, exported weights) of ``cfg`` on its thread ranks."""
     histories = run_local(lambda group: train(cfg, progress=False, world=group)[1], cfg.dp * cfg.tp * cfg.pp * cfg.cp)
-    rows = [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in histories[0]]
+    rows = [{k: v for k, v in r.items() if k not in TIMINGS} for r in histories[0]]
     return rows, dict(np.load(cfg.export))
 
 

@@ -34,7 +34,7 @@ def config(**overrides):
 def run_ps(cfg, world, **kwargs):
     """Train with parameter servers on ``world`` threads; returns (rank 0's history, every rank's
     final state_dict, every rank's trace)."""
-    tokens = load_data(cfg)[0]
+    tokens = load_data(cfg)[1].train
 
     def rank(group):
         model = build_model(cfg)
@@ -48,7 +48,7 @@ def run_ps(cfg, world, **kwargs):
 def run_allreduce_dp(cfg, world):
     """All-reduce data parallelism, written out: each rank takes its rows, averages every gradient
     over the ranks (group.all_reduce op "avg"), clips, steps. Returns (losses, final state_dict)."""
-    tokens = load_data(cfg)[0]
+    tokens = load_data(cfg)[1].train
 
     def rank(group):
         model = build_model(cfg)
@@ -185,7 +185,7 @@ def test_async_without_a_tight_bound_fast_workers_run_ahead(monkeypatch):
     stopped = threading.Event()
     monkeypatch.setattr("minidist.parallel.ps.worker.time",  # the straggler's (rank 1's) delay only
                         types.SimpleNamespace(sleep=lambda seconds: stopped.wait(timeout=60)))  # 60 s: a safety net
-    tokens = load_data(cfg)[0]
+    tokens = load_data(cfg)[1].train
 
     def rank(group):
         history = train_parameter_server(group, build_model(cfg), cfg, tokens, servers=1, staleness=100,
@@ -258,7 +258,7 @@ def test_bad_layouts_are_rejected(world, servers, staleness, straggler, batch, m
 
 def test_bad_layout_fails_on_every_rank_before_any_message():
     cfg = config(batch_size=7)
-    tokens = load_data(cfg)[0]
+    tokens = load_data(cfg)[1].train
     errors = []
 
     def rank(group):

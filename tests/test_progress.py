@@ -14,7 +14,7 @@ from minidist.train import train
 from minidist.train.config import TrainConfig
 from minidist.train.progress import Progress, eta
 
-LINE = re.compile(r"^(\d+)/(\d+) steps  loss (\d+\.\d{4})  (\d+\.\d) ms/step  ([\d,]+|-) tok/s  ETA (\d+:\d\d(?::\d\d)?)$",
+LINE = re.compile(r"^(\d+)/(\d+) steps  loss (\d+\.\d{4})  (\d+\.\d) ms/step  ([\d,]+|-) tok/s  data wait \d+\.\d ms/step  ETA (\d+:\d\d(?::\d\d)?)$",
                   flags=re.M)
 TINY = dict(n_layer=2, n_head=4, n_embd=16, block_size=16, batch_size=4, eval_iters=1, sample_tokens=0)
 
@@ -34,6 +34,14 @@ def test_a_line_at_the_first_step_every_interval_and_the_last(capsys):
         ("4", "5", "4.0000", "2000.0", "50", "0:02"),   # 6 s since the first line, over 3 steps
         ("5", "5", "3.5000", "1000.0", "100", "0:00"),  # the last step, always
     ]
+
+
+def test_a_line_says_the_mean_wait_for_data_per_step_since_the_last_line(capsys):
+    clock = iter([0.0, 1.0, 2.0, 3.0, 7.0]).__next__
+    progress = Progress(0, 4, tokens_per_step=100, every_s=5.0, terminal=False, clock=clock)
+    for step, wait in enumerate([0.004, 0.001, 0.002, 0.003]):
+        progress.update(step, 1.0, data_wait_s=wait)
+    assert re.findall(r"data wait (\d+\.\d) ms/step", capsys.readouterr().out) == ["4.0", "2.0"]
 
 
 def test_interval_zero_prints_every_step_and_a_resumed_run_counts_from_its_start(capsys):

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from minidist.train.build import build_model
-from minidist.train.config import GROUPS, ConfigError, TrainConfig, check_config, launcher_rank, parse_args
+from minidist.train.config import ConfigError, TrainConfig, check_config
+from minidist.train.cli import GROUPS, launcher_rank, parse_args
 from tests.mpi.harness import REPO, run_mpi
 
 TINY = ["--n-layer", "2", "--n-head", "4", "--n-embd", "16", "--block-size", "16", "--steps", "2", "--batch-size", "4",

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from minidist.train import train
-from minidist.train.config import TrainConfig, parse_args
+from minidist.train.config import TrainConfig
+from minidist.train.cli import parse_args
 
 TINY = dict(n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4)
 

@@ -12,7 +12,8 @@ import pytest
 from minidist.train import train
 from minidist.train.build import load_data
 from minidist.parallel.spec import RANGES as LAYOUT_RANGES
-from minidist.train.config import RANGES, ConfigError, TrainConfig, check_config, parse_args
+from minidist.train.config import RANGES, ConfigError, TrainConfig, check_config
+from minidist.train.cli import parse_args
 from tests.mpi.harness import REPO, run_mpi
 
 TINY = ["--steps", "2", "--batch-size", "2", "--n-layer", "1", "--n-head", "2", "--n-embd", "8",
@@ -144,7 +145,8 @@ def test_a_missing_data_file_is_refused(tmp_path):
 
 def test_just_long_enough_data_trains(tmp_path):
     path = short_file(tmp_path, 180)  # 162 train, 18 validation tokens: windows of 17 fit both
-    train_tokens, val_tokens = load_data(parse_args(["--data", str(path), "--block-size", "16"]))
+    corpus = load_data(parse_args(["--data", str(path), "--block-size", "16"]))[1]
+    train_tokens, val_tokens = corpus.train, corpus.val
     assert len(train_tokens) == 162 and len(val_tokens) == 18
     _, history = train(parse_args(TINY + ["--data", str(path), "--block-size", "16"]), progress=False)
     assert len(history) == 2 and np.isfinite(history[-1]["val_loss"])

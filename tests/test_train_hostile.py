@@ -24,7 +24,8 @@ from minidist.parallel.mesh import DeviceMesh
 from minidist.plan.models import from_gpt_config, parameter_count
 from minidist.train import train
 from minidist.train.build import build_parallel
-from minidist.train.config import ConfigError, TrainConfig, bucket_bytes, check_config, parse_args
+from minidist.train.config import ConfigError, TrainConfig, bucket_bytes, check_config
+from minidist.train.cli import parse_args
 from minidist.train.memory import memory_available, memory_problems, model_elements, rank_bytes
 from tests.mpi.harness import REPO, run_mpi
 

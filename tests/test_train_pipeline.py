@@ -11,7 +11,8 @@ import pytest
 
 from minidist import run_local
 from minidist.parallel.whole_model.consolidate import gather_state_dicts
-from minidist.train.config import ConfigError, TrainConfig, check_config, parse_args
+from minidist.train.config import ConfigError, TrainConfig, check_config
+from minidist.train.cli import parse_args
 from tests.mpi.harness import find_mpiexec
 from tests.test_train_zero import TINY, assert_cli_layouts_match_one_process, assert_matches, losses_and_export
 

@@ -11,7 +11,8 @@ import pytest
 
 from minidist import run_local
 from minidist.train import train
-from minidist.train.config import ConfigError, TrainConfig, check_config, parse_args
+from minidist.train.config import ConfigError, TrainConfig, check_config
+from minidist.train.cli import parse_args
 from minidist.train.outputs import sample
 from tests.mpi.harness import find_mpiexec, run_mpi
 

@@ -182,6 +182,24 @@ LESSONS = [
         r"\nTry:\n  1\. CONFIG with block_size=128",
         r"Recomputation keeps 24\.0x less per block for one more forward of each block .*\nAll checks passed\."]),
     # it starts its own jobs (python -m minidist.run --hostfile ...): one process only
+    # one process: 4 members of 2 thread ranks
+    ("18_population_based_training.py", None, [], [
+        (r"(?m)^  member \d: ranks \d-\d, lr \d\.\d\de-0\d$", 4),
+        (r"(?m)^step +\d+  val loss (\d\.\d{4}, ){3}\d\.\d{4}  \(", 8),  # one line per ready point
+        r"losses and gradient norms equal bitwise: True",
+        r"its weights came through members",
+        r"\nTry:\n",
+        r"the lineage is recorded\. All checks passed\."]),
+    # one process: the run of part 2 on 8 thread ranks
+    ("17_data_shards.py", None, [], [
+        r"again: cached, nothing written",
+        (r"(?m)^  dp \d pp \d cp \d +\[\d, \d\] +[\d. +]+ +32  train_\d{6}\.bin", 8),  # 2 rows x 8 positions x 2 B
+        r"together: 256 bytes for a batch of 136",
+        r"trained: losses \[([\d.]+), ([\d.]+)\], one process on the full batch \[\1, \2\]",
+        r"with prefetch +each step waited +[\d.]+ ms",  # timed: any value
+        r"the batches are the same, bitwise|The batches are the same, bitwise",
+        r"\nTry:\n",
+        r"the prefetched batches are the synchronous ones\. All checks passed\."]),
     ("16_several_machines.py", None, [], [
         r"   dp 2 x tp 2  tp groups inside a machine, dp groups across 2 machines\n",
         r"   tp 4         tp groups across 2 machines\n +warning: tensor-parallel groups cross machines",
@@ -224,7 +242,7 @@ def test_tutorial_in_one_process(script, args, expected):
     assert done.returncode == 0, done.stdout + done.stderr
     assert_printed(done.stdout, expected, done.stdout)
     alone = [line for line in done.stdout.splitlines() if "started alone, so its" in line]
-    assert len(alone) == (not args and script[:2] not in ("00", "06", "08", "14", "16")), done.stdout
+    assert len(alone) == (not args and script[:2] not in ("00", "06", "08", "14", "16", "17", "18")), done.stdout
 
 
 def test_every_tutorial_is_listed():

@@ -70,13 +70,13 @@ def run(cfg, root, start, stop, load=None):
         if load is not None:
             load_training_state(Checkpoint(load), model, optimizer, mesh)  # this rank's boxes, from any layout
         dp = DataParallel(model, mesh.dp_group)
-        tokens = load_data(cfg)[0]
-        sampler = DistributedSampler(tokens, cfg.batch_size, cfg.block_size, cfg.seed, mesh.dp_rank, cfg.dp)
+        corpus = load_data(cfg)[1]
+        sampler = DistributedSampler(corpus.train, cfg.batch_size, cfg.block_size, cfg.seed, mesh.dp_rank, cfg.dp)
         for step in range(start, stop):
             train_step(model, optimizer, sampler.batch(step), lr_at(step, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr),
                        cfg.grad_clip, dp=dp, mesh=mesh)
         writer = CheckpointWriter(root, group)
-        meta = {**training_meta(mesh, optimizer), "data_position": stop, "run": run_identity(cfg, tokens)}
+        meta = {**training_meta(mesh, optimizer), "data_position": stop, "run": run_identity(cfg, corpus.identity)}
         writer.save(stop, training_pieces(model, optimizer, mesh), meta)
     minidist.run_local(rank_fn, cfg.dp * cfg.tp)
     return Checkpoint(step_dir(root, stop))
@@ -87,7 +87,7 @@ def resume_refusal(cfg, root):
     def rank_fn(group):
         mesh = DeviceMesh(group)
         model = build_model(cfg, mesh.tp_group)
-        ckpts = TrainingCheckpoints(root, mesh, run_identity(cfg, load_data(cfg)[0]))
+        ckpts = TrainingCheckpoints(root, mesh, run_identity(cfg, load_data(cfg)[1].identity))
         try:
             ckpts.resume(model, build_optimizer(model, cfg))
         except ResumeRefused as e:

@@ -81,7 +81,7 @@ def run(group, servers, staleness, straggler=0.0):
     """Train CFG with parameter servers; returns (model, rank 0's history, traces on rank 0)."""
     group.trace.clear()
     model = build_model(CFG)
-    history = train_parameter_server(group, model, CFG, load_data(CFG)[0], servers=servers,
+    history = train_parameter_server(group, model, CFG, load_data(CFG)[1].train, servers=servers,
                                      staleness=staleness, straggler=straggler)
     return model, history, gather_traces(group, group.trace)  # copies: the next run clears the live one
 

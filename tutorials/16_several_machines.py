@@ -114,7 +114,7 @@ def on_two_machines(root: Path):
     """Sections 2 and 3: a hostfile of this machine twice; the trainer on it; one process to compare."""
     hosts = root / "hosts"
     hosts.write_text(f"localhost:2\n{socket.gethostname()}:2\n")
-    print(f"\n2. a hostfile naming this machine twice (hydra's format, 'name:slots'):\n   "
+    print("\n2. a hostfile naming this machine twice (hydra's format, 'name:slots'):\n   "
           + hosts.read_text().strip().replace("\n", "\n   "))
     print("\n3. python -m minidist.run -n 4 --hostfile hosts -- -m minidist.train --dp 2 --tp 2 --dtype float64 ...")
     run = launch("-n", 4, "--hostfile", hosts, "--", "-m", "minidist.train", "--dp", 2, "--tp", 2, *flags(SIZES),

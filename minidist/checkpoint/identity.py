@@ -4,10 +4,11 @@
 ``meta.run``), and resuming refuses a checkpoint whose identity differs in any field, naming each
 one with its saved and its current value. The identity holds whatever changes the numbers:
 
-    model         n_layer, n_head, n_embd, block_size (the vocabulary is the byte tokenizer's 256);
+    model         n_layer, n_head, n_embd, block_size; vocab_size when it is not the byte tokenizer's 256;
                   with experts also n_experts, top_k, moe_every, capacity_factor, aux_loss_coef
     seed          the initial weights and the order of the batches
-    data          data_tokens and data_sha256: the training tokens themselves (not the file's name)
+    data          data_tokens and data_sha256: the training tokens themselves (not the file's name; of a
+                  prepared shard folder, its manifest's train shards and their SHA-256)
     the math      optimizer, lr, min_lr, warmup, steps (the cosine schedule ends at ``steps``),
                   weight_decay, grad_clip, batch_size, dtype; momentum for SGD only;
                   loss_scale and loss_scale_window in mixed precision only
@@ -39,14 +40,18 @@ def data_identity(tokens) -> dict:
     return {"data_tokens": int(tokens.size), "data_sha256": hashlib.sha256(memoryview(tokens).cast("B")).hexdigest()}
 
 
-def run_identity(cfg, train_tokens) -> dict:
-    """The identity of the run ``cfg`` (a TrainConfig) training on ``train_tokens``, as stored in a
-    checkpoint: a flat JSON object {field: value} (module docstring: which fields and why)."""
-    fields = MATH + (("momentum",) if cfg.optimizer == "sgd" else ())
+def run_identity(cfg, data: dict, exempt=()) -> dict:
+    """The identity of the run ``cfg`` (a TrainConfig) training on the data whose identity is ``data``
+    (``data_tokens``, ``data_sha256``: :func:`data_identity`, or a shard folder's, data/folder.py), as
+    stored in a checkpoint: a flat JSON object {field: value} (module docstring: which fields and why).
+    ``exempt``: hyper-parameters left out, which a population-based member may change (train/pbt.py)."""
+    fields = tuple(f for f in MATH if f not in exempt) + (("momentum",) if cfg.optimizer == "sgd" else ())
     fields += ("loss_scale", "loss_scale_window") if cfg.dtype in COMPUTE_DTYPES else ()
     fields += EXPERTS if cfg.n_experts else ()
     identity = {name: getattr(cfg, name) for name in fields}
-    identity.update(data_identity(train_tokens))
+    if getattr(cfg, "vocab_size", 0) not in (0, 256):  # a vocabulary other than bytes' (recorded since it exists)
+        identity["vocab_size"] = cfg.vocab_size
+    identity.update(data)
     return json.loads(json.dumps(identity))  # as it reads back from the manifest: compared like for like
 
 

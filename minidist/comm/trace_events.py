@@ -32,7 +32,8 @@ import json
 import math
 from dataclasses import dataclass, fields
 
-KINDS = ("compute", "collective", "p2p", "wait")  # "wait": blocked on a peer (parameter server)
+KINDS = ("compute", "collective", "p2p", "wait", "data")  # "wait": blocked on a peer (parameter server); "data": a
+# batch read from disk (on the reader thread) and the step's wait for it (train/feed.py)
 
 
 @dataclass

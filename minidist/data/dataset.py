@@ -1,7 +1,8 @@
-"""Token files on disk, read through np.memmap, and the global batch of every training step.
+"""Token files on disk and the global batch of every training step.
 
-A token file is raw uint8 tokens (one byte each). ``np.memmap`` maps it into memory without reading
-it, and a batch reads only the windows it needs, so a corpus larger than RAM works unchanged.
+A token file is raw uint8 tokens (one byte each); a corpus of shards is read through
+:class:`~minidist.data.tokens.Tokens` (data/folder.py). A batch reads only the windows it needs
+(:func:`read_windows`), so a corpus larger than RAM works unchanged.
 
 Batches are a pure function of (seed, step): rerunning a step, resuming from a checkpoint, or
 running with N data-parallel ranks all see the same tokens. :func:`get_batch` returns the GLOBAL
@@ -37,8 +38,19 @@ def get_batch(tokens, step, batch_size, block_size, seed=0):
     ``batch[:, 1:]`` (see :func:`inputs_and_targets`).
     """
     starts = window_starts(len(tokens), step, batch_size, block_size, seed)  # (B,)
-    index = starts[:, None] + np.arange(block_size + 1)                     # (B, T+1)
-    return tokens[index].astype(np.int64)                                   # (B, T+1)
+    return read_windows(tokens, starts, [(0, block_size + 1)])              # (B, T+1)
+
+
+def read_windows(tokens, starts, spans) -> np.ndarray:
+    """(len(starts), W) int64: for each window start s and each ``(a, b)`` of ``spans``, the tokens
+    ``s + a .. s + b`` at columns a..b (W = the largest b), zero in the columns no span covers. A
+    rank that uses only some positions of a window reads only those (``tokens``: an array, a
+    memmap, or a :class:`~minidist.data.tokens.Tokens`, which reads them with one pread each)."""
+    out = np.zeros((len(starts), max(b for _, b in spans)), dtype=np.int64)
+    for row, s in enumerate(np.asarray(starts, dtype=np.int64).tolist()):
+        for a, b in spans:
+            out[row, a:b] = tokens[s + a:s + b]
+    return out
 
 
 def inputs_and_targets(batch):

@@ -20,3 +20,17 @@ class ByteTokenizer:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         ids = np.where((ids < 0) | (ids > 255), 0xFF, ids)  # 0xFF is never valid UTF-8
         return bytes(ids.astype(np.uint8).tolist()).decode("utf-8", errors="replace")
+
+
+class TokenIds:
+    """No tokenizer (a shard folder of ids alone): text is the ids, written as numbers. ``encode``
+    reads the numbers in a text (a prompt without any is token 0)."""
+
+    def encode(self, text):
+        """The integers in ``text`` as an int64 array ([0] when it holds none)."""
+        ids = [int(word) for word in text.split() if word.isdigit()]
+        return np.asarray(ids or [0], dtype=np.int64)
+
+    def decode(self, ids):
+        """``ids`` as numbers between spaces."""
+        return " ".join(str(int(i)) for i in np.asarray(ids).reshape(-1))

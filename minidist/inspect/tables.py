@@ -38,7 +38,7 @@ def comm_table(traces, members: dict[str, list[int]]) -> list[dict]:
     totals: dict[tuple[str, str], dict] = {}
     for t in traces:
         for e in t.events:
-            if e.kind == "compute":
+            if e.kind in ("compute", "data"):  # not calls: spans, and reads from disk
                 continue
             row = totals.setdefault((e.op, e.group, e.label), dict(op=e.op, group=e.group, label=e.label, ranks=set(),
                                                                     calls=0, bytes=0, seconds=0.0))

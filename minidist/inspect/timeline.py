@@ -73,7 +73,7 @@ def _clip(intervals, window):
 
 def busy_seconds(events, window: tuple[float, float]) -> float:
     """Seconds of ``window`` covered by at least one of ``events`` (overlaps counted once)."""
-    return sum(b - a for a, b in _union(_clip([(e.start, e.end) for e in events], window)))
+    return sum(b - a for a, b in _union(_clip([(e.start, e.end) for e in events if e.kind != "data"], window)))
 
 
 def blocked(events) -> list[tuple[float, float]]:
@@ -81,7 +81,7 @@ def blocked(events) -> list[tuple[float, float]]:
     inside a compute span and recorded by that span's thread (calls on a communication thread,
     data parallelism's overlapped buckets, do not block it)."""
     spans = [e for e in events if e.kind == "compute" and not is_module_span(e)]
-    calls = [e for e in events if e.kind != "compute"]
+    calls = [e for e in events if e.kind not in ("compute", "data")]  # a read from disk does not block
     return _union((c.start, c.end) for c in calls
                   if any(s.thread == c.thread and s.start <= c.start and c.end <= s.end for s in spans))
 
@@ -136,7 +136,8 @@ def timeline_figure(traces, window: tuple[float, float] | None = None, title: st
         window = (min(e.start for e in events), max(e.end for e in events))
     lo, hi = window
     ms = lambda t: 1e3 * (t - lo)  # noqa: E731
-    inside_by_rank = [[e for e in t.events if e.end > lo and e.start < hi] for t in traces]
+    inside_by_rank = [[e for e in t.events if e.end > lo and e.start < hi and e.kind != "data"]  # reads: the chrome
+                      for t in traces]                                                                 # trace's data row
     axes = sorted({axis_of(e.group) for inside in inside_by_rank for e in inside if e.kind != "compute"},
                   key=lambda a: (a not in AXIS_COLORS, a))
     axis_colors = {a: AXIS_COLORS.get(a, OTHER) for a in axes}

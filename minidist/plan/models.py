@@ -105,7 +105,7 @@ def preset(name: str) -> ModelSpec:
 
 def from_gpt_config(config, name: str = "minidist") -> ModelSpec:
     """The spec of minidist's own GPT built from ``config`` (a ``GPTConfig`` or ``TrainConfig``)."""
-    vocab = getattr(config, "vocab_size", 256)
+    vocab = getattr(config, "vocab_size", 0) or 256  # a TrainConfig's 0: the data's, bytes until it is read
     return ModelSpec(name, config.n_layer, config.n_embd, config.n_head, vocab, block_size=config.block_size,
                      n_experts=config.n_experts, top_k=config.top_k, moe_every=config.moe_every)
 

@@ -12,7 +12,10 @@ from minidist.autograd import get_array_module
 from minidist.checkpoint.hf import HFFormatError, from_hf, read_hf_config
 from minidist.comm import LocalTransport, ProcessGroup, Trace
 from minidist.comm.trace import KEEP_RECENT
-from minidist.data import ByteTokenizer, HFTokenizer, default_corpus, load_tokens, train_val_split
+from minidist.checkpoint.identity import data_identity
+from minidist.data import ByteTokenizer, HFTokenizer, TokenIds, default_corpus, train_val_split
+from minidist.data.folder import MANIFEST, Corpus, open_corpus, read_manifest
+from minidist.data.tokens import DataError
 from minidist.device import require_cupy, use_gpu
 from minidist.model import GPT, GPTConfig
 from minidist.optim import SGD, AdamW
@@ -57,34 +60,66 @@ def select_device(cfg, local_rank: int) -> None:
 
 
 def load_data(cfg):
-    """(train, val) token arrays: ``cfg.data`` if given (a UTF-8 text file is a token file), else
-    the default corpus, generated and cached on first use. The last 10% is validation. With an
-    ``--init-from-hf`` folder that holds a tokenizer.json the text is encoded with it instead
-    (:func:`tokenizer_for`), and every token must be inside the folder's vocabulary.
+    """(cfg, corpus): the :class:`~minidist.data.folder.Corpus` of ``cfg.data`` (a file, or a folder of
+    shards: data/folder.py), else of the default corpus, generated and cached on first use; and
+    ``cfg`` with the model's vocabulary (:func:`model_vocab_size`). With an ``--init-from-hf``
+    folder that holds a tokenizer.json a text file is encoded with it instead (:func:`tokenizer_for`).
 
-    Each part must hold one window of ``block_size + 1`` tokens: else a :class:`ConfigError` naming
-    the file, its token counts and the length needed. The verdict depends on the file alone, so every
+    A bad folder, a token outside the vocabulary, or a part without one window of ``block_size + 1``
+    tokens is a :class:`ConfigError` naming the file. The verdict depends on the files alone, so every
     rank reaches it before anything is sent (call this before building the mesh)."""
     path = Path(cfg.data) if cfg.data is not None else default_corpus(cfg.data_dir)
-    if not path.is_file():
-        raise ConfigError(f"--data {path}: {'not a file' if path.exists() else 'no such file'}")
     tokenizer = tokenizer_for(cfg)
-    if isinstance(tokenizer, ByteTokenizer):
-        tokens = load_tokens(path) if path.stat().st_size else np.zeros(0, np.uint8)  # (an empty file cannot be mapped)
-    else:
-        try:
-            tokens = tokenizer.encode(path.read_text(encoding="utf-8"))
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"--data {path}: not UTF-8 text, which its tokenizer.json encodes ({e})") from e
-    if cfg.init_from_hf is not None:
-        check_token_range(tokens, tokenizer, read_hf_config(cfg.init_from_hf).vocab_size, path)
-    train, val = train_val_split(tokens, val_fraction=0.1)
+    try:
+        if isinstance(tokenizer, HFTokenizer) and path.is_file():
+            corpus = encoded_corpus(path, tokenizer)
+        else:
+            corpus = open_corpus(path)
+    except DataError as e:
+        raise ConfigError(f"--data {e}") from e
+    cfg = dataclasses.replace(cfg, vocab_size=model_vocab_size(cfg, corpus, path))
+    if corpus.largest >= cfg.vocab_size:
+        how = {"bytes": "byte ", None: ""}.get(corpus.tokenizer, "tokenizer.json ")
+        whose = "the --init-from-hf model's" if cfg.init_from_hf else "the model's"
+        raise ConfigError(f"--data {path}: {how}token id {corpus.largest} is outside {whose} vocabulary of {cfg.vocab_size}")
     need = cfg.block_size + 1
-    if min(len(train), len(val)) < need:
-        raise ConfigError(f"--data {path}: {len(tokens)} tokens, {len(train)} for training and {len(val)} for "
-                          f"validation; each needs at least block_size + 1 = {need} (one window). The last 10% "
-                          f"validates: give at least {10 * need} tokens, or a smaller --block-size")
-    return train, val
+    if min(len(corpus.train), len(corpus.val)) < need:
+        raise ConfigError(f"--data {path}: {len(corpus.train) + len(corpus.val)} tokens, {len(corpus.train)} for "
+                          f"training and {len(corpus.val)} for validation; each needs at least block_size + 1 = "
+                          f"{need} (one window)" + (f". The last 10% validates: give at least {10 * need} tokens, "
+                                                    "or a smaller --block-size" if corpus.kind == "file" else ""))
+    return cfg, corpus
+
+
+def encoded_corpus(path, tokenizer):
+    """A text file encoded in memory with an ``--init-from-hf`` folder's tokenizer.json: a Corpus of
+    arrays (the last 10% validates)."""
+    try:
+        tokens = tokenizer.encode(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text, which its tokenizer.json encodes ({e})") from e
+    train, val = train_val_split(tokens, val_fraction=0.1)
+    return Corpus(train, val, "file", tokenizer.vocab_size, int(tokens.max()) if len(tokens) else 0, "tokenizer.json",
+                  data_identity(train))
+
+
+def model_vocab_size(cfg, corpus, path) -> int:
+    """The model's vocabulary: an ``--init-from-hf`` folder's; else ``--vocab-size`` (at least the
+    data's); else the data's (bytes: 256; a manifest's or a tokenizer.json's). A :class:`ConfigError`
+    when none says it."""
+    if cfg.init_from_hf is not None:
+        return read_hf_config(cfg.init_from_hf).vocab_size
+    known = corpus.vocab_size
+    if known is None and corpus.tokenizer is not None and corpus.tokenizer != "bytes":
+        known = tokenizer_at(corpus.tokenizer, "--data").vocab_size
+    if cfg.vocab_size:
+        if known is not None and cfg.vocab_size < known:
+            raise ConfigError(f"--vocab-size {cfg.vocab_size} is below the vocabulary of --data {path} ({known})")
+        return cfg.vocab_size
+    if known is None:
+        raise ConfigError(f"--data {path}: its vocabulary is not recorded (no manifest.json, no tokenizer.json; "
+                          f"its largest token is {corpus.largest}): give --vocab-size N")
+    return known
 
 
 def tokenizer_for(cfg):
@@ -94,25 +129,32 @@ def tokenizer_for(cfg):
     path = Path(cfg.init_from_hf) / "tokenizer.json" if cfg.init_from_hf is not None else None
     if path is None or not path.is_file():
         return ByteTokenizer()
+    return tokenizer_at(path, "--init-from-hf")
+
+
+def tokenizer_at(path, flag: str):
+    """The :class:`~minidist.data.HFTokenizer` of the tokenizer.json ``path``; a :class:`ConfigError`
+    naming ``flag`` without the ``tokenizers`` package, or with a file it cannot read."""
     try:
         return HFTokenizer(path)
     except (ImportError, ValueError) as e:
-        raise ConfigError(f"--init-from-hf {e}") from e
+        raise ConfigError(f"{flag} {e}") from e
 
 
-def check_token_range(tokens, tokenizer, vocab_size: int, path) -> None:
-    """A :class:`ConfigError` when a token id of ``tokens`` (from ``path``) is not below the model's
-    ``vocab_size``. Byte tokens are read (all of them) only when the vocabulary is below 256."""
-    if isinstance(tokenizer, ByteTokenizer) and vocab_size >= ByteTokenizer.vocab_size or not len(tokens):
-        return
-    largest = int(tokens.max())
-    if largest >= vocab_size:
-        how = "byte" if isinstance(tokenizer, ByteTokenizer) else "tokenizer.json"
-        raise ConfigError(f"--data {path}: {how} token id {largest} is outside the --init-from-hf model's "
-                          f"vocabulary of {vocab_size}")
+def sample_tokenizer(cfg):
+    """How the sample at the end is written: the tokenizer of ``--init-from-hf``; else that of a
+    ``--data`` folder (bytes, or the tokenizer.json its manifest names or that lies beside its shards);
+    else :class:`~minidist.data.TokenIds` (a folder of ids only: the sample is its ids). Reads one
+    small file."""
+    folder = Path(cfg.data) if cfg.data is not None else None
+    if cfg.init_from_hf is not None or folder is None or not folder.is_dir():
+        return tokenizer_for(cfg)
+    if (folder / MANIFEST).is_file() and read_manifest(folder)["tokenizer"]["kind"] == "bytes":
+        return ByteTokenizer()
+    return tokenizer_at(folder / "tokenizer.json", "--data") if (folder / "tokenizer.json").is_file() else TokenIds()
 
 
-HF_MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "block_size")  # what --init-from-hf's folder decides
+HF_MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")  # what --init-from-hf's folder decides
 
 
 def with_hf_model(cfg):
@@ -139,7 +181,7 @@ def with_hf_model(cfg):
 
 
 def build_model(cfg, tp_group=None, cp_group=None, ep_group=None, announce: bool = False):
-    """A byte-level GPT (vocab 256) of the configured size, initialised from ``cfg.seed``; with
+    """A GPT of the configured size and vocabulary (``cfg.vocab_size``; 0: bytes, 256), initialised from ``cfg.seed``; with
     ``cfg.tp > 1`` this rank's tensor-parallel shard of it over ``tp_group`` (the whole GPT is built,
     then cut: minidist/parallel/tensor/apply.py); with ``cfg.cp > 1`` running on this rank's tokens of
     every sequence, attention over ``cp_group`` (context_parallel.py); with ``cfg.n_experts`` a
@@ -157,7 +199,7 @@ def build_model(cfg, tp_group=None, cp_group=None, ep_group=None, announce: bool
         except HFFormatError as e:
             raise ConfigError(f"--init-from-hf {e}") from e
     else:
-        config = GPTConfig(vocab_size=ByteTokenizer.vocab_size, block_size=cfg.block_size,
+        config = GPTConfig(vocab_size=cfg.vocab_size or ByteTokenizer.vocab_size, block_size=cfg.block_size,
                            n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, n_experts=cfg.n_experts,
                            top_k=cfg.top_k, moe_every=cfg.moe_every, capacity_factor=cfg.capacity_factor,
                            aux_loss_coef=cfg.aux_loss_coef)

@@ -1,4 +1,4 @@
-"""What a training run is: :class:`TrainConfig`, the command line that fills it, and the checks.
+"""What a training run is: :class:`TrainConfig` and the checks (its command line: train/cli.py).
 
 A bad configuration is found from the config and the world size alone, so every rank reaches the
 same verdict before any communication, and ``python -m minidist.train`` prints one clear message
@@ -7,21 +7,15 @@ layout's rules are not here: :func:`check_config` asks :func:`minidist.parallel.
 the planner and the support matrix ask too) about :func:`layout_of` its config, and adds only what is
 the trainer's own (its other numbers, paths, checkpoints, the parameter-server mode, Hugging Face).
 """
-import argparse
-import contextlib
 import dataclasses
-import io
 import math
 
 from minidist.amp import COMPUTE_DTYPES
-from minidist.device import DEVICES
-from minidist.optim.state_bytes import ITEMSIZE, OPTIMIZERS
-from minidist.parallel.context.context_parallel import ALGORITHMS
-from minidist.parallel.zero.offload import CHOICES as OFFLOAD_CHOICES
+from minidist.optim.state_bytes import OPTIMIZERS
 from minidist.parallel.ps.param_server import check_parameter_server
-from minidist.parallel.pipeline import SCHEDULES
-from minidist.parallel.spec import BACKENDS, LayoutSpec, flag, out_of_range, problems
+from minidist.parallel.spec import LayoutSpec, flag, out_of_range, problems
 from minidist.train.folders import output_problems
+from minidist.train.population import EXPLOITS, EXPLORABLE
 from minidist.train.memory import INT64, memory_problems
 
 
@@ -53,9 +47,11 @@ class TrainConfig:
     moe_every: int = 1
     capacity_factor: float = 0.0
     aux_loss_coef: float = 0.01
+    vocab_size: int = 0  # 0: the data's (train/build.py: load_data)
     # data, evaluation, output
     data: str | None = None
     data_dir: str | None = None
+    no_prefetch: bool = False
     eval_every: int = 100
     eval_iters: int = 8
     sample_tokens: int = 200
@@ -68,6 +64,13 @@ class TrainConfig:
     servers: int = 1
     staleness: int = -1
     straggler: float = 0.0
+    population: int = 4  # --mode pbt (train/pbt.py)
+    ready_every: int = 50
+    explore: str = "lr"
+    exploit: str = "truncation"
+    quantile: float = 0.25
+    lr_range: tuple | None = None
+    weight_decay_range: tuple | None = None
     dp: int = 1
     pp: int = 1
     tp: int = 1
@@ -127,10 +130,11 @@ RANGES = {
     "steps": "[1, inf)", "batch_size": "[1, inf)", "seed": "[0, inf)", "loss_scale_window": "[1, inf)",
     "lr": "[0, inf)", "min_lr": "[0, inf)", "warmup": "[0, inf)", "momentum": "[0, 1)",
     "weight_decay": "[0, inf)", "grad_clip": "[0, inf)", "block_size": "[1, inf)",
-    "capacity_factor": "[0, 1e6]", "aux_loss_coef": "[0, inf)",  # a capacity factor >= E keeps every assignment
+    "capacity_factor": "[0, 1e6]", "aux_loss_coef": "[0, inf)", "vocab_size": "[0, 1048576]",  # a capacity factor >= E keeps every assignment
     "eval_every": "[1, inf)", "eval_iters": "[1, inf)", "sample_tokens": "[0, inf)",
     "servers": "[1, inf)", "staleness": "[-1, inf)", "straggler": "[0, inf)",
     "bucket_mb": "(0, inf)", "fail_at_step": "[-1, inf)", "fail_rank": "[0, inf)",
+    "population": "[2, inf)", "ready_every": "[1, inf)", "quantile": "(0, 0.5]",
 }
 
 
@@ -182,14 +186,39 @@ def check_config(cfg, world_size: int, memory_bytes: int | None = None) -> None:
     the numbers in range the parameter servers' (they divide by them); with nothing else wrong, whether
     one rank's run fits in ``memory_bytes`` (None: int64's sizes; train/memory.py)."""
     numbers = range_problems(cfg)
-    found = numbers + problems(layout_of(cfg, None if cfg.mode == "ps" else world_size))
+    member_ranks = world_size // cfg.population if cfg.mode == "pbt" and not numbers else world_size  # each member's
+    found = numbers + problems(layout_of(cfg, None if cfg.mode == "ps" else member_ranks))
     found += parameter_server_problems(cfg, world_size) if cfg.mode == "ps" and not numbers else []
+    found += population_problems(cfg, world_size) if cfg.mode == "pbt" and not numbers else []
     found += optimizer_problems(cfg) + hugging_face_problems(cfg) + comm_timeout_problems(cfg)
     found += checkpoint_problems(cfg, world_size) + mixed_precision_problems(cfg) + device_problems(cfg)
     found += offload_dir_problems(cfg) + output_problems(cfg)
     found += memory_problems(cfg, memory_bytes) if not found else []
     if found:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(found))
+
+
+def population_problems(cfg, world_size: int) -> list[str]:
+    """What is wrong with ``--mode pbt`` (train/pbt.py) on ``world_size`` ranks: K members of equal
+    size, hyper-parameters it can explore with valid ranges, and a --ckpt-dir to copy members through."""
+    found = [] if world_size % cfg.population == 0 else [
+        f"--population {cfg.population} does not divide the world of {world_size} ranks into equal members"]
+    names = [n for n in cfg.explore.split(",") if n]
+    found += [f"--explore: {n} is not a hyper-parameter a member can explore ({', '.join(EXPLORABLE)})"
+              for n in names if n not in EXPLORABLE] or ([] if names else ["--explore names no hyper-parameter"])
+    for spelled, pair in (("--lr-range", cfg.lr_range), ("--weight-decay-range", cfg.weight_decay_range)):
+        if pair is not None and not (len(pair) == 2 and all(isinstance(v, (int, float)) and 0 < v < float("inf")
+                                                            for v in pair) and pair[0] <= pair[1]):
+            found.append(f"{spelled} A B needs 0 < A <= B, finite, got {' '.join(map(str, pair))}")
+    if cfg.exploit not in EXPLOITS:
+        found.append(f"--exploit must be one of {', '.join(EXPLOITS)}, got {cfg.exploit!r}")
+    if cfg.ckpt_dir is None:
+        found.append("--mode pbt copies a member into another through its checkpoints: give --ckpt-dir DIR "
+                     "(a folder every rank sees)")
+    if cfg.export is not None or cfg.export_hf is not None:
+        found.append("--mode pbt trains a population of models: --export and --export-hf are refused (each "
+                     "member's checkpoints are under --ckpt-dir/member-<k>)")
+    return found
 
 
 def optimizer_problems(cfg) -> list[str]:
@@ -271,129 +300,3 @@ def checkpoint_problems(cfg, world_size: int) -> list[str]:
     if fault_injection_armed(cfg) and not 0 <= cfg.fail_rank < world_size:
         problems.append(f"--fail-rank {cfg.fail_rank} is not a rank of the {world_size}-rank world")
     return problems
-
-
-LAUNCHER_RANKS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")  # hydra, Open MPI, PMIx, srun
-
-
-def launcher_rank(environ) -> int:
-    """This process's rank as its launcher set it in ``environ`` before MPI started (the first of
-    :data:`LAUNCHER_RANKS`; the entry point passes ``os.environ``), 0 when none is (run alone; under an
-    unknown launcher every rank then prints its usage error, as without this)."""
-    for value in (environ.get(name, "") for name in LAUNCHER_RANKS):
-        if value.isdigit():
-            return int(value)
-    return 0
-
-
-def parse_args(argv=None, quiet: bool = False) -> TrainConfig:
-    """The command line as a :class:`TrainConfig` (flags are the field names with dashes). A usage
-    error exits with status 2 and --help with 0, as argparse does, printing nothing when ``quiet``
-    (every rank of a job but rank 0, so that a job prints them once)."""
-    silenced = io.StringIO()
-    with (contextlib.redirect_stdout(silenced) if quiet else contextlib.nullcontext()), \
-            (contextlib.redirect_stderr(silenced) if quiet else contextlib.nullcontext()):
-        return TrainConfig(**vars(argument_parser().parse_args(argv)))
-
-
-CHOICES = {"mode": ["collective", "ps"], "dtype": list(ITEMSIZE), "optimizer": list(OPTIMIZERS),
-           "schedule": list(SCHEDULES), "cp_algorithm": list(ALGORITHMS), "zero": [0, 1, 2, 3],
-           "offload": list(OFFLOAD_CHOICES), "device": list(DEVICES), "backend": list(BACKENDS)}
-METAVARS = {int: "N", float: "X", "data": "PATH", "export": "PATH", "loss_scale": "S",
-            "offload": '{none,optimizer,"optimizer,params"}'}  # else DIR; a choice: its choices
-
-GROUPS = {  # the flags of --help, by what they are about: field -> help
-    "training": {
-        "steps": "optimizer steps", "batch_size": "sequences per step (the global batch)",
-        "seed": "seeds the weights and the batches", "optimizer": "update rule",
-        "lr": "peak learning rate (0: the weights never move, to evaluate or convert a model)",
-        "min_lr": "learning rate at the end of the cosine decay (default: 3e-4, or --lr where that is lower)",
-        "warmup": "linear warmup steps", "momentum": "SGD momentum", "weight_decay": "decay of >= 2-D parameters",
-        "grad_clip": "max global grad norm (0: off)"},
-    "model": {
-        "n_layer": "transformer blocks", "n_head": "attention heads", "n_embd": "embedding width",
-        "block_size": "context length T", "n_experts": "experts per MoE layer (0: a dense GPT)",
-        "top_k": "experts each token is routed to", "moe_every": "every n-th block has experts (the last of every n)",
-        "capacity_factor": "0: dropless; c > 0: each expert takes at most ceil(c k T / E) of each sequence's "
-                           "assignments, the rest are dropped",
-        "aux_loss_coef": "weight of the load-balancing loss (per sequence, Switch-style)",
-        "init_from_hf": "start from a local Hugging Face GPT-2 folder (config.json + model.safetensors; its "
-                        "tokenizer.json, if there, tokenizes --data): the model's size comes from it"},
-    "data": {
-        "data": "a text file to train on (default: the generated corpus)",
-        "data_dir": "cache folder of the generated corpus (default: ~/.cache/minidist)",
-        "eval_every": "steps between validation-loss estimates", "eval_iters": "validation batches per estimate"},
-    "parallelism": {
-        "dp": "data-parallel replicas", "pp": "pipeline stages per replica", "tp": "tensor-parallel ranks per "
-        "pipeline stage", "cp": "context-parallel ranks: each holds 1/cp of every sequence's tokens",
-        "ep": "expert-parallel ranks, inside dp: each holds 1/ep of every MoE layer's experts, tokens reach them "
-              "by all-to-all",
-        "sequence_parallel": "also split the LayerNorm and residual activations along the sequence over tp",
-        "cp_algorithm": "how attention reaches the other cp ranks' tokens: ring (K/V blocks passed around), zigzag "
-                        "(the ring with balanced causal work), ulysses (all-to-alls: heads split over cp)",
-        "micro_batches": "micro-batches per step and dp rank (gradient accumulation; the pipeline's units)",
-        "schedule": "pipeline schedule", "virtual_stages": "model chunks per pipeline rank (interleaved; 2 for zbv)",
-        "zero": "ZeRO stage: shard optimizer states (1), + gradients (2), + parameters (3) over dp",
-        "bucket_mb": "data-parallel gradient bucket size in MiB: a bucket closes once it holds this much (any "
-                     "positive size: below the smallest parameter's, one bucket per parameter; above the model's, "
-                     "one bucket)",
-        "backend": "collectives: ring (hand-written, over MPI point-to-point), mpi (MPI's own), nccl (GPU buffers, "
-                   "--device cuda)",
-        "mode": "collective (all-reduce and friends) or ps (parameter servers: ranks 0..K-1 serve, the rest work)",
-        "servers": "--mode ps: parameter-server ranks", "straggler": "--mode ps: seconds of sleep added to every "
-        "step of worker 0", "staleness": "--mode ps: asynchronous with this staleness bound (-1: synchronous)"},
-    "precision and memory": {
-        "dtype": "parameter and activation dtype; float16 / bfloat16 (emulated): mixed precision, float32 masters",
-        "loss_scale": "mixed precision: 'dynamic' (float16) or a fixed scale",
-        "loss_scale_window": "dynamic loss scaling: clean steps before the scale doubles",
-        "device": "where parameters, gradients, optimizer states and batches live: cpu (NumPy) or cuda (CuPy, "
-                  "one GPU per rank: local rank modulo the GPUs of its machine)",
-        "recompute": "recompute each block's activations in backward instead of keeping them",
-        "offload": "ZeRO-Offload: keep the optimizer shard (masters, moments) off the device and update it on the "
-                   "host; optimizer,params: with --zero 3 the parameter shards too",
-        "offload_dir": "ZeRO-Infinity: keep the offloaded state in memory-mapped files under this folder instead of "
-                       "host memory",
-        "system_allocator": "keep glibc's default malloc settings (by default the trainer keeps freed memory "
-                            "mapped for the next step: minidist/allocator.py)"},
-    "checkpoints and faults": {
-        "ckpt_dir": "directory of sharded checkpoints (step-<n>/ folders)",
-        "save_every": "steps between checkpoints (0: none)", "keep": "newest checkpoints kept",
-        "resume": "continue from the newest valid checkpoint in --ckpt-dir (in any layout); refused (exit 2) when "
-                  "none is valid or it is another run's (model, seed, data or hyper-parameters differ)",
-        "async_save": "write checkpoints in a background thread while training goes on",
-        "comm_timeout": "seconds a collective or point-to-point call waits for a peer before the job fails "
-                        "(exit status 3) naming the rank that never arrived",
-        "fail_at_step": "fault injection: rank --fail-rank kills itself at the start of this step (-1: never; "
-                        "not when resuming)", "fail_rank": "the rank --fail-at-step kills"},
-    "output and inspection": {
-        "out": "directory for metrics.jsonl", "sample_tokens": "tokens sampled at the end",
-        "export": "write the consolidated full-model state_dict here at the end (.npz or .safetensors; nanoGPT / "
-                  "PyTorch layout, not Hugging Face's: use --export-hf)",
-        "export_hf": "write a Hugging Face GPT-2 folder here at the end (config.json + model.safetensors, for "
-                     "transformers.GPT2LMHeadModel.from_pretrained)",
-        "trace": "run directory for python -m minidist.inspect: DIR/trace/rank<r>.jsonl, DIR/memory/rank<r>.json",
-        "explain": "print each rank's first step: what it holds, what it sends to whom"},
-}
-
-
-def argument_parser() -> argparse.ArgumentParser:
-    """The trainer's argparse parser: a flag per field of :class:`TrainConfig`, in the groups of
-    :data:`GROUPS`, each default shown once."""
-    resolved = TrainConfig()  # the type of a field whose default is None (--min-lr: float)
-    p = argparse.ArgumentParser(prog="python -m minidist.train", description="Train a GPT: ``python -m minidist.train``.",
-                                usage="%(prog)s [--flag value ...]  (--help lists every flag)")  # an error: 2 lines
-    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
-    for title, helps in GROUPS.items():
-        group = p.add_argument_group(title)
-        for name, text in helps.items():
-            default = fields[name].default
-            if default is not None and default is not False and "default" not in text:
-                text += " (default: %(default)s)"
-            if isinstance(default, bool):
-                group.add_argument(flag(name), action="store_true", help=text)
-                continue
-            kind = type(getattr(resolved, name)) if getattr(resolved, name) is not None else str
-            metavar = METAVARS.get(name, None if name in CHOICES else METAVARS.get(kind, "DIR"))
-            group.add_argument(flag(name), type=kind, default=default, choices=CHOICES.get(name), help=text,
-                               metavar=metavar)
-    return p

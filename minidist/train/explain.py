@@ -202,6 +202,8 @@ def step_story(events, members: dict[str, list[int]], me: int) -> list[str]:
     passes = _outermost([e for e in ordered if e.kind == "compute" and not is_module_span(e)])
     top = {id(p) for p in passes}
     for e in ordered:
+        if e.kind == "data":  # a read from disk, not a call (train/feed.py)
+            continue
         if e.op.startswith("ring sendrecv"):
             hop = e
         elif hop is not None and e.op in ("isend", "irecv") and e.group == hop.group and e.start <= hop.end:

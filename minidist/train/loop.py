@@ -4,9 +4,9 @@ The script reads top to bottom as parse -> validate -> build -> loop -> outputs,
 named after it, so later lessons can swap one of them (data-parallel batches, a tensor-parallel
 model, a ZeRO optimizer) and keep the rest:
 
-    parse_args -> TrainConfig       the command line as one dataclass        (train/config.py)
+    parse_args -> TrainConfig       the command line as one dataclass        (train/cli.py)
     check_config(cfg, world_size)   every rank rejects a bad layout before anything is sent
-    load_data(cfg)                  train / validation tokens (memmapped uint8 files)  (train/build.py)
+    load_data(cfg)                  train / validation tokens: a file or shards, read by pread  (train/build.py)
     build_parallel(cfg, mesh)       this rank's model part, optimizer, gradient sync, pipeline engine
     train(cfg)                      the loop: batch -> forward -> backward -> clip -> lr -> step
                                     (one step under any layout: minidist/parallel/step.py)
@@ -54,17 +54,21 @@ from minidist.checkpoint.training import ResumeRefused, TrainingCheckpoints, cra
 from minidist.comm import init
 from minidist.comm.machines import machines_of
 from minidist.comm.transport import EXIT_CONFIG, EXIT_DIVERGED
-from minidist.device import to_device
 from minidist.optim import lr_at
 from minidist.parallel.expert.experts import expert_load
 from minidist.parallel.mesh import DeviceMesh
+from minidist.data import ByteTokenizer
+from minidist.data.prefetch import Prefetcher
+from minidist.data.tokens import DataError
 from minidist.parallel.data.sampler import DistributedSampler
 from minidist.parallel.step import loss_scaler, train_step
 from minidist.train.build import (build_parallel, describe_layout, load_data, memory_table, select_device,
-                                  tokenizer_for, with_hf_model, world_of_one)
+                                  sample_tokenizer, with_hf_model, world_of_one)
+from minidist.train.cli import launcher_rank, parse_args
 from minidist.train.config import (ConfigError, TrainConfig, check_config, comm_timeout_problems, fault_injection_armed,
-                                   launcher_rank, parse_args, runs_zero_optimizer)
+                                   runs_zero_optimizer)
 from minidist.train.divergence import Diverged, DivergenceWatch
+from minidist.train.feed import next_batch, rank_spans, read_batch
 from minidist.train.memory import memory_available
 from minidist.train.folders import FolderNotShared, FoldersInUse, held_folders
 from minidist.files import NoSpace, PathRefused
@@ -76,7 +80,8 @@ from minidist.train.stopping import Stopped, Stopping, exit_stopped, stop_line
 from minidist.threads import limit_blas_threads
 
 
-def train(cfg, progress=True, world=None, keep_history=True, memory_bytes=None, progress_every=5.0, stopping=None):
+def train(cfg, progress=True, world=None, keep_history=True, memory_bytes=None, progress_every=5.0, stopping=None,
+          stop_at=None, explored=(), quiet=False):
     """Run the training loop of ``cfg`` on ``world`` (a ProcessGroup of dp * pp * cp * tp ranks; None:
     one process). Returns (model, history): this rank's model (or pipeline stage) and one dict per
     step run here (the same on every rank; with ``keep_history=False`` only the last, so a long run's
@@ -87,41 +92,51 @@ def train(cfg, progress=True, world=None, keep_history=True, memory_bytes=None, 
     after that step's metrics line and before any checkpoint of it. A run that cannot fit in
     ``memory_bytes`` (what the entry point read; None: int64's sizes) is refused (train/memory.py).
     ``progress``: rank 0 shows a bar on a terminal, else a line every ``progress_every`` seconds
-    (train/progress.py). ``stopping`` (train/stopping.py) learns how many steps are done."""
+    (train/progress.py). ``stopping`` (train/stopping.py) learns how many steps are done. ``stop_at``:
+    the run stops before this step (a segment of a population member: train/pbt.py), evaluating the
+    step before it; ``explored``: the hyper-parameters its checkpoints' identity leaves out; ``quiet``:
+    it prints nothing (its metrics are still written)."""
     world = world if world is not None else world_of_one()
     cfg = with_hf_model(cfg)  # --init-from-hf: the model's size from the folder (checked: nothing sent yet)
     check_config(cfg, world.size, memory_bytes)  # every output path too, before the first step
-    train_tokens, val_tokens = load_data(cfg)  # may refuse the data: before anything is sent
+    cfg, corpus = load_data(cfg)  # may refuse the data: before anything is sent; the data's vocabulary
+    if cfg.vocab_size != ByteTokenizer.vocab_size:
+        check_config(cfg, world.size, memory_bytes)  # the memory of its embeddings
     machines = machines_of(world)  # which machine each rank is on: its GPU, its folders, the mesh's report
     with held_folders(cfg, world, machines):  # --ckpt-dir, --offload-dir: this run's alone until it ends
-        return _train_held(cfg, world, machines, train_tokens, val_tokens, progress, keep_history, progress_every,
-                           stopping if stopping is not None else Stopping())
+        return _train_held(cfg, world, machines, corpus, progress, keep_history, progress_every,
+                           stopping if stopping is not None else Stopping(), stop_at or cfg.steps, explored, quiet)
 
 
-def _train_held(cfg, world, machines, train_tokens, val_tokens, progress: bool, keep_history: bool,
-                progress_every: float, stopping: Stopping):
+def _train_held(cfg, world, machines, corpus, progress: bool, keep_history: bool,
+                progress_every: float, stopping: Stopping, stop: int, explored, quiet: bool):
     """The run of :func:`train` once its folders are held."""
     select_device(cfg, machines.local_rank(world.rank))
     lead = world.rank == 0
+    speaks = lead and not quiet  # a population member's segments print nothing (train/pbt.py)
     mesh = DeviceMesh(world, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp, ep=cfg.ep, machines=machines)
-    sampler = DistributedSampler(train_tokens, cfg.batch_size, cfg.block_size, cfg.seed, mesh.dp_rank, cfg.dp)
+    sampler = DistributedSampler(corpus.train, cfg.batch_size, cfg.block_size, cfg.seed, mesh.dp_rank, cfg.dp,
+                                 spans=rank_spans(cfg, mesh))  # this rank's rows, and of each only what it uses
     model, optimizer, dp, engine, amp = build_parallel(cfg, mesh)
     scaler = loss_scaler(optimizer, amp)  # mixed precision's, or None
-    if lead:
+    if speaks:
         n_params = (sum(s.unit.numel for s in optimizer.shards) if runs_zero_optimizer(cfg)  # ZeRO-3 holds shards only
                     else sum(p.data.size for p in model.parameters()))
-        print(f"{n_params:,} parameters on rank 0, {len(train_tokens):,} train / {len(val_tokens):,} val "
+        print(f"{n_params:,} parameters on rank 0, {len(corpus.train):,} train / {len(corpus.val):,} val "
               f"tokens, {cfg.batch_size} x {cfg.block_size} tokens per step, {mesh!r}")
         if world.size > 1:
             print(describe_layout(cfg, mesh, model))
-    ckpts = (TrainingCheckpoints(cfg.ckpt_dir, mesh, run_identity(cfg, train_tokens), save_every=cfg.save_every,
+    ckpts = (TrainingCheckpoints(cfg.ckpt_dir, mesh, run_identity(cfg, corpus.identity, explored), save_every=cfg.save_every,
                                  keep=cfg.keep, async_save=cfg.async_save) if cfg.ckpt_dir else None)
+    if ckpts is not None and quiet:
+        ckpts.say = lambda line: None
     start = ckpts.resume(model, optimizer, amp, scaler)[0] if cfg.resume else 0
     history, watch = [], DivergenceWatch(mixed_precision=scaler is not None)
     close = optimizer.close if runs_zero_optimizer(cfg) else None  # offload: its files go, also when it diverges
-    with open_metrics(cfg.out if lead else None, start) as metrics_file, trace_file(cfg, world.trace):
+    reads = Prefetcher(lambda s: read_batch(sampler, s, cfg.device), range(start, stop), not cfg.no_prefetch)
+    with open_metrics(cfg.out if lead else None, start) as metrics_file, trace_file(cfg, world.trace), reads:
         # rank 0's progress: a bar on a terminal; under mpiexec or piped, a line every few seconds
-        shown = Progress(start, cfg.steps, cfg.batch_size * cfg.block_size, every_s=progress_every,
+        shown = Progress(start, stop, cfg.batch_size * cfg.block_size, every_s=progress_every,
                          enabled=progress and lead)
         for step in shown:
             if step == cfg.fail_at_step and fault_injection_armed(cfg) and mesh.rank == cfg.fail_rank:
@@ -129,7 +144,7 @@ def _train_held(cfg, world, machines, train_tokens, val_tokens, progress: bool, 
             lr = lr_at(step, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr)
             t0 = time.perf_counter()
             with world.trace.capture() as step_events:  # every event of the step, for --explain
-                batch = to_device(sampler.batch(step), cfg.device)  # (B/dp, T+1): this rank's rows of the global batch
+                batch, data_wait_s = next_batch(reads, step, world.trace)  # (B/dp, T+1): this rank's rows
                 loss_scale = scaler.scale if scaler else None  # the scale this step's backward uses
                 loss, grad_norm = train_step(model, optimizer, batch, lr, cfg.grad_clip, dp=dp, engine=engine,
                                              mesh=mesh, n_micro=cfg.micro_batches,
@@ -137,18 +152,19 @@ def _train_held(cfg, world, machines, train_tokens, val_tokens, progress: bool, 
             tokens_per_s = cfg.batch_size * cfg.block_size / (time.perf_counter() - t0)
             if step == start and cfg.explain:
                 explain_step(cfg, mesh, model, step_events, batch.shape, optimizer)
-            if step == start and runs_zero_optimizer(cfg) and lead:  # after a step: every model state exists, at its size
+            if step == start and runs_zero_optimizer(cfg) and speaks:  # after a step: every model state exists, at its size
                 shown.write(memory_table(optimizer))
-            record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "grad_norm": grad_norm}
+            record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "grad_norm": grad_norm,
+                      "data_wait_s": data_wait_s}
             if cfg.n_experts:  # the routing's load per expert (one small all-reduce)
                 record.update(expert_load(model, mesh, cfg.micro_batches))
             if scaler:
                 record.update(loss_scale=loss_scale, skipped=grad_norm is None)
-            if step % cfg.eval_every == 0 or step == cfg.steps - 1:
-                record["val_loss"] = estimate_val_loss(model, val_tokens, cfg, engine)
-                if lead:
+            if step % cfg.eval_every == 0 or step in (cfg.steps - 1, stop - 1):
+                record["val_loss"] = estimate_val_loss(model, corpus.val, cfg, engine)
+                if speaks:
                     shown.write(f"step {step:5d}  train loss {loss:.4f}  val loss {record['val_loss']:.4f}")
-            shown.update(step, loss)
+            shown.update(step, loss, data_wait_s)
             if not keep_history:
                 history.clear()  # only the last record: memory stays flat however long the run
             history.append(record)
@@ -176,7 +192,7 @@ def main(argv=None):
 
     A usage error (or --help) is found before MPI starts, and MPI is not started only to say which
     rank prints it: starting it takes a while and fails where MPI is broken, where --help must still
-    work. The launcher's environment says it (:func:`~minidist.train.config.launcher_rank`, read here
+    work. The launcher's environment says it (:func:`~minidist.train.cli.launcher_rank`, read here
     only: rank 0 prints, the others exit 2 silently); once MPI has started, it says. A stop signal
     (SIGINT, SIGTERM, SIGHUP) stops every rank at once, rank 0 saying how far the run got
     (train/stopping.py)."""
@@ -211,9 +227,13 @@ def _run(cfg, stopping):
     here = machines_of(world).local_size(world.rank)  # the ranks on this machine (MPI's shared-memory split)
     limit_blas_threads(os.environ.get("OMP_NUM_THREADS"), here, announce=world.rank == 0)  # a share of its cores each
     try:
-        model, history = (train_ps(cfg, world=world) if cfg.mode == "ps"  # below: only the last record
-                          else train(cfg, world=world, keep_history=False, memory_bytes=memory_available(),
-                                     stopping=stopping))
+        if cfg.mode == "pbt":  # a population of collective runs (it calls train: imported here)
+            from minidist.train.pbt import final_line, train_pbt
+            model, history = train_pbt(cfg, world, memory_bytes=memory_available(), stopping=stopping)
+        else:
+            model, history = (train_ps(cfg, world=world) if cfg.mode == "ps"  # below: only the last record
+                              else train(cfg, world=world, keep_history=False, memory_bytes=memory_available(),
+                                         stopping=stopping))
     except (ConfigError, ResumeRefused, FoldersInUse, FolderNotShared) as e:
         if world.rank == 0:
             print(f"python -m minidist.train: {e}", file=sys.stderr)
@@ -224,19 +244,24 @@ def _run(cfg, stopping):
     except NoSpace as e:  # a full disk, found before a memory-mapped store could meet it
         print(f"python -m minidist.train: rank {world.rank}: {e.strerror}", file=sys.stderr)
         sys.exit(1)
+    except DataError as e:  # a shard changed on disk during the run (data/tokens.py): on the rank that read it
+        print(f"python -m minidist.train: rank {world.rank}: --data {e}", file=sys.stderr)
+        sys.exit(1)
     except Diverged as e:  # every rank, at the same step (minidist/train/divergence.py)
         if world.rank == 0:
             print(f"python -m minidist.train: {e}", file=sys.stderr)
         sys.exit(EXIT_DIVERGED)
     if world.rank == 0 and history:
-        print(f"\nfinal: train loss {history[-1]['loss']:.4f}, val loss {history[-1]['val_loss']:.4f}")
+        print("\nfinal: " + (final_line(history, cfg.population) if cfg.mode == "pbt" else
+                             f"train loss {history[-1]['loss']:.4f}, val loss {history[-1]['val_loss']:.4f}"))
     # the sample: in a collective run every rank generates with its part of the model (the same text
     # on all; minidist/parallel/whole_model/generate.py); with parameter servers rank 0 holds the whole model
-    if cfg.sample_tokens > 0 and history and (cfg.mode != "ps" or world.rank == 0):
+    if cfg.sample_tokens > 0 and history and cfg.mode != "pbt" and (cfg.mode != "ps" or world.rank == 0):
         pipeline = cfg.mode != "ps" and cfg.pp > 1  # the stages pass activations over the mesh's pp group
         pp_group = DeviceMesh(world, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp, ep=cfg.ep).pp_group if pipeline else None
         model.eval()
-        text = sample(model, "The ", cfg.sample_tokens, seed=cfg.seed, pp_group=pp_group, tokenizer=tokenizer_for(cfg))
+        tokenizer = sample_tokenizer(cfg)  # the data's: bytes, a tokenizer.json, or ids alone
+        text = sample(model, "The ", cfg.sample_tokens, seed=cfg.seed, pp_group=pp_group, tokenizer=tokenizer)
         if world.rank == 0:
             print("sample:\n" + text)
 

@@ -40,6 +40,9 @@ def open_metrics(out, start: int = 0):
     return f
 
 
+TIMINGS = ("tokens_per_s", "data_wait_s")  # the metrics that are measured times: they differ from run to run
+
+
 def metrics_line(record: dict) -> str:
     """One line of metrics.jsonl: ``record`` as strict JSON (RFC 8259 has no NaN nor Infinity, so a
     diverged step's non-finite numbers are written as ``null``), ending in a newline."""

@@ -41,25 +41,29 @@ class Progress:
         self.bar = tqdm(range(start, steps), dynamic_ncols=True) if enabled and terminal else None
         self.lines = enabled and not terminal
         self.last_step, self.last_time = start - 1, clock()  # the previous line's: its step, when
+        self.waited = 0.0  # seconds the steps since the previous line waited for their batches
 
     def __iter__(self):
         return iter(self.bar if self.bar is not None else range(self.start, self.steps))
 
-    def update(self, step: int, loss: float) -> None:
-        """Step ``step`` (0-based) is done with training loss ``loss``: the bar's postfix, or a line
-        when ``every_s`` has passed since the last one, at the first step and at the last."""
+    def update(self, step: int, loss: float, data_wait_s: float = 0.0) -> None:
+        """Step ``step`` (0-based) is done with training loss ``loss``, having waited ``data_wait_s``
+        for its batch: the bar's postfix, or a line when ``every_s`` has passed since the last one, at
+        the first step and at the last."""
         now = self.clock()
+        self.waited += data_wait_s
         done, seconds = step - self.last_step, now - self.last_time
+        wait = f"{1e3 * self.waited / done:.1f}"  # ms per step waited for data since the previous line
         per_step = seconds / done  # the pace since the previous line (the bar's: since the previous step)
         tokens_per_s = f"{self.tokens_per_step * done / seconds:,.0f}" if seconds > 0 else "-"
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=tokens_per_s)
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=tokens_per_s, data_ms=wait)
         elif self.lines and (step == self.start or step == self.steps - 1 or seconds >= self.every_s):
             self.write(f"{step + 1}/{self.steps} steps  loss {loss:.4f}  {1e3 * per_step:.1f} ms/step  "
-                       f"{tokens_per_s} tok/s  ETA {eta(per_step * (self.steps - 1 - step))}")
+                       f"{tokens_per_s} tok/s  data wait {wait} ms/step  ETA {eta(per_step * (self.steps - 1 - step))}")
         else:
             return  # no line yet: the pace goes on counting from the previous one
-        self.last_step, self.last_time = step, now
+        self.last_step, self.last_time, self.waited = step, now, 0.0
 
     def write(self, line: str) -> None:
         """Print ``line`` now: above the bar on a terminal, flushed where stdout is a pipe (mpiexec

@@ -15,12 +15,12 @@ def train_ps(cfg, world):
     step (synchronous) or per applied update (asynchronous: with worker and staleness), the last
     row with val_loss; rank 0 writes ``cfg.out`` and ``cfg.export``."""
     check_config(cfg, world.size)
-    train_tokens, val_tokens = load_data(cfg)
+    cfg, corpus = load_data(cfg)
     model = build_model(cfg)
-    history = train_parameter_server(world, model, cfg, train_tokens, servers=cfg.servers,
+    history = train_parameter_server(world, model, cfg, corpus.train, servers=cfg.servers,
                                      staleness=None if cfg.staleness < 0 else cfg.staleness, straggler=cfg.straggler)
     if world.rank == 0:
-        history[-1]["val_loss"] = estimate_val_loss(model, val_tokens, cfg)
+        history[-1]["val_loss"] = estimate_val_loss(model, corpus.val, cfg)
         with open_metrics(cfg.out) as metrics_file:
             for record in history if metrics_file is not None else []:
                 metrics_file.write(metrics_line(record))

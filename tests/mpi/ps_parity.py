@@ -37,7 +37,7 @@ def main():
     for optimizer, servers, staleness, straggler in layouts:
         cfg = config(optimizer)
         model = build_model(cfg)
-        history = train_parameter_server(world, model, cfg, load_data(cfg)[0], servers=servers,
+        history = train_parameter_server(world, model, cfg, load_data(cfg)[1].train, servers=servers,
                                          staleness=staleness, straggler=straggler)
         if world.rank != 0:
             continue

@@ -19,7 +19,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for `tests.`
 
 import minidist  # noqa: E402
-from minidist.train.config import parse_args  # noqa: E402
+from minidist.train.cli import parse_args  # noqa: E402
 from tests.mpi.train_parity import TINY, losses_and_weights  # noqa: E402
 
 COMMON = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()] + ["--dtype", "float64"]

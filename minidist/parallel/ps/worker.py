@@ -20,7 +20,8 @@ import time
 
 import numpy as np
 
-from minidist.data import get_batch, inputs_and_targets
+from minidist.data import inputs_and_targets
+from minidist.data.dataset import read_windows, window_starts
 from minidist.optim import clip_coef
 from minidist.parallel.ps.protocol import (DONE, DONE_LABEL, PULL, PULL_HEADER, PULL_LABELS, PUSH, PUSH_HEADER,
                                            PUSH_LABELS)
@@ -44,7 +45,8 @@ class Worker:
         self.exchange(None)
         step = 0
         while True:
-            batch = get_batch(tokens, step, cfg.batch_size, cfg.block_size, cfg.seed)[self.rows]  # (b, T+1)
+            starts = window_starts(len(tokens), step, cfg.batch_size, cfg.block_size, cfg.seed)[self.rows]  # its rows'
+            batch = read_windows(tokens, starts, [(0, cfg.block_size + 1)])  # (b, T+1): only their windows read
             idx, targets = inputs_and_targets(batch)  # (b, T), (b, T)
             self.model.zero_grad()
             with trace.record("forward", kind="compute"):

@@ -1,0 +1,172 @@
+"""``python -m minidist.train --mode pbt``: population-based training over sub-groups of the world.
+
+    mpiexec -n 8 python -m minidist.train --mode pbt --population 4 --ready-every 50 --explore lr \\
+        --lr-range 1e-4 1e-2 --dp 2 --ckpt-dir ckpt --out run
+
+The world of N ranks is split into K members of N / K ranks (ranks k N/K ... (k+1) N/K - 1 are member
+k), and each member is a whole collective run in the layout the other flags give (dp, tp, pp, cp,
+ZeRO, mixed precision, recompute...), with hyper-parameters of its own (train/population.py draws
+them). Training goes in segments of ``--ready-every`` S steps. A segment is the trainer itself
+(train/loop.py: ``train(..., stop_at=...)``) on the member's group, resuming from the member's own
+checkpoints under ``--ckpt-dir``/member-<k> and saving at the segment's end, so a member's step is
+the step of the same layout run alone with the same hyper-parameters, bitwise. At each ready point
+(but the last, where only the losses are recorded):
+
+    agree     one all-gather over the world of every rank's (member, validation loss): every rank
+              then knows every member's loss, and computes the same decisions (population.py)
+    exploit   a copying member's rank 0 replaces the member's newest checkpoint with its donor's of the
+              same step (the same layout, the same files; a checkpoint reshards, so the member would
+              read it in any layout): the member continues exactly as the donor would from there
+    explore   with the donor's hyper-parameters perturbed; the checkpoints' identity leaves the
+              explored ones out, so the copy resumes as the same run
+    record    rank 0 appends a row per member to ``--out``/pbt.jsonl (step, member, parent,
+              hyper-parameters, validation loss, copied) and writes the population (every member, its
+              hyper-parameters and lineage) to ``--ckpt-dir``/population/step-<n>.json
+
+``--resume`` continues from the newest population file: each member's checkpoints newer than it (a
+crash between a member's save and the population's) are removed, and the run goes on bitwise.
+Each member writes its metrics to ``--out``/member-<k>/metrics.jsonl.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from minidist.checkpoint.format import step_dir, step_dirs, step_of
+from minidist.checkpoint.training import ResumeRefused
+from minidist.files import real_folder, write_atomically
+from minidist.train.config import check_config
+from minidist.train.loop import train
+from minidist.train.population import EXPLORABLE, Member, draw, generation
+
+POPULATION = "population"  # under --ckpt-dir: step-<n>.json per ready point
+
+
+def names_of(cfg) -> list[str]:
+    """The hyper-parameters ``--explore`` names, in its order."""
+    return [n for n in cfg.explore.split(",") if n]
+
+
+def ranges_of(cfg) -> dict:
+    """{name: (lo, hi)} of the explored hyper-parameters given a range."""
+    given = {"lr": cfg.lr_range, "weight_decay": cfg.weight_decay_range}
+    return {n: tuple(given[n]) for n in names_of(cfg) if given.get(n) is not None}
+
+
+def member_config(cfg, member: Member, k: int):
+    """Member ``k``'s own run: its hyper-parameters, its folders, a save at each ready point."""
+    sub = lambda folder: str(Path(folder) / f"member-{k}") if folder is not None else None  # noqa: E731
+    return dataclasses.replace(cfg, mode="collective", **member.hparams, ckpt_dir=sub(cfg.ckpt_dir), out=sub(cfg.out),
+                               trace=sub(cfg.trace), offload_dir=sub(cfg.offload_dir), save_every=cfg.ready_every,
+                               keep=max(cfg.keep, 2), async_save=False, sample_tokens=0, export=None, export_hf=None)
+
+
+def train_pbt(cfg, world, memory_bytes=None, stopping=None):
+    """Run the population of ``cfg`` on ``world`` (module docstring). Returns (this rank's member's
+    model, the population's history: one dict per member per ready point, the same on every rank)."""
+    check_config(cfg, world.size, memory_bytes)  # the population's flags, on every rank, before anything is sent
+    k_ranks = world.size // cfg.population
+    k = world.rank // k_ranks
+    group = world.split(k, world.rank, name=f"member{k}")
+    names, ranges = names_of(cfg), ranges_of(cfg)
+    members, start, history = resumed(cfg, world, group, k) if cfg.resume else (
+        draw(cfg.population, cfg.seed, {n: getattr(cfg, n) for n in names}, ranges), 0, [])
+    model = None
+    for seg_start in range(start, cfg.steps, cfg.ready_every):
+        seg_end = min(seg_start + cfg.ready_every, cfg.steps)
+        mine = member_config(cfg, members[k], k)
+        model, rows = train(dataclasses.replace(mine, resume=seg_start > 0), progress=False, world=group,
+                            keep_history=False, memory_bytes=memory_bytes, stopping=stopping, stop_at=seg_end,
+                            explored=tuple(names), quiet=True)
+        losses = agree(world, k, rows[-1]["val_loss"], cfg.population)
+        if seg_end < cfg.steps:  # exploit and explore; at the end only the losses count
+            members, copies = generation(members, losses, rule=cfg.exploit, quantile=cfg.quantile, names=names,
+                                         ranges=ranges, seed=cfg.seed, step=seg_end)
+        else:
+            members, copies = [dataclasses.replace(m, val_loss=losses[m.index]) for m in members], {}
+        rows = [dict(step=seg_end, member=m.index, parent=copies.get(m.index, m.index), val_loss=losses[m.index],
+                     copied=m.index in copies, **members[m.index].hparams) for m in members]
+        history += rows
+        if seg_end < cfg.steps:
+            copy_checkpoints(cfg, group, world, k, copies, seg_end)
+        record(cfg, world, members, rows, seg_end)
+    return model, history
+
+
+def agree(world, k: int, val_loss: float, population: int) -> list[float]:
+    """Every member's validation loss, on every rank: one all-gather over the world of each rank's
+    (member, loss), two float64 (the ranks of a member report the same loss)."""
+    mine = np.array([k, val_loss], dtype=np.float64)  # (2,)
+    every = world.all_gather(mine, label="metric: every member's validation loss (population-based training)")
+    losses = [float("nan")] * population
+    for member, loss in every.reshape(-1, 2):
+        losses[int(member)] = float(loss)
+    return losses
+
+
+def copy_checkpoints(cfg, group, world, k: int, copies: dict, step: int) -> None:
+    """Exploit: when member k copies a donor, the member's rank 0 replaces the member's checkpoint of
+    ``step`` with the donor's, in two phases with a barrier over the world after each: every copier
+    copies its donor's folder beside its own (a donor that copies too is still as it was), then
+    every copier renames its copy into place. No member resumes before every copy is in place."""
+    copying = k in copies and group.rank == 0
+    root = Path(cfg.ckpt_dir)
+    mine = step_dir(root / f"member-{k}", step)
+    fresh = mine.with_name(mine.name + ".copying")
+    if copying:
+        shutil.rmtree(fresh, ignore_errors=True)
+        shutil.copytree(step_dir(root / f"member-{copies[k]}", step), fresh)
+    world.barrier(label="setup: every copying member has its donor's checkpoint beside its own")
+    if copying:
+        shutil.rmtree(mine)
+        fresh.rename(mine)
+    world.barrier(label="setup: every copying member's checkpoint is its donor's")
+
+
+def record(cfg, world, members: list[Member], rows: list[dict], step: int) -> None:
+    """Rank 0: the ready point's rows appended to ``--out``/pbt.jsonl, the population to
+    ``--ckpt-dir``/population/step-<n>.json (atomically). Sends nothing."""
+    if world.rank != 0:
+        return
+    copied = "; ".join(f"member {r['member']} copies {r['parent']}: " + hparams_text(r) for r in rows if r["copied"])
+    print(f"step {step:5d}  val loss " + ", ".join(f"{r['val_loss']:.4f}" for r in rows) + f"  ({copied or 'no copy'})",
+          flush=True)
+    if cfg.out is not None:
+        with open(real_folder(cfg.out) / "pbt.jsonl", "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    state = dict(step=step, members=[m.to_json() for m in members], rows=rows)
+    write_atomically(real_folder(Path(cfg.ckpt_dir) / POPULATION) / f"step-{step:06d}.json", json.dumps(state).encode())
+
+
+def resumed(cfg, world, group, k: int):
+    """(members, step, history) from the newest population file under ``--ckpt-dir``; each member's
+    checkpoints newer than it removed by the member's rank 0 (then a barrier over the world)."""
+    folder = Path(cfg.ckpt_dir) / POPULATION
+    files = sorted(folder.glob("step-*.json")) if folder.is_dir() else []
+    if not files:
+        raise ResumeRefused(f"--resume: no population file in {folder} (drop --resume to start from scratch)")
+    state = json.loads(files[-1].read_text())
+    if group.rank == 0:
+        for folder in step_dirs(Path(cfg.ckpt_dir) / f"member-{k}"):
+            if step_of(folder) > state["step"]:
+                shutil.rmtree(folder)
+    world.barrier(label="setup: every member back at the population's step")
+    history = [r for f in files for r in json.loads(f.read_text())["rows"]]
+    members = [Member(m["index"], m["hparams"], m["parent"], m["val_loss"]) for m in state["members"]]
+    return members, state["step"], history
+
+
+def final_line(history: list[dict], population: int) -> str:
+    """The last ready point in one line: each member's validation loss and hyper-parameters, the best first."""
+    last = sorted(history[-population:], key=lambda r: r["val_loss"])
+    return (f"the best member is {last[0]['member']}: val loss {last[0]['val_loss']:.4f} ({hparams_text(last[0])}); "
+            + "; ".join(f"member {r['member']} {r['val_loss']:.4f}" for r in last[1:]))
+
+
+def hparams_text(row: dict) -> str:
+    """``lr 0.00433, weight_decay 0.1``: the explorable hyper-parameters of a row."""
+    return ", ".join(f"{k} {v:.3g}" for k, v in row.items() if k in EXPLORABLE)
