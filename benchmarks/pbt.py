@@ -1,7 +1,7 @@
 """Population-based training against the best of K fixed runs from the same draws, at the same steps.
 
-    python benchmarks/pbt.py                                   (3 seeds, about 2 to 3 minutes a seed on 2 loaded cores)
-    python benchmarks/pbt.py --seeds 0 --steps 80              (a smoke run: seconds)
+    python benchmarks/pbt.py                                   (3 seeds: 6.5 minutes on 2 cores at load 19)
+    python benchmarks/pbt.py --seeds 0 --steps 80              (a smoke run: under a minute)
     python benchmarks/pbt.py --lr-range 1e-4 3e-1 --population 8 --steps 400
 
 The question: on the default corpus, does population-based training (train/pbt.py) with K members
@@ -31,11 +31,13 @@ Reported per seed: the final validation loss of every fixed run (its last step's
 (at the last ready point: the same step, S - 1, the same 8 validation batches), the best of each arm,
 their difference (PBT - fixed: negative means PBT ended lower) and whether PBT won; the wall time of
 each arm (fixed: K runs in a row on one thread; PBT: K thread ranks at once, plus a checkpoint per
-member per ready point, a model rebuilt and resumed per segment, and the copies). A fixed run that
-diverges (a NaN or inf loss: the trainer stops it) counts as infinitely bad; a PBT population in which
-a member diverges fails as a whole (train_pbt does not survive it), which is reported as a loss for
-PBT. The comparison is paired (same seed, same draws, same validation batches), but those batches are
-8 x 16 x 64 tokens: a difference of a few thousandths is within what another draw of them would move.
+member per ready point, a model rebuilt and resumed per segment, and the copies; the K ranks are
+threads of one interpreter, so on a loaded machine their steps are slower than the same steps run in
+a row). A fixed run that diverges (a NaN or inf loss: the trainer stops it) counts as infinitely
+bad; a PBT member that diverges copies a live member at the next ready point (population.py); a
+population that fails as a whole is reported as a loss for PBT. The comparison is paired (same seed, same draws, same
+validation batches), but those batches are 8 x 16 x 64 tokens: a difference of a few thousandths is
+within what another draw of them would move.
 
 Threads: one BLAS thread (set before NumPy loads), as the trainer gives each of several ranks on 2 cores.
 Results: a Markdown table on stdout and benchmarks/results/pbt.json; ``uptime`` before and after.
@@ -144,7 +146,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--population", type=int, default=4, help="K: members, and fixed runs")
-    p.add_argument("--steps", type=int, default=240, help="S: steps of every fixed run and of every member")
+    p.add_argument("--steps", type=int, default=200, help="S: steps of every fixed run and of every member")
     p.add_argument("--ready-every", type=int, default=None, help="steps between ready points (default S / 8)")
     p.add_argument("--quantile", type=float, default=0.25)
     p.add_argument("--lr-range", type=float, nargs=2, default=[3e-4, 3e-1], metavar=("A", "B"))
@@ -190,8 +192,9 @@ def main():
               + " | ".join(members) + " |")
     won = sum(r["pbt_won"] for r in s)
     diffs = [r["difference"] for r in s if r["difference"] is not None]
-    print(f"\nPBT ended lower on {won} of {len(s)} seeds" + (f"; PBT - best fixed: median {statistics.median(diffs):+.4f}, "
-                                                             f"from {min(diffs):+.4f} to {max(diffs):+.4f}" if diffs else ""))
+    spread = (f"; PBT - best fixed: median {statistics.median(diffs):+.4f}, from {min(diffs):+.4f} to "
+              f"{max(diffs):+.4f}" if diffs else "")
+    print(f"\nPBT ended lower on {won} of {len(s)} seeds{spread}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from minidist import run_local
 from minidist.checkpoint.format import step_dir
 from minidist.train import train
 from minidist.train.config import ConfigError, TrainConfig, check_config
-from minidist.train.pbt import member_config, train_pbt
+from minidist.train.pbt import exempt_of, member_config, train_pbt
 from minidist.train.population import FACTORS, Member, draw, exploit, explore, generation, ranked
 from tests.mpi.harness import run_mpi
 
@@ -114,7 +114,7 @@ def test_a_copy_continues_as_its_donor_would_with_its_new_hyperparameters(tmp_pa
     # the donor's checkpoint of step 3, continued alone with the copier's new learning rate
     again = dataclasses.replace(donor, ckpt_dir=str(tmp_path / "again"), out=None, lr=copier["lr"], resume=True)
     shutil.copytree(step_dir(tmp_path / "ckpt" / f"member-{copier['parent']}", 3), step_dir(again.ckpt_dir, 3))
-    rows = train(again, progress=False, stop_at=6, explored=("lr",), quiet=True)[1]
+    rows = train(again, progress=False, stop_at=6, explored=exempt_of(cfg), quiet=True)[1]
     ours = metrics(tmp_path / "out" / f"member-{copier['member']}" / "metrics.jsonl")[3:6]
     assert without_timings(ours) == without_timings(rows)
 
@@ -159,3 +159,13 @@ def test_the_command_line_trains_a_population_and_refuses_a_bad_one_with_exit_2(
     assert len(metrics(tmp_path / "out" / "pbt.jsonl")) == 4
     bad = run_mpi(2, *args[:5], "3", *args[6:], check=False)
     assert bad.returncode == 2 and bad.stderr.count("--population 3 does not divide") == 1, bad.output
+
+
+def test_a_diverged_member_copies_a_live_one_and_the_population_goes_on(tmp_path, capsys):
+    assert exploit([1.0, float("nan"), float("nan"), 2.0], "truncation", 0.25, 0, 1) == {2: 0, 1: 0}
+    # seed 3 draws lr 0.67 and 8e20: member 1 diverges in its first segment (DivergenceWatch), copies member 0
+    cfg = pbt_config(tmp_path, seed=3, lr_range=(1e-3, 1e30), steps=6, dtype="float32")
+    history = run_population(cfg)[0][1]
+    first = [r for r in history if r["step"] == 3]
+    assert np.isnan(first[1]["val_loss"]) and first[1]["copied"] and first[1]["parent"] == 0
+    assert all(np.isfinite(r["val_loss"]) for r in history if r["step"] == 6)

@@ -40,6 +40,7 @@ from minidist.checkpoint.format import step_dir, step_dirs, step_of
 from minidist.checkpoint.training import ResumeRefused
 from minidist.files import real_folder, write_atomically
 from minidist.train.config import check_config
+from minidist.train.divergence import Diverged
 from minidist.train.loop import train
 from minidist.train.population import EXPLORABLE, Member, draw, generation
 
@@ -51,6 +52,13 @@ def names_of(cfg) -> list[str]:
     return [n for n in cfg.explore.split(",") if n]
 
 
+def exempt_of(cfg) -> tuple:
+    """The fields a member's checkpoint identity leaves out: what it explores (and --min-lr with --lr:
+    a member's cosine floor follows its learning rate, member_config)."""
+    names = names_of(cfg)
+    return tuple(names) + (("min_lr",) if "lr" in names and "min_lr" not in names else ())
+
+
 def ranges_of(cfg) -> dict:
     """{name: (lo, hi)} of the explored hyper-parameters given a range."""
     given = {"lr": cfg.lr_range, "weight_decay": cfg.weight_decay_range}
@@ -60,7 +68,9 @@ def ranges_of(cfg) -> dict:
 def member_config(cfg, member: Member, k: int):
     """Member ``k``'s own run: its hyper-parameters, its folders, a save at each ready point."""
     sub = lambda folder: str(Path(folder) / f"member-{k}") if folder is not None else None  # noqa: E731
-    return dataclasses.replace(cfg, mode="collective", **member.hparams, ckpt_dir=sub(cfg.ckpt_dir), out=sub(cfg.out),
+    floor = {} if "min_lr" in member.hparams else {"min_lr": min(cfg.min_lr, member.hparams.get("lr", cfg.lr))}
+    return dataclasses.replace(cfg, mode="collective", **{**floor, **member.hparams}, ckpt_dir=sub(cfg.ckpt_dir),
+                               out=sub(cfg.out),
                                trace=sub(cfg.trace), offload_dir=sub(cfg.offload_dir), save_every=cfg.ready_every,
                                keep=max(cfg.keep, 2), async_save=False, sample_tokens=0, export=None, export_hf=None)
 
@@ -72,17 +82,23 @@ def train_pbt(cfg, world, memory_bytes=None, stopping=None):
     k_ranks = world.size // cfg.population
     k = world.rank // k_ranks
     group = world.split(k, world.rank, name=f"member{k}")
-    names, ranges = names_of(cfg), ranges_of(cfg)
+    names, ranges, exempt = names_of(cfg), ranges_of(cfg), exempt_of(cfg)
     members, start, history = resumed(cfg, world, group, k) if cfg.resume else (
         draw(cfg.population, cfg.seed, {n: getattr(cfg, n) for n in names}, ranges), 0, [])
     model = None
     for seg_start in range(start, cfg.steps, cfg.ready_every):
         seg_end = min(seg_start + cfg.ready_every, cfg.steps)
         mine = member_config(cfg, members[k], k)
-        model, rows = train(dataclasses.replace(mine, resume=seg_start > 0), progress=False, world=group,
-                            keep_history=False, memory_bytes=memory_bytes, stopping=stopping, stop_at=seg_end,
-                            explored=tuple(names), quiet=True)
-        losses = agree(world, k, rows[-1]["val_loss"], cfg.population)
+        try:
+            model, rows = train(dataclasses.replace(mine, resume=seg_start > 0), progress=False, world=group,
+                                keep_history=False, memory_bytes=memory_bytes, stopping=stopping, stop_at=seg_end,
+                                explored=exempt, quiet=True)
+            val_loss = rows[-1]["val_loss"]
+        except Diverged:  # every rank of the member at once, no checkpoint of this step: it copies another
+            val_loss = float("nan")
+        losses = agree(world, k, val_loss, cfg.population)
+        if not any(np.isfinite(losses)):
+            raise Diverged(f"every member of the population diverged before step {seg_end}")
         if seg_end < cfg.steps:  # exploit and explore; at the end only the losses count
             members, copies = generation(members, losses, rule=cfg.exploit, quantile=cfg.quantile, names=names,
                                          ranges=ranges, seed=cfg.seed, step=seg_end)
@@ -122,7 +138,7 @@ def copy_checkpoints(cfg, group, world, k: int, copies: dict, step: int) -> None
         shutil.copytree(step_dir(root / f"member-{copies[k]}", step), fresh)
     world.barrier(label="setup: every copying member has its donor's checkpoint beside its own")
     if copying:
-        shutil.rmtree(mine)
+        shutil.rmtree(mine, ignore_errors=True)  # (a member that diverged saved none)
         fresh.rename(mine)
     world.barrier(label="setup: every copying member's checkpoint is its donor's")
 

@@ -5,9 +5,11 @@ a copy's hyper-parameters are perturbed. train/pbt.py runs them; nothing here se
     draw        member k's first hyper-parameters: each explored one log-uniform in its range
                 (``--lr-range A B``), from a generator seeded with (seed, k)
     ready       every ``--ready-every`` S steps each member reports its validation loss
-    exploit     truncation: a member in the bottom ``--quantile`` Q (by loss) copies a member drawn
-                from the top Q; tournament: each member meets one other, drawn, and copies it if its
-                loss is higher. A copy takes the donor's weights, optimizer state and hyper-parameters
+    exploit     truncation: a member in the bottom ``--quantile`` Q (by loss; Q K members, rounded half
+                up) copies a member drawn from the top Q; tournament: each member meets one other,
+                drawn, and copies it if its loss is higher. A member that diverged (its loss NaN)
+                copies one of the top Q in any case. A copy takes the donor's weights, optimizer
+                state and hyper-parameters
     explore     the copied hyper-parameters, each multiplied by 0.8 or 1.2 (a coin), or with
                 probability ``RESAMPLE`` drawn again from its range
 
@@ -71,19 +73,23 @@ def exploit(losses: list[float], rule: str, quantile: float, seed: int, step: in
     """{member: donor} for every member that copies another at ``step``, by ``rule`` ("truncation" or
     "tournament") over ``losses`` (one per member, lower is better)."""
     k, order = len(losses), ranked(losses)
+    n = max(1, math.floor(quantile * k + 0.5)) if k > 1 else 0  # the quantile's members, rounded half up
+    top = [m for m in order[:n] if math.isfinite(losses[m])]
     if rule == "truncation":
-        n = max(1, int(round(quantile * k))) if k > 1 else 0
-        top, bottom = order[:n], order[k - n:]
-        return {m: top[int(rng(seed, step, m, DONOR).integers(len(top)))] for m in bottom if m not in top}
-    if rule == "tournament":
+        copies = {m: top[int(rng(seed, step, m, DONOR).integers(len(top)))] for m in order[k - n:] if m not in top}
+    elif rule == "tournament":
         copies = {}
         for m in range(k):
             other = int(rng(seed, step, m, PAIR).integers(k - 1))
             other += other >= m  # one of the others
             if order.index(other) < order.index(m):
                 copies[m] = other
-        return copies
-    raise ValueError(f"exploit rule must be truncation or tournament, got {rule!r}")
+    else:
+        raise ValueError(f"exploit rule must be truncation or tournament, got {rule!r}")
+    for m in range(k):  # a diverged member (no loss, no checkpoint of this step) always copies one of the top
+        if not math.isfinite(losses[m]) and (m not in copies or not math.isfinite(losses[copies[m]])) and top:
+            copies[m] = top[int(rng(seed, step, m, DONOR).integers(len(top)))]
+    return copies
 
 
 def explore(hparams: dict, names, ranges: dict, seed: int, step: int, member: int) -> dict:
