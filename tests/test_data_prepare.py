@@ -43,12 +43,15 @@ def run(capsys, *argv):
     return code, out.splitlines(), err.splitlines()
 
 
+LOCK = ".minidist.lock"  # prepare's hold on the folder (folder_lock.py): rewritten by every run, a cache hit too
+
+
 def files_of(folder):
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != LOCK}
 
 
 def mtimes(folder):
-    return {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} | {".": folder.stat().st_mtime_ns}
+    return {p.name: p.stat().st_mtime_ns for p in folder.iterdir() if p.name != LOCK}
 
 
 def test_byte_shards_round_trip_through_the_trainers_reader(texts, tmp_path):
@@ -181,7 +184,7 @@ def test_a_change_prepares_the_folder_again(change, says, texts, tmp_path, capsy
     assert "MB/s" in lines[-1]
     manifest = json.loads((out / "manifest.json").read_text())
     assert {e["name"] for e in manifest["shards"]} | {"manifest.json"} | (
-        {"tokenizer.json"} if change == "tokenizer" else set()) == set(os.listdir(out))  # the old shards are gone
+        {"tokenizer.json"} if change == "tokenizer" else set()) == set(os.listdir(out)) - {LOCK}  # the old shards are gone
     if change in ("damaged", "deleted", "manifest"):
         assert files_of(out) == shards
     assert run(capsys, *texts, *flags)[1][0].endswith("(nothing to do)")
@@ -253,3 +256,17 @@ def test_bad_input_is_one_line_and_exit_2(case, says, texts, tmp_path, capsys, m
     assert code == 2 and lines == [] and len(err) == 1 and err[0].startswith("minidist.data.prepare: "), err
     assert says in err[0], err
     assert not (out / "manifest.json").exists() and not (tmp_path / "real" / "manifest.json").exists()
+
+
+def test_two_prepares_of_one_folder_at_once_are_refused_one_line(tmp_path, capsys):
+    from minidist.folder_lock import FolderLock
+    text = tmp_path / "t.txt"
+    text.write_text("hello world\n" * 50)
+    held = FolderLock(tmp_path / "out", "--out")  # as another prepare holding it
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            main([str(text), "--out", str(tmp_path / "out")])
+    finally:
+        held.release()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "is in use by another run" in err

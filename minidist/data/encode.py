@@ -17,11 +17,14 @@ import collections
 import dataclasses
 import hashlib
 import multiprocessing
+import os
+import stat
 from pathlib import Path
 
 import numpy as np
 
 from minidist.data.tokens import DataError
+from minidist.files import kind_of
 
 CHUNK_BYTES = 1 << 20   # bytes of text per chunk (at most; at least 4): fixed, so tokens never depend on --workers
 MAX_VOCAB = 1 << 16     # ids are stored as uint16
@@ -169,3 +172,36 @@ def encode_in_order(chunk_iter, tokenizer_json: str | None, workers: int):
         while pending:
             n, ids = pending.popleft()
             yield n, ids.get()
+
+
+def describe_input(path) -> tuple[dict, int]:
+    """({"path": absolute, "bytes": size, "sha256": hex}, its number of chunks) of input text file
+    ``path``, read once whole; a :class:`PrepareError` if it is missing, unreadable or not UTF-8."""
+    try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise PrepareError(f"{path} is {kind_of(mode)}, not a text file (each input is read twice: to hash it, "
+                               "then to encode it)")
+        digest, size, count = hashlib.sha256(), 0, 0
+        for offset, chunk in chunks(path):
+            digest.update(chunk)
+            size, count = size + len(chunk), count + 1
+            try:
+                chunk.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise PrepareError(f"{path}: not UTF-8 text (byte {offset + e.start:,} is 0x{chunk[e.start]:02x}, "
+                                   f"{e.reason})") from None
+    except FileNotFoundError:
+        raise PrepareError(f"{path}: no such file") from None
+    except OSError as e:
+        raise PrepareError(f"{path}: cannot be read ({e.strerror or e})") from None
+    return {"path": str(Path(path).resolve()), "bytes": size, "sha256": digest.hexdigest()}, count
+
+
+def file_sha256(path) -> str:
+    """The SHA-256 of the file at ``path`` (opened without blocking: a FIFO reads as empty, not forever)."""
+    digest = hashlib.sha256()
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -42,7 +42,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import stat
 import sys
 import time
 from pathlib import Path
@@ -50,11 +49,13 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from minidist.data.encode import PrepareError, chunks, encode_in_order, parse_tokenizer, train_bpe
+from minidist.data.encode import (PrepareError, chunks, describe_input, encode_in_order, file_sha256, parse_tokenizer,
+                                  train_bpe)
 from minidist.data.folder import MANIFEST, read_manifest
 from minidist.data.shards import write_shard
 from minidist.data.tokens import DataError
-from minidist.files import create, folder_problems, kind_of, real_folder, write_atomically
+from minidist.folder_lock import FolderInUse, FolderLock
+from minidist.files import create, folder_problems, real_folder, write_atomically
 
 FORMAT, VERSION = "minidist-shards", 1
 SHARD_TOKENS = 10_000_000
@@ -95,6 +96,18 @@ def prepare(inputs, out, tokenizer: str = "bytes", val_fraction: float = 0.1, sh
     described = [describe_input(path) for path in inputs]
     entries, n_chunks = [entry for entry, _ in described], sum(count for _, count in described)
     out = real_folder(out)
+    try:
+        lock = FolderLock(out, "--out")  # one prepare at a time in a folder
+    except FolderInUse as e:
+        raise PrepareError(str(e)) from None
+    try:
+        return _prepare_held(out, entries, n_chunks, spec, val_fraction, shard_tokens, workers, progress, start)
+    finally:
+        lock.release()
+
+
+def _prepare_held(out, entries, n_chunks, spec, val_fraction, shard_tokens, workers, progress, start) -> Prepared:
+    """:func:`prepare` once it holds ``out``."""
     old, why = previous_manifest(out)
     if old is not None:
         why = difference(out, old, entries, spec, val_fraction, shard_tokens)
@@ -146,30 +159,6 @@ def tokenizer_of(spec, paths: list[str], progress: bool, notes: list[str]) -> tu
                   "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}
 
 
-def describe_input(path) -> tuple[dict, int]:
-    """({"path": absolute, "bytes": size, "sha256": hex}, its number of chunks) of input text file
-    ``path``, read once whole; a :class:`PrepareError` if it is missing, unreadable or not UTF-8."""
-    try:
-        mode = os.stat(path).st_mode
-        if not stat.S_ISREG(mode):
-            raise PrepareError(f"{path} is {kind_of(mode)}, not a text file (each input is read twice: to hash it, "
-                               "then to encode it)")
-        digest, size, count = hashlib.sha256(), 0, 0
-        for offset, chunk in chunks(path):
-            digest.update(chunk)
-            size, count = size + len(chunk), count + 1
-            try:
-                chunk.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise PrepareError(f"{path}: not UTF-8 text (byte {offset + e.start:,} is 0x{chunk[e.start]:02x}, "
-                                   f"{e.reason})") from None
-    except FileNotFoundError:
-        raise PrepareError(f"{path}: no such file") from None
-    except OSError as e:
-        raise PrepareError(f"{path}: cannot be read ({e.strerror or e})") from None
-    return {"path": str(Path(path).resolve()), "bytes": size, "sha256": digest.hexdigest()}, count
-
-
 def previous_manifest(out: Path) -> tuple[dict | None, str | None]:
     """(the manifest in ``out``, None), or (None, why it cannot be used), or (None, None) if there is none."""
     if not os.path.lexists(out / MANIFEST):
@@ -210,15 +199,6 @@ def difference(out: Path, old: dict, inputs: list[dict], spec, val_fraction: flo
         except OSError as e:
             return f"{name}: cannot be read ({e.strerror or e})"
     return None
-
-
-def file_sha256(path) -> str:
-    """The SHA-256 of the file at ``path`` (opened without blocking: a FIFO reads as empty, not forever)."""
-    digest = hashlib.sha256()
-    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def encode_to(tmp: Path, paths: list[str], tokenizer_json: str | None, workers: int, total_bytes: int,

@@ -90,9 +90,9 @@ def train_pbt(cfg, world, memory_bytes=None, stopping=None):
         seg_end = min(seg_start + cfg.ready_every, cfg.steps)
         mine = member_config(cfg, members[k], k)
         try:
-            model, rows = train(dataclasses.replace(mine, resume=seg_start > 0), progress=False, world=group,
-                                keep_history=False, memory_bytes=memory_bytes, stopping=stopping, stop_at=seg_end,
-                                explored=exempt, quiet=True)
+            segment = dataclasses.replace(mine, resume=seg_start > 0, explain=cfg.explain and seg_start == start)
+            model, rows = train(segment, progress=False, world=group, keep_history=False, memory_bytes=memory_bytes,
+                                stopping=stopping, stop_at=seg_end, explored=exempt, quiet=True)
             val_loss = rows[-1]["val_loss"]
         except Diverged:  # every rank of the member at once, no checkpoint of this step: it copies another
             val_loss = float("nan")
