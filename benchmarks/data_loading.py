@@ -6,7 +6,7 @@
 1. The loader against the step: the time to read one step's batch from token shards (one process,
    whole windows: ``DistributedSampler.batch``, one ``os.pread`` per window) against the time of
    the training step on it (forward, backward, AdamW; float32), for the default model (B 16 x T 64)
-   and GPT-2 small's sizes (124M parameters, vocabulary 50,257; B 4 x T 1,024: the step is timed
+   and GPT-2 small's sizes (124M parameters, vocabulary 50,257; B 2 x T 1,024: the step is timed
    ``--gpt2-steps`` times), as a ratio.
 2. Bytes read per rank against the formula (rows x positions read x 2 bytes) for the layouts of the
    tests, counted by the reader itself (``Tokens.bytes_read``): equal, or the script fails.
@@ -46,7 +46,7 @@ from minidist.parallel.mesh import DeviceMesh  # noqa: E402
 
 SIZES = {
     "default (2 x 64, vocab 256)": dict(n_layer=2, n_head=4, n_embd=64, block_size=64, batch_size=16, vocab_size=256),
-    "GPT-2 small (12 x 768, vocab 50,257)": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, batch_size=4,
+    "GPT-2 small (12 x 768, vocab 50,257)": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, batch_size=2,
                                                  vocab_size=50257),
 }
 LAYOUTS = {"one process": {}, "dp 2": dict(dp=2), "cp 2": dict(cp=2), "cp 2 zigzag": dict(cp=2, cp_algorithm="zigzag"),
@@ -150,7 +150,7 @@ def prefetch_wait(root: Path, delay: float, steps: int = 30) -> list[dict]:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--gpt2-steps", type=int, default=2, help="GPT-2 small steps timed (0: skip it)")
+    p.add_argument("--gpt2-steps", type=int, default=1, help="GPT-2 small steps timed (0: skip it)")
     p.add_argument("--delay", type=float, default=0.005, help="seconds a slowed read sleeps")
     args = p.parse_args()
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()

@@ -215,7 +215,7 @@ def test_the_vocabulary_comes_from_the_manifest_else_vocab_size(folders):
     assert load_data(TrainConfig(data=folders["prepared"]))[0].vocab_size == VOCAB
     with pytest.raises(ConfigError, match="its vocabulary is not recorded .* its largest token is 299.*--vocab-size"):
         load_data(TrainConfig(data=folders["llmc"]))
-    with pytest.raises(ConfigError, match="token id 299 is outside the model's vocabulary of 299"):
+    with pytest.raises(ConfigError, match=r"token id 299 \(in train.bin\) is outside the model's vocabulary of 299"):
         load_data(TrainConfig(data=folders["nanogpt"], vocab_size=299))
     with pytest.raises(ConfigError, match="--vocab-size 299 is below the vocabulary of --data"):
         load_data(TrainConfig(data=folders["prepared"], vocab_size=299))

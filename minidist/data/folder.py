@@ -41,6 +41,7 @@ class Corpus:
     kind: str                  # "file", "prepared", "llm.c" or "nanogpt"
     vocab_size: int | None     # the data's vocabulary (None: not known: --vocab-size must say)
     largest: int               # the largest token id in the data
+    largest_in: str            # the file that holds it (the first such)
     tokenizer: str | None      # "bytes", a tokenizer.json's path, or None (ids only)
     identity: dict             # data_tokens, data_sha256
 
@@ -89,8 +90,8 @@ def _text_file(path: Path, val_fraction: float) -> Corpus:
     tokens = file_tokens(path)
     n_train = len(tokens) - int(len(tokens) * val_fraction)
     train, val = tokens.slice(0, n_train), tokens.slice(n_train, len(tokens))
-    digest, largest = _scan(train.parts, val.parts)
-    return Corpus(train, val, "file", 256, largest, "bytes", {"data_tokens": len(train), "data_sha256": digest})
+    digest, largest, where = _scan(train.parts, val.parts)
+    return Corpus(train, val, "file", 256, largest, where, "bytes", {"data_tokens": len(train), "data_sha256": digest})
 
 
 def _read_whole(path: Path, kind: str, train: list[Part], val: list[Part]) -> Corpus:
@@ -98,15 +99,16 @@ def _read_whole(path: Path, kind: str, train: list[Part], val: list[Part]) -> Co
     if not train or not val:
         missing = "train" if not train else "val"
         raise DataError(f"{path}: no {missing} shard (a file with '{missing}' in its name)")
-    digest, largest = _scan(train, val)
+    digest, largest, where = _scan(train, val)
     tokenizer = path / "tokenizer.json"
-    return Corpus(Tokens(train), Tokens(val), kind, None, largest, str(tokenizer) if tokenizer.is_file() else None,
+    return Corpus(Tokens(train), Tokens(val), kind, None, largest, where, str(tokenizer) if tokenizer.is_file() else None,
                   {"data_tokens": sum(p.count for p in train), "data_sha256": digest})
 
 
-def _scan(train: list[Part], val: list[Part]) -> tuple[str, int]:
-    """(SHA-256 of the train parts' bytes, the largest token of all), reading each part once, in chunks."""
-    digest, largest = hashlib.sha256(), 0
+def _scan(train: list[Part], val: list[Part]) -> tuple[str, int, str]:
+    """(SHA-256 of the train parts' bytes, the largest token of all, the file holding it), reading each
+    part once, in chunks."""
+    digest, largest, where = hashlib.sha256(), 0, train[0].path if train else ""
     for part in train + val:
         left = part.count * np.dtype(part.dtype).itemsize
         with open(part.path, "rb") as f:
@@ -118,8 +120,9 @@ def _scan(train: list[Part], val: list[Part]) -> tuple[str, int]:
                 left -= len(chunk)
                 if part in train:
                     digest.update(chunk)
-                largest = max(largest, int(np.frombuffer(chunk, dtype=part.dtype).max()))
-    return digest.hexdigest(), largest
+                top = int(np.frombuffer(chunk, dtype=part.dtype).max())
+                largest, where = (top, part.path) if top > largest else (largest, where)
+    return digest.hexdigest(), largest, where
 
 
 SHARD_NAME = re.compile(r"^(train|val)_\d{6}\.bin$")
@@ -136,13 +139,14 @@ def _prepared(path: Path) -> Corpus:
         parts[entry["split"]].append(part)
     if not parts["train"] or not parts["val"]:
         raise DataError(f"{path / MANIFEST}: no {'train' if not parts['train'] else 'val'} shard")
-    largest = max(e["largest"] for e in manifest["shards"])
+    top = max(manifest["shards"], key=lambda e: e["largest"])
+    largest = top["largest"]
     if largest >= manifest["vocab_size"]:
         raise DataError(f"{path / MANIFEST}: largest token {largest} is outside its vocabulary of {manifest['vocab_size']}")
     train_list = [[e["name"], e["tokens"], e["sha256"]] for e in manifest["shards"] if e["split"] == "train"]
     tokenizer = manifest["tokenizer"]["kind"]
     vocab = manifest["vocab_size"]
-    return Corpus(Tokens(parts["train"], vocab), Tokens(parts["val"], vocab), "prepared", vocab, largest,
+    return Corpus(Tokens(parts["train"], vocab), Tokens(parts["val"], vocab), "prepared", vocab, largest, str(path / top["name"]),
                   "bytes" if tokenizer == "bytes" else str(path / "tokenizer.json"),
                   {"data_tokens": sum(e[1] for e in train_list),
                    "data_sha256": hashlib.sha256(json.dumps(train_list).encode()).hexdigest()})

@@ -81,7 +81,9 @@ def load_data(cfg):
     if corpus.largest >= cfg.vocab_size:
         how = {"bytes": "byte ", None: ""}.get(corpus.tokenizer, "tokenizer.json ")
         whose = "the --init-from-hf model's" if cfg.init_from_hf else "the model's"
-        raise ConfigError(f"--data {path}: {how}token id {corpus.largest} is outside {whose} vocabulary of {cfg.vocab_size}")
+        shard = f" (in {Path(corpus.largest_in).name})" if corpus.kind != "file" else ""
+        raise ConfigError(f"--data {path}: {how}token id {corpus.largest}{shard} is outside {whose} vocabulary of "
+                          f"{cfg.vocab_size}")
     need = cfg.block_size + 1
     if min(len(corpus.train), len(corpus.val)) < need:
         raise ConfigError(f"--data {path}: {len(corpus.train) + len(corpus.val)} tokens, {len(corpus.train)} for "
@@ -99,7 +101,7 @@ def encoded_corpus(path, tokenizer):
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not UTF-8 text, which its tokenizer.json encodes ({e})") from e
     train, val = train_val_split(tokens, val_fraction=0.1)
-    return Corpus(train, val, "file", tokenizer.vocab_size, int(tokens.max()) if len(tokens) else 0, "tokenizer.json",
+    return Corpus(train, val, "file", tokenizer.vocab_size, int(tokens.max()) if len(tokens) else 0, str(path), "tokenizer.json",
                   data_identity(train))
 
 

@@ -77,7 +77,10 @@ def member_config(cfg, member: Member, k: int):
 
 def train_pbt(cfg, world, memory_bytes=None, stopping=None):
     """Run the population of ``cfg`` on ``world`` (module docstring). Returns (this rank's member's
-    model, the population's history: one dict per member per ready point, the same on every rank)."""
+    model, the population's history: one dict per member per ready point, the same on every rank).
+    Sends, over the world: one split (an all-gather of colours), and at each ready point one
+    all-gather of two float64 per rank and two barriers (with --resume, one more); everything else
+    goes over the member's own group, as its trainer sends it."""
     check_config(cfg, world.size, memory_bytes)  # the population's flags, on every rank, before anything is sent
     k_ranks = world.size // cfg.population
     k = world.rank // k_ranks
