@@ -124,18 +124,19 @@ def test_a_window_across_two_shards_reads_both(folders):
     assert corpus.train.bytes_read == 40
 
 
+SLOW = pytest.mark.slow  # with --slow: the layouts the default sample's others already hold the reads of
 LAYOUTS = {
     "dp2": dict(dp=2),
     "tp2+sp": dict(tp=2, sequence_parallel=True),
-    "pp2 1f1b": dict(pp=2, micro_batches=2),
+    "pp2 1f1b": pytest.param(dict(pp=2, micro_batches=2), marks=SLOW),
     "pp2 zbv": dict(pp=2, micro_batches=2, schedule="zbv", virtual_stages=2),  # rank 0 holds the first and last
-    "pp2 interleaved": dict(pp=2, micro_batches=2, schedule="interleaved", virtual_stages=2),
-    "cp2 ring": dict(cp=2),
+    "pp2 interleaved": pytest.param(dict(pp=2, micro_batches=2, schedule="interleaved", virtual_stages=2), marks=SLOW),
+    "cp2 ring": pytest.param(dict(cp=2), marks=SLOW),
     "cp2 zigzag": dict(cp=2, cp_algorithm="zigzag"),
-    "cp2 ulysses": dict(cp=2, cp_algorithm="ulysses"),
+    "cp2 ulysses": pytest.param(dict(cp=2, cp_algorithm="ulysses"), marks=SLOW),
     "pp2 cp2 zigzag recompute": dict(pp=2, cp=2, cp_algorithm="zigzag", micro_batches=2, recompute=True),
     "dp2 zero3": dict(dp=2, zero=3),
-    "dp2 cp2": dict(dp=2, cp=2),
+    "dp2 cp2": pytest.param(dict(dp=2, cp=2), marks=SLOW),
 }
 
 

@@ -90,8 +90,10 @@ def test_a_generation_gives_each_copier_its_donors_explored_hyperparameters_and_
 
 # --- the loop
 
-@pytest.mark.parametrize("layout", [dict(), dict(dp=2, zero=2), dict(tp=2, sequence_parallel=True),
-                                    dict(pp=2, micro_batches=2), dict(dtype="bfloat16", dp=2, zero=1)],
+@pytest.mark.parametrize("layout", [dict(), dict(dp=2, zero=2),
+                                    pytest.param(dict(tp=2, sequence_parallel=True), marks=pytest.mark.slow),
+                                    pytest.param(dict(pp=2, micro_batches=2), marks=pytest.mark.slow),
+                                    dict(dtype="bfloat16", dp=2, zero=1)],
                          ids=["one", "dp2-zero2", "tp2-sp", "pp2", "bf16-dp2-zero1"])
 def test_a_members_first_segment_is_its_layout_run_alone_with_its_hyperparameters(tmp_path, layout):
     cfg = pbt_config(tmp_path, steps=6, **layout)
