@@ -38,15 +38,16 @@ class TrainingCheckpoints:
     """Checkpoints of one training run (``identity``: :func:`~minidist.checkpoint.identity.run_identity`)
     under ``root``, every ``save_every`` steps (0: never), the newest ``keep`` kept; ``async_save``
     writes them in the background. Building it is collective over ``mesh.world``; rank 0 prints what
-    it resumes from."""
+    it resumes from (unless ``quiet``)."""
 
-    def __init__(self, root, mesh, identity: dict, *, save_every: int = 0, keep: int = 2, async_save: bool = False):
-        self.root, self.mesh, self.identity = root, mesh, identity
+    def __init__(self, root, mesh, identity: dict, *, save_every: int = 0, keep: int = 2, async_save: bool = False,
+                 quiet: bool = False):
+        self.root, self.mesh, self.identity, self.quiet = root, mesh, identity, quiet
         self.save_every, self.async_save = save_every, async_save
         self.writer = CheckpointWriter(root, mesh.world, keep)
 
     def say(self, line: str) -> None:
-        if self.mesh.rank == 0:
+        if self.mesh.rank == 0 and not self.quiet:
             print(line, flush=True)
 
     def resume(self, model, optimizer, amp=None, scaler=None) -> tuple[int, dict]:

@@ -127,9 +127,7 @@ def _train_held(cfg, world, machines, corpus, progress: bool, keep_history: bool
         if world.size > 1:
             print(describe_layout(cfg, mesh, model))
     ckpts = (TrainingCheckpoints(cfg.ckpt_dir, mesh, run_identity(cfg, corpus.identity, explored), save_every=cfg.save_every,
-                                 keep=cfg.keep, async_save=cfg.async_save) if cfg.ckpt_dir else None)
-    if ckpts is not None and quiet:
-        ckpts.say = lambda line: None
+                                 keep=cfg.keep, async_save=cfg.async_save, quiet=quiet) if cfg.ckpt_dir else None)
     start = ckpts.resume(model, optimizer, amp, scaler)[0] if cfg.resume else 0
     history, watch = [], DivergenceWatch(mixed_precision=scaler is not None)
     close = optimizer.close if runs_zero_optimizer(cfg) else None  # offload: its files go, also when it diverges
