@@ -320,3 +320,23 @@ def test_a_folder_saved_by_transformers_imports_with_the_same_logits(tmp_path):
     with torch.no_grad():
         expected = hf_model(torch.from_numpy(idx)).logits.numpy()
     np.testing.assert_allclose(model(idx)[0].data, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_shards_tokenized_otherwise_than_the_init_from_hf_model_are_refused(tmp_path, text):
+    from minidist.data.prepare import prepare
+    folder = write_folder(tmp_path / "hf", hf_tensors(), hf_config_json())
+    (tmp_path / "hf" / "tokenizer.json").write_text(prepare_bpe_json(tmp_path, text))
+    shards = tmp_path / "shards"
+    prepare([text], shards, workers=1)  # bytes
+    with pytest.raises(ConfigError, match="was tokenized with bytes, not with .*tokenizer.json: its ids would mean other"):
+        load_data(with_hf_model(TrainConfig(**dict(RUN, data=str(shards), init_from_hf=folder))))
+    same = tmp_path / "same"
+    prepare([text], same, tokenizer=str(tmp_path / "hf" / "tokenizer.json"), workers=1)  # the model's own: accepted
+    assert load_data(with_hf_model(TrainConfig(**dict(RUN, data=str(same), init_from_hf=folder))))[1].kind == "prepared"
+
+
+def prepare_bpe_json(tmp_path, text) -> str:
+    """A small byte-level BPE's tokenizer.json learned from ``text`` (at most the model's vocabulary)."""
+    from minidist.data.prepare import prepare
+    prepare([text], tmp_path / "bpe", tokenizer=f"bpe:{V}", workers=1)
+    return (tmp_path / "bpe" / "tokenizer.json").read_text()

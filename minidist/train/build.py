@@ -77,6 +77,11 @@ def load_data(cfg):
             corpus = open_corpus(path)
     except DataError as e:
         raise ConfigError(f"--data {e}") from e
+    theirs = Path(cfg.init_from_hf) / "tokenizer.json" if cfg.init_from_hf is not None else None
+    if theirs is not None and theirs.is_file() and corpus.kind != "file" and corpus.tokenizer is not None and (
+            corpus.tokenizer == "bytes" or Path(corpus.tokenizer).read_bytes() != theirs.read_bytes()):
+        raise ConfigError(f"--data {path} was tokenized with {corpus.tokenizer}, not with {theirs}: its ids would "
+                          "mean other tokens to the --init-from-hf model")
     cfg = dataclasses.replace(cfg, vocab_size=model_vocab_size(cfg, corpus, path))
     if corpus.largest >= cfg.vocab_size:
         how = {"bytes": "byte ", None: ""}.get(corpus.tokenizer, "tokenizer.json ")
