@@ -10,6 +10,7 @@ prefetched batches are the synchronous ones, bitwise; bad folders are refused wi
 import dataclasses
 import hashlib
 import json
+import os
 import re
 import shutil
 import types
@@ -264,6 +265,15 @@ def bad(tmp_path, name):
         prepared_folder(root, tokens)
         (root / "manifest.json").unlink()
         return root, "holds prepared shards (train_000000.bin, val_000000.bin...) but no manifest.json"
+    if name == "missing-shard":
+        prepared_folder(root, tokens)
+        (root / "train_000000.bin").unlink()
+        return root, "train_000000.bin: missing"
+    if name == "fifo-manifest":
+        prepared_folder(root, tokens)
+        (root / "manifest.json").unlink()
+        os.mkfifo(root / "manifest.json")
+        return root, "manifest.json: not a regular file"
     if name == "odd":
         nanogpt_folder(root, tokens)
         (root / "val.bin").write_bytes(b"\1" * 101)
@@ -272,7 +282,7 @@ def bad(tmp_path, name):
 
 
 @pytest.mark.parametrize("name", ["empty", "mixed", "truncated", "magic", "version", "manifest", "manifest-count",
-                                  "unfinished", "odd"])
+                                  "unfinished", "missing-shard", "fifo-manifest", "odd"])
 def test_a_bad_folder_is_refused_with_one_message(tmp_path, name):
     root, words = bad(tmp_path, name)
     with pytest.raises(ConfigError, match=re.escape(words)):

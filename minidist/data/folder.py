@@ -53,8 +53,8 @@ def open_corpus(path, val_fraction: float = 0.1) -> Corpus:
     path = Path(path)
     if path.is_file():
         return _text_file(path, val_fraction)
-    if not path.is_dir():
-        raise DataError(f"{path}: no such file or folder")
+    if not path.is_dir():  # (a FIFO is never opened: it would block)
+        raise DataError(f"{path}: {'neither a regular file nor a folder' if path.exists() else 'no such file or folder'}")
     if (path / MANIFEST).exists():
         return _prepared(path)
     bins = sorted(p for p in path.iterdir() if p.suffix == ".bin" and p.is_file())
@@ -156,6 +156,8 @@ def read_manifest(path: Path) -> dict:
     """``path/manifest.json``, checked field by field (it is read from disk: trusted only once it
     has the shape data/prepare.py writes); a :class:`DataError` naming the first wrong field."""
     file = path / MANIFEST
+    if not file.is_file():  # a FIFO or a folder at its name: never opened (a FIFO would block)
+        raise DataError(f"{file}: not a regular file")
     try:
         with open(file, "rb") as f:
             text = f.read(MANIFEST_LIMIT + 1)

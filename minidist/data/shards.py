@@ -51,6 +51,8 @@ def is_shard(path) -> bool:
 def shard_part(path) -> Part:
     """The tokens of the llm.c shard ``path`` as a :class:`Part`, after checking its header and size;
     a :class:`DataError` naming the file and what is wrong otherwise."""
+    if not os.path.isfile(path):  # missing, or a FIFO or a folder: never opened (a FIFO would block)
+        raise DataError(f"{path}: {'not a regular file' if os.path.lexists(path) else 'missing'}")
     h = read_header(path)
     if h is None:
         raise DataError(f"{path}: shorter than the 1,024-byte header of an llm.c shard")
