@@ -163,6 +163,7 @@ def test_the_command_line_trains_a_population_and_refuses_a_bad_one_with_exit_2(
     assert bad.returncode == 2 and bad.stderr.count("--population 3 does not divide") == 1, bad.output
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the diverging member's overflows, on purpose
 def test_a_diverged_member_copies_a_live_one_and_the_population_goes_on(tmp_path, capsys):
     assert exploit([1.0, float("nan"), float("nan"), 2.0], "truncation", 0.25, 0, 1) == {2: 0, 1: 0}
     # seed 3 draws lr 0.67 and 8e20: member 1 diverges in its first segment (DivergenceWatch), copies member 0
