@@ -162,7 +162,7 @@ def main():
     print(f"load before: {results['load_before']}\nload after:  {results['load_after']}\n")
     print("| model | batch (rows x tokens) | read a batch | a training step | read / step |\n|---|---|---|---|---|")
     for r in results["loader"]:
-        print(f"| {r['model']} | {r['batch']} | {r['read_ms']:.3f} ms | {r['step_ms']:.1f} ms | {r['ratio']:.5f} |")
+        print(f"| {r['model']} | {r['batch']} | {r['read_ms']:.3f} ms | {r['step_ms']:.1f} ms | {r['ratio']:.2e} |")
     print("\n| layout (B 16 x T 64, uint16) | ranks | bytes a rank reads a step | all ranks | the whole batch |\n"
           "|---|---|---|---|---|")
     for r in results["bytes"]:

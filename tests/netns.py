@@ -17,6 +17,7 @@ import contextlib
 import os
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +71,16 @@ class TwoMachines:
         return ["ip", "netns", "exec", self.a, *map(str, argv)]
 
 
+def wait_until_up(namespace: str, seconds: float = 10.0) -> None:
+    """Wait until ``veth0`` in ``namespace`` is operationally up (its carrier on); :class:`Unavailable` if
+    it is not within ``seconds``. A condition polled, not a time assumed."""
+    deadline = time.monotonic() + seconds
+    while run("ip", "netns", "exec", namespace, "cat", "/sys/class/net/veth0/operstate").strip() != "up":
+        if time.monotonic() > deadline:
+            raise Unavailable(f"veth0 in {namespace} is not up after {seconds:.0f} s")
+        time.sleep(0.05)
+
+
 def run(*argv) -> str:
     done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     if done.returncode:
@@ -95,6 +106,8 @@ def two_machines(folder: Path, subnet: int = 77):
             run("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "veth0")
             run("ip", "-n", ns, "link", "set", "veth0", "up")
             run("ip", "-n", ns, "link", "set", "lo", "up")
+        for ns in (m.a, m.b):  # the pair carries once both ends are up: UCX skips a device that does not yet
+            wait_until_up(ns)  # (it failed once so: "network device 'veth0' is not available")
         m.nsexec.write_text(NSEXEC.format(nsexec=m.nsexec.name, a=m.a, b=m.b, a_ip=m.a_ip, b_ip=m.b_ip))
         m.nsexec.chmod(0o755)
         yield m
