@@ -133,6 +133,7 @@ def test_the_lineage_is_a_function_of_the_seed_and_resume_continues_bitwise(tmp_
     (tmp_path / "a" / "ckpt" / "population" / "step-000009.json").unlink()
     resumed = run_population(dataclasses.replace(cfg, resume=True))
     assert resumed[0][1] == whole[0][1]  # the history: the same losses, hyper-parameters and lineage
+    assert metrics(tmp_path / "a" / "out" / "pbt.jsonl") == lineage  # rewritten to step 6, then appended
     for (state, _), (ref, _) in zip(resumed, whole):
         assert all(np.array_equal(state[n], ref[n]) for n in ref)
 

@@ -87,14 +87,9 @@ def reads_of(folder: Path, cfg: TrainConfig):
 def shard_ranges(tokens, sampler):
     """The (shard name, first byte, last byte + 1) of the first window this rank read."""
     start = int(window_starts(len(tokens), STEP, sampler.batch_size, sampler.block_size, sampler.seed)[sampler.rows[0]])
-    out = []
-    for a, b in sampler.spans:
-        lo = start + a
-        i = int(np.searchsorted(tokens.ends, lo, side="right"))
-        first = lo - (int(tokens.ends[i]) - tokens.parts[i].count)
-        part = tokens.parts[i]
-        out.append((Path(part.path).name, part.offset + 2 * first, part.offset + 2 * (first + b - a)))
-    return out
+    size = tokens.dtype.itemsize
+    return [(Path(part.path).name, part.offset + size * first, part.offset + size * (first + n))
+            for a, b in sampler.spans for part, first, n in tokens.pieces(start + a, start + b)]
 
 
 def part2(folder: Path):

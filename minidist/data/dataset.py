@@ -41,12 +41,12 @@ def get_batch(tokens, step, batch_size, block_size, seed=0):
     return read_windows(tokens, starts, [(0, block_size + 1)])              # (B, T+1)
 
 
-def read_windows(tokens, starts, spans) -> np.ndarray:
+def read_windows(tokens, starts, spans, width: int | None = None) -> np.ndarray:
     """(len(starts), W) int64: for each window start s and each ``(a, b)`` of ``spans``, the tokens
-    ``s + a .. s + b`` at columns a..b (W = the largest b), zero in the columns no span covers. A
-    rank that uses only some positions of a window reads only those (``tokens``: an array, a
+    ``s + a .. s + b`` at columns a..b (W: ``width``, else the largest b), zero in the columns no span
+    covers. A rank that uses only some positions of a window reads only those (``tokens``: an array, a
     memmap, or a :class:`~minidist.data.tokens.Tokens`, which reads them with one pread each)."""
-    out = np.zeros((len(starts), max(b for _, b in spans)), dtype=np.int64)
+    out = np.zeros((len(starts), width if width is not None else max(b for _, b in spans)), dtype=np.int64)
     for row, s in enumerate(np.asarray(starts, dtype=np.int64).tolist()):
         for a, b in spans:
             out[row, a:b] = tokens[s + a:s + b]

@@ -62,17 +62,23 @@ class Tokens:
             start += p.count
         return Tokens(parts, self.vocab_check)
 
-    def read(self, lo: int, hi: int) -> np.ndarray:
-        """Tokens ``[lo, hi)`` as an array of their dtype, read by one pread per shard they lie in."""
+    def pieces(self, lo: int, hi: int) -> list[tuple[Part, int, int]]:
+        """Where tokens ``[lo, hi)`` lie: (part, its first token's index in the part, count) per shard,
+        in order. Reads nothing."""
         if not 0 <= lo <= hi <= len(self):
             raise IndexError(f"tokens [{lo}, {hi}) are outside the {len(self)} tokens")
-        pieces, i = [], int(np.searchsorted(self.ends, lo, side="right"))
+        out, i = [], int(np.searchsorted(self.ends, lo, side="right"))
         while lo < hi:
-            p, first = self.parts[i], int(self.ends[i]) - self.parts[i].count
+            first = int(self.ends[i]) - self.parts[i].count
             n = min(hi, int(self.ends[i])) - lo
-            pieces.append(self._pread(p, lo - first, n))
+            out.append((self.parts[i], lo - first, n))
             lo, i = lo + n, i + 1
-        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        return out
+
+    def read(self, lo: int, hi: int) -> np.ndarray:
+        """Tokens ``[lo, hi)`` as an array of their dtype, read by one pread per shard they lie in."""
+        pieces = [self._pread(part, first, n) for part, first, n in self.pieces(lo, hi)]
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces) if pieces else np.zeros(0, self.dtype)
 
     def __getitem__(self, key: slice) -> np.ndarray:
         """``tokens[lo:hi]``: :meth:`read` (a contiguous slice only: what a window is)."""

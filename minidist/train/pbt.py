@@ -38,7 +38,7 @@ import numpy as np
 
 from minidist.checkpoint.format import step_dir, step_dirs, step_of
 from minidist.checkpoint.training import ResumeRefused
-from minidist.files import real_folder, write_atomically
+from minidist.files import create, real_folder, write_atomically
 from minidist.train.config import check_config
 from minidist.train.divergence import Diverged
 from minidist.train.loop import train
@@ -88,6 +88,9 @@ def train_pbt(cfg, world, memory_bytes=None, stopping=None):
     names, ranges, exempt = names_of(cfg), ranges_of(cfg), exempt_of(cfg)
     members, start, history = resumed(cfg, world, group, k) if cfg.resume else (
         draw(cfg.population, cfg.seed, {n: getattr(cfg, n) for n in names}, ranges), 0, [])
+    if world.rank == 0 and cfg.out is not None:  # the lineage so far (none, or the resumed population's), then appended
+        with create(real_folder(cfg.out) / "pbt.jsonl", text=True) as f:
+            f.writelines(json.dumps(r) + "\n" for r in history)
     model = None
     for seg_start in range(start, cfg.steps, cfg.ready_every):
         seg_end = min(seg_start + cfg.ready_every, cfg.steps)
@@ -155,7 +158,7 @@ def record(cfg, world, members: list[Member], rows: list[dict], step: int) -> No
     print(f"step {step:5d}  val loss " + ", ".join(f"{r['val_loss']:.4f}" for r in rows) + f"  ({copied or 'no copy'})",
           flush=True)
     if cfg.out is not None:
-        with open(real_folder(cfg.out) / "pbt.jsonl", "a") as f:
+        with create(real_folder(cfg.out) / "pbt.jsonl", append=True, text=True) as f:  # never through a link
             f.writelines(json.dumps(r) + "\n" for r in rows)
     state = dict(step=step, members=[m.to_json() for m in members], rows=rows)
     write_atomically(real_folder(Path(cfg.ckpt_dir) / POPULATION) / f"step-{step:06d}.json", json.dumps(state).encode())

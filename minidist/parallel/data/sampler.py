@@ -55,11 +55,7 @@ class DistributedSampler:
     def batch(self, step: int) -> np.ndarray:
         """This rank's (B/dp, T+1) int64 rows of the global batch of ``step``."""
         starts = window_starts(len(self.tokens), step, self.batch_size, self.block_size, self.seed)  # (B,)
-        out = np.zeros((len(self.rows), self.width), dtype=np.int64)  # a span-less rank: zeros (shapes only)
-        if self.spans:
-            read = read_windows(self.tokens, starts[self.rows], self.spans)
-            out[:, :read.shape[1]] = read
-        return out
+        return read_windows(self.tokens, starts[self.rows], self.spans, self.width)  # a span-less rank: zeros
 
     def bytes_per_step(self) -> int:
         """The bytes :meth:`batch` reads: rows x the positions its spans cover x the token size."""
