@@ -44,6 +44,7 @@ from minidist.checkpoint.reader import read_manifest
 from minidist.checkpoint.regions import Flat, box_shape, contains, coverage_problem, flat_boxes, full_box
 from minidist.checkpoint.schema import DTYPES, check_manifest, parse_json
 from minidist.files import fsync_folder, write_atomically
+from minidist.waiting import join
 
 LEFTOVERS = (".saving-", ".replaced-")  # hidden folders of saves that crashed half-way
 NON_FINITE = 2  # a rank's failure code when its tensors hold NaN or inf (any other failure: 1)
@@ -93,7 +94,7 @@ class CheckpointWriter:
     def wait(self) -> None:
         """Block until the save in flight (if any) is complete; re-raise its error."""
         if self._thread is not None:
-            self._thread.join()
+            join(self._thread)
             self._thread = None
         if self._error is not None:
             error, self._error = self._error, None

@@ -17,6 +17,7 @@ from minidist.comm.group import ProcessGroup
 from minidist.comm.local_transport import LocalTransport
 from minidist.comm.machines import from_mpi
 from minidist.comm.trace import KEEP_RECENT, Trace
+from minidist.waiting import join
 
 
 def init(backend: str = "ring", *, timeout: float = 300.0, debug: bool = False, trace: bool = True,
@@ -89,7 +90,7 @@ def run_local(fn, world_size: int, backend: str = "ring", *, timeout: float = 60
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join()
+        join(thread)
     if errors:
         first_rank = min(errors, key=lambda rank: errors[rank][0])
         first = errors[first_rank][1]

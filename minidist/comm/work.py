@@ -24,6 +24,8 @@ from __future__ import annotations
 import threading
 from collections import deque
 
+from minidist.waiting import wait_event
+
 
 class Work:
     """A queued collective. ``wait()`` blocks until it has run and returns its result (the array the
@@ -46,8 +48,9 @@ class Work:
 
     def wait(self):
         """Block until the collective has run; return its result or raise its error. The transport's
-        deadline bounds every message, so this cannot wait forever."""
-        self._done.wait()
+        deadline bounds every message, so this cannot wait forever; a stop signal interrupts it at once
+        (minidist/waiting.py)."""
+        wait_event(self._done)
         if self._error is not None:
             raise self._error
         return self._result
@@ -92,7 +95,7 @@ class CommStream:
         """Wait until everything submitted so far has run (errors stay with their Work)."""
         last = self._last
         if last is not None:
-            last._done.wait()
+            wait_event(last._done)
 
     def _drain(self) -> None:
         """The stream's thread: run queued work in order; end when the queue has stayed empty for

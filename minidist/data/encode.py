@@ -25,6 +25,7 @@ import numpy as np
 
 from minidist.data.tokens import DataError
 from minidist.files import kind_of
+from minidist.waiting import until
 
 CHUNK_BYTES = 1 << 20   # bytes of text per chunk (at most; at least 4): fixed, so tokens never depend on --workers
 MAX_VOCAB = 1 << 16     # ids are stored as uint16
@@ -168,9 +169,11 @@ def encode_in_order(chunk_iter, tokenizer_json: str | None, workers: int):
             pending.append((len(chunk), pool.apply_async(_encode_in_worker, (chunk,))))
             if len(pending) >= AHEAD * workers:
                 n, ids = pending.popleft()
+                until(ids.ready, ids.wait)
                 yield n, ids.get()
         while pending:
             n, ids = pending.popleft()
+            until(ids.ready, ids.wait)
             yield n, ids.get()
 
 

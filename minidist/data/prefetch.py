@@ -16,6 +16,8 @@ import threading
 import time
 from typing import NamedTuple
 
+from minidist.waiting import result
+
 
 class Fetched(NamedTuple):
     """A step's batch, when the step asked for it and got it, and when it was read (perf_counter s)."""
@@ -51,7 +53,7 @@ class Prefetcher:
         """``step``'s batch and its times (:class:`Fetched`); starts reading the next step's."""
         asked = time.perf_counter()
         future = self._pending.pop(step, None)
-        batch, (start, end) = future.result() if future is not None else self._timed_read(step)
+        batch, (start, end) = result(future) if future is not None else self._timed_read(step)
         got = time.perf_counter()
         following = step + 1
         if self._pool is not None and following in self.steps and following not in self._pending:

@@ -4,10 +4,11 @@ Left to Python, Ctrl-C under ``mpiexec`` prints a ``KeyboardInterrupt`` tracebac
 SIGTERM or SIGHUP kill each rank outright, which MPICH's ``mpiexec`` reports as a "BAD TERMINATION" of
 the application. Instead the entry point (``main`` in train/loop.py) holds :class:`Stopping` around
 the run: the first stop signal raises :class:`Stopped` in the main thread wherever it is (a wait on a
-peer polls in Python, so it is interrupted at once) and later ones are ignored; the run's ``with``
-blocks unwind (its folders' locks released, metrics and trace files closed), rank 0 prints one line
-(:func:`stop_line`), and every rank exits with status 128 + the signal's number, as a shell reports a
-process a signal ended::
+peer polls in Python, and a wait for another thread wakes every 0.1 s, minidist/waiting.py; so it is
+interrupted at once, whichever thread the kernel gave the signal to) and later ones are ignored; the
+run's ``with`` blocks unwind (its folders' locks released, metrics and trace files closed), rank 0
+prints one line (:func:`stop_line`), and every rank exits with status 128 + the signal's number, as a
+shell reports a process a signal ended::
 
     python -m minidist.train: stopped by SIGINT after 37 of 800 steps; the newest checkpoint is
     ckpt/step-000030: --resume continues from it
