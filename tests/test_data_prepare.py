@@ -131,6 +131,24 @@ def test_a_given_tokenizer_json_is_copied_and_gives_the_same_tokens(texts, tmp_p
     assert open_corpus(tmp_path / "file").identity == open_corpus(tmp_path / "bpe").identity
 
 
+def test_special_tokens_a_template_adds_are_left_out_by_prepare_and_by_the_trainer(tmp_path):
+    """A tokenizer.json whose template puts [CLS] before every text: prepare's shards and the
+    trainer's HFTokenizer (a --data FILE beside --init-from-hf) hold the text's tokens only."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    words = ["[CLS]", "[UNK]", "the", "cat", "sees"]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.post_processor = processors.TemplateProcessing(single="[CLS] $A", special_tokens=[("[CLS]", 0)])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    assert tokenizer.encode("the cat").ids == [0, 2, 3]  # the template's [CLS] by default
+    text = "the cat sees the cat\n" * 50
+    prepare([write(tmp_path / "t.txt", text)], tmp_path / "out", tokenizer=str(tmp_path / "tokenizer.json"), workers=1)
+    corpus = open_corpus(tmp_path / "out")
+    ids = np.concatenate([corpus.train.read(0, len(corpus.train)), corpus.val.read(0, len(corpus.val))])
+    assert ids.tolist() == [2, 3, 4, 2, 3] * 50
+    assert HFTokenizer(tmp_path / "tokenizer.json").encode(text).tolist() == ids.tolist()
+
+
 def test_two_workers_write_the_same_shards_as_one(texts, tmp_path, monkeypatch):
     monkeypatch.setattr(encode, "CHUNK_BYTES", 256)  # many chunks, cut the same for both
     prepare(texts, tmp_path / "one", tokenizer="bpe:300", workers=1)

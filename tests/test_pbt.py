@@ -138,13 +138,32 @@ def test_the_lineage_is_a_function_of_the_seed_and_resume_continues_bitwise(tmp_
         assert all(np.array_equal(state[n], ref[n]) for n in ref)
 
 
+def test_the_exports_hold_the_best_members_final_model(tmp_path):
+    """--export and --export-hf: the member with the lowest last validation loss, after its last
+    step (7 steps, ready every 3: its last checkpoint is of step 6, the export of step 7)."""
+    from safetensors.numpy import load_file
+    cfg = pbt_config(tmp_path, steps=7, export=str(tmp_path / "best.npz"), export_hf=str(tmp_path / "best-hf"))
+    ranks = run_population(cfg)
+    last = [r for r in ranks[0][1] if r["step"] == 7]
+    best = ranked([r["val_loss"] for r in last])[0]
+    state = ranks[best][0]  # one rank per member: rank k is member k
+    with np.load(tmp_path / "best.npz") as exported:
+        assert sorted(exported.files) == sorted(state) and all(np.array_equal(exported[n], state[n]) for n in state)
+    others = [ranks[k][0] for k in range(cfg.population) if k != best]
+    assert all(not np.array_equal(o["lm_head.weight"], state["lm_head.weight"]) for o in others)
+    hf = load_file(str(tmp_path / "best-hf" / "model.safetensors"))
+    assert np.array_equal(hf["transformer.wte.weight"], state["transformer.wte.weight"])
+    member = tmp_path / "ckpt" / f"member-{best}"
+    assert (tmp_path / "best.npz").read_bytes() == (member / "final.npz").read_bytes()
+    assert (tmp_path / "best-hf" / "config.json").read_bytes() == (member / "final-hf" / "config.json").read_bytes()
+
+
 @pytest.mark.parametrize("changes, world, words", [
     (dict(population=3), 4, "--population 3 does not divide the world of 4 ranks"),
     (dict(explore="lr,momentum"), 2, "--explore: momentum is not a hyper-parameter a member can explore"),
     (dict(lr_range=(1e-2, 1e-3)), 2, "--lr-range A B needs 0 < A <= B"),
     (dict(exploit="best"), 2, "--exploit must be one of truncation, tournament"),
     (dict(ckpt_dir=None), 2, "--mode pbt copies a member into another through its checkpoints: give --ckpt-dir"),
-    (dict(export="w.npz"), 2, "--export and --export-hf are refused"),
     (dict(quantile=0.75), 2, "--quantile"),
     (dict(dp=2), 2, "world size 1 != dp"),  # each member: 1 rank, not the dp 2 asked
 ])

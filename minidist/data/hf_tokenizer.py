@@ -25,8 +25,10 @@ class HFTokenizer:
         self.dtype = np.uint16 if self.vocab_size <= 2**16 else np.uint32
 
     def encode(self, text: str) -> np.ndarray:
-        """Token ids of ``text``, shape (n_tokens,)."""
-        return np.asarray(self._tokenizer.encode(text).ids, dtype=self.dtype)
+        """Token ids of ``text``, shape (n_tokens,): the text's own tokens, no special ones added (a
+        tokenizer whose template adds [CLS] or <s> would otherwise put one at every chunk's start;
+        ``python -m minidist.data.prepare`` encodes the same way: data/encode.py)."""
+        return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, dtype=self.dtype)
 
     def decode(self, ids) -> str:
         """Text of token ids (any integer array or list)."""

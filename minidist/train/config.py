@@ -215,9 +215,6 @@ def population_problems(cfg, world_size: int) -> list[str]:
     if cfg.ckpt_dir is None:
         found.append("--mode pbt copies a member into another through its checkpoints: give --ckpt-dir DIR "
                      "(a folder every rank sees)")
-    if cfg.export is not None or cfg.export_hf is not None:
-        found.append("--mode pbt trains a population of models: --export and --export-hf are refused (each "
-                     "member's checkpoints are under --ckpt-dir/member-<k>)")
     return found
 
 

@@ -177,7 +177,7 @@ def _train_held(cfg, world, machines, corpus, progress: bool, keep_history: bool
     if ckpts is not None:
         with watch.stops(ckpts, close):
             ckpts.wait()
-    write_outputs(cfg, model, optimizer, mesh, amp)
+    write_outputs(cfg, model, optimizer, mesh, amp, quiet)
     if close is not None:
         close()
     return model, history

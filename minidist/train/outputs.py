@@ -95,7 +95,7 @@ def explain_step(cfg, mesh, model, events, batch_shape, optimizer=None):
                       zero=zero, notes=offload.story() if offload is not None else None)
 
 
-def write_outputs(cfg, model, optimizer, mesh, amp=None):
+def write_outputs(cfg, model, optimizer, mesh, amp=None, quiet=False):
     """``--export``: the consolidated full state_dict (collective over the mesh, ZeRO-3's parameters
     gathered first; written by global rank 0) as .npz, or as safetensors when the path ends in
     ``.safetensors``. ``--export-hf DIR``: the same state_dict as a Hugging Face GPT-2 folder
@@ -103,15 +103,16 @@ def write_outputs(cfg, model, optimizer, mesh, amp=None):
     one consolidation. ``--trace DIR``: this rank's memory rows for ``python -m minidist.inspect DIR``,
     the bytes held after the last step and the most held during it (``peak``: step_peak_bytes) (each
     rank writes its own file; :func:`trace_file` has written its events during the loop). Under
-    mixed precision the exports hold the float32 masters."""
+    mixed precision the exports hold the float32 masters. ``quiet``: the exports say nothing."""
     if cfg.export is not None or cfg.export_hf is not None:
         with (full_parameters(optimizer, masters=True) if runs_zero_optimizer(cfg) else masters_in_model(amp) if amp
               else contextlib.nullcontext()):
             state = full_state_dict(model, mesh)
         if mesh.rank == 0 and cfg.export is not None:
-            export(state, cfg.export, model.config)
+            export(state, cfg.export, model.config, quiet)
         if mesh.rank == 0 and cfg.export_hf is not None:
             write_hf(cfg.export_hf, state, model.config)
+        if mesh.rank == 0 and cfg.export_hf is not None and not quiet:
             print(f"exported {parameter_count(state, model.config):,} parameters ({dtype_of(state)}) as a Hugging "
                   f"Face GPT-2 folder: {cfg.export_hf}/config.json and model.safetensors", flush=True)
     if cfg.trace is not None:
@@ -133,10 +134,11 @@ def masters_in_model(amp):
             p.data = data
 
 
-def export(state: dict, path: str, config) -> None:
+def export(state: dict, path: str, config, quiet: bool = False) -> None:
     """Write a full state_dict ({GPT-2 name: array}) of the GPT of ``config`` to ``path``:
     safetensors when it ends in ``.safetensors``, else .npz (NumPy's zip of arrays; neither
-    pickles); then print one line saying what was written where (the caller is global rank 0)."""
+    pickles); then, unless ``quiet``, print one line saying what was written where (the caller is
+    global rank 0)."""
     real_folder(Path(path).parent)
     if path.endswith(".safetensors"):
         save_state_dict(state, path)
@@ -145,8 +147,9 @@ def export(state: dict, path: str, config) -> None:
         np.savez(data, **state)
         write_atomically(path, data.getvalue())  # the old file or the whole new one; a link replaced, not followed
     kind = "safetensors" if path.endswith(".safetensors") else "NumPy .npz"
-    print(f"exported {parameter_count(state, config):,} parameters ({len(state)} tensors, {dtype_of(state)}, GPT-2 "
-          f"names) to {path} ({kind})", flush=True)
+    if not quiet:
+        print(f"exported {parameter_count(state, config):,} parameters ({len(state)} tensors, {dtype_of(state)}, "
+              f"GPT-2 names) to {path} ({kind})", flush=True)
 
 
 def parameter_count(state: dict, config) -> int:

@@ -23,6 +23,10 @@ the step of the same layout run alone with the same hyper-parameters, bitwise. A
               hyper-parameters, validation loss, copied) and writes the population (every member, its
               hyper-parameters and lineage) to ``--ckpt-dir``/population/step-<n>.json
 
+``--export`` and ``--export-hf`` get the best member's final model (the lowest validation loss at the
+last ready point): each member's last segment writes its own under its checkpoint folder
+(``final.npz``, ``final.safetensors``, ``final-hf/``), and rank 0 copies the best one's there.
+
 ``--resume`` continues from the newest population file: each member's checkpoints newer than it (a
 crash between a member's save and the population's) are removed, and the run goes on bitwise.
 Each member writes its metrics to ``--out``/member-<k>/metrics.jsonl.
@@ -37,12 +41,13 @@ from pathlib import Path
 import numpy as np
 
 from minidist.checkpoint.format import step_dir, step_dirs, step_of
+from minidist.checkpoint.hf import CONFIG, WEIGHTS
 from minidist.checkpoint.training import ResumeRefused
 from minidist.files import create, real_folder, write_atomically
 from minidist.train.config import check_config
 from minidist.train.divergence import Diverged
 from minidist.train.loop import train
-from minidist.train.population import EXPLORABLE, Member, draw, generation
+from minidist.train.population import EXPLORABLE, Member, draw, generation, ranked
 
 POPULATION = "population"  # under --ckpt-dir: step-<n>.json per ready point
 
@@ -95,8 +100,9 @@ def train_pbt(cfg, world, memory_bytes=None, stopping=None):
     for seg_start in range(start, cfg.steps, cfg.ready_every):
         seg_end = min(seg_start + cfg.ready_every, cfg.steps)
         mine = member_config(cfg, members[k], k)
+        last = final_exports(cfg, k) if seg_end == cfg.steps else {}  # the member's final model, when asked for
         try:
-            segment = dataclasses.replace(mine, resume=seg_start > 0, explain=cfg.explain and seg_start == start)
+            segment = dataclasses.replace(mine, resume=seg_start > 0, explain=cfg.explain and seg_start == start, **last)
             model, rows = train(segment, progress=False, world=group, keep_history=False, memory_bytes=memory_bytes,
                                 stopping=stopping, stop_at=seg_end, explored=exempt, quiet=True)
             val_loss = rows[-1]["val_loss"]
@@ -116,7 +122,42 @@ def train_pbt(cfg, world, memory_bytes=None, stopping=None):
         if seg_end < cfg.steps:
             copy_checkpoints(cfg, group, world, k, copies, seg_end)
         record(cfg, world, members, rows, seg_end)
+    export_best(cfg, world, history[-cfg.population:])
     return model, history
+
+
+def final_exports(cfg, k: int) -> dict:
+    """Where member ``k``'s last segment writes its final model for ``--export`` / ``--export-hf``: in
+    its checkpoint folder, in the format the asked path names ({TrainConfig field: path})."""
+    folder = Path(cfg.ckpt_dir) / f"member-{k}"
+    found = {}
+    if cfg.export is not None:
+        found["export"] = str(folder / ("final.safetensors" if cfg.export.endswith(".safetensors") else "final.npz"))
+    if cfg.export_hf is not None:
+        found["export_hf"] = str(folder / "final-hf")
+    return found
+
+
+def export_best(cfg, world, last_rows: list[dict]) -> None:
+    """Rank 0: the best member's final model (lowest validation loss in ``last_rows``, the last ready
+    point's) copied from where its last segment wrote it (:func:`final_exports`) to ``--export`` and
+    ``--export-hf``, each file written atomically, never through a link. Every member had written
+    its own before the last ready point's all-gather. Sends nothing."""
+    if world.rank != 0 or (cfg.export is None and cfg.export_hf is None):
+        return
+    losses = [float("nan")] * cfg.population
+    for row in last_rows:
+        losses[row["member"]] = row["val_loss"]
+    best = ranked(losses)[0]
+    for field, written in final_exports(cfg, best).items():
+        asked = getattr(cfg, field)
+        if field == "export":
+            write_atomically(real_folder(Path(asked).parent) / Path(asked).name, Path(written).read_bytes())
+        else:
+            for name in (WEIGHTS, CONFIG):
+                write_atomically(real_folder(asked) / name, (Path(written) / name).read_bytes())
+        print(f"--{field.replace('_', '-')}: member {best}'s final model (the best: val loss {losses[best]:.4f}), "
+              f"copied from {written} to {asked}", flush=True)
 
 
 def agree(world, k: int, val_loss: float, population: int) -> list[float]:
