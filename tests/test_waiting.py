@@ -2,9 +2,10 @@
 
 Each case runs in a fresh interpreter. Its main thread waits for something that never happens; once
 the main thread is inside the wait, a thread of its own sends SIGTERM to itself
-(``signal.pthread_kill``), so the kernel cannot hand the signal to the main thread. With a plain ``Event.wait()`` the main thread would sleep
-forever (Python only marks the signal pending); each wait of minidist/waiting.py must let the
-handler run and stop. The subprocess's timeout only catches a hang; no time is asserted.
+(``signal.pthread_kill``), so the kernel cannot hand the signal to the main thread. With a plain
+``Event.wait()`` the main thread would sleep forever (Python only marks the signal pending); each
+wait of minidist/waiting.py must let the handler run and stop. The subprocess's timeout only catches
+a hang; no time is asserted.
 """
 import subprocess
 import sys

@@ -20,7 +20,8 @@ restart reads, so it would reshard). Every decision is a function of the seed an
   2. The population trains: at each ready point one line, the losses and who copied whom.
   3. Checked: member k's first segment is its layout run alone with its learning rate, bitwise;
      the lineage file holds one row per member per ready point.
-  4. The lineage: from which member each one's weights descend at the end.
+  4. The lineage: from which member each one's weights descend at the end, and the best member's
+     final model, which --export writes.
 """
 import argparse
 import contextlib
@@ -67,7 +68,8 @@ def part2(cfg):
 def part3(cfg, members, root: Path):
     print("\n=== 3. a member's steps are its layout's steps alone, with its learning rate ===")
     k = 1
-    alone = dataclasses.replace(cfg, mode="collective", lr=members[k].hparams["lr"], ckpt_dir=None, out=None)
+    alone = dataclasses.replace(cfg, mode="collective", lr=members[k].hparams["lr"], ckpt_dir=None, out=None,
+                                export=None)
     with contextlib.redirect_stdout(io.StringIO()):
         rows = minidist.run_local(lambda g: train(alone, progress=False, world=g, stop_at=cfg.ready_every)[1], RANKS)[0]
     ours = [json.loads(line) for line in open(root / "out" / f"member-{k}" / "metrics.jsonl")][:cfg.ready_every]
@@ -87,7 +89,7 @@ def ancestry(history, k: int) -> list[int]:
     return chain[::-1]
 
 
-def part4(history):
+def part4(history, root: Path):
     print("\n=== 4. the lineage: whose weights each member holds at the end ===")
     last = max(r["step"] for r in history)
     final = sorted((r for r in history if r["step"] == last), key=lambda r: r["val_loss"])
@@ -98,6 +100,11 @@ def part4(history):
     copies = sum(r["copied"] for r in history)
     print(f"  {copies} copies in {last // RUN['ready_every'] - 1} ready points; the best member ends at "
           f"val loss {final[0]['val_loss']:.4f}")
+    best = root / "ckpt" / f"member-{final[0]['member']}" / "final.npz"  # each member's last segment wrote its own
+    with np.load(root / "best.npz") as exported:
+        n = sum(exported[name].size for name in exported.files if name != "lm_head.weight")  # (tied to wte)
+    assert (root / "best.npz").read_bytes() == best.read_bytes()
+    print(f"  --export best.npz: member {final[0]['member']}'s final model ({n:,} parameters), the best one")
 
 
 def draw_png(path: str, history, cfg):
@@ -137,17 +144,18 @@ def main():
     check_launch(parser, args, mpiexec=False)
     with tempfile.TemporaryDirectory(prefix="minidist-lesson18-") as tmp:
         root = Path(tmp)
-        cfg = TrainConfig(**SIZES, **RUN, ckpt_dir=str(root / "ckpt"), out=str(root / "out"))
+        cfg = TrainConfig(**SIZES, **RUN, ckpt_dir=str(root / "ckpt"), out=str(root / "out"),
+                          export=str(root / "best.npz"))
         members = part1(cfg)
         history = part2(cfg)
         part3(cfg, members, root)
-        part4(history)
+        part4(history, root)
         if args.png:
             draw_png(args.png, history, cfg)
     print("\nTry:\n  1. RUN with exploit=\"tournament\": each member meets one other, drawn, and copies it if it is better\n"
           "  2. explore=\"lr,weight_decay\" and weight_decay_range=(0.01, 0.3): two hyper-parameters found at once\n"
           "  3. mpiexec -n 8 python -m minidist.train --mode pbt --population 4 --dp 2 --ready-every 25 --steps 200 "
-          "--lr-range 3e-4 3e-1 --ckpt-dir ckpt --out run: the same, as 8 processes")
+          "--lr-range 3e-4 3e-1 --ckpt-dir ckpt --out run --export best.npz: the same, as 8 processes")
     print("\nThe members' steps are their layouts' steps, the copies went through checkpoints, and the lineage is "
           "recorded. All checks passed.")
 

@@ -102,7 +102,8 @@ def train_pbt(cfg, world, memory_bytes=None, stopping=None):
         mine = member_config(cfg, members[k], k)
         last = final_exports(cfg, k) if seg_end == cfg.steps else {}  # the member's final model, when asked for
         try:
-            segment = dataclasses.replace(mine, resume=seg_start > 0, explain=cfg.explain and seg_start == start, **last)
+            segment = dataclasses.replace(mine, resume=seg_start > 0, explain=cfg.explain and seg_start == start,
+                                          **last)
             model, rows = train(segment, progress=False, world=group, keep_history=False, memory_bytes=memory_bytes,
                                 stopping=stopping, stop_at=seg_end, explored=exempt, quiet=True)
             val_loss = rows[-1]["val_loss"]
