@@ -120,3 +120,19 @@ def test_a_stop_names_the_newest_checkpoint(tmp_path):
     done, saved = int(found[1]), int(found[2])
     assert saved >= 1 and done <= saved <= done + 1  # a step counts as done just after its checkpoint
     assert sorted(p.name for p in ckpt.glob("step-*"))[-1] == f"step-{saved:06d}"
+
+
+def test_a_stop_leaves_no_offload_file_behind(tmp_path):
+    """ZeRO-Infinity's memory-mapped state under --offload-dir (several files per rank while the run
+    lasts) goes when a signal stops the run, as when it ends or diverges: only the folders' lock files stay."""
+    offload = tmp_path / "offload"
+    job = start(tmp_path, "--zero", 2, "--offload", "optimizer", "--offload-dir", offload, "--eval-every", 1000000)
+    before = wait_for(job, r"step\s+0\s+train loss")
+    held = sorted(p.relative_to(offload).as_posix() for p in offload.rglob("*") if p.is_file())
+    assert [p for p in held if p.startswith("rank0/") and not p.endswith(".minidist.lock")], held  # the state files
+    job.send_signal(signal.SIGTERM)
+    after, stderr = finish(job)
+    assert job.returncode == 128 + signal.SIGTERM, after + stderr
+    assert "stopped by SIGTERM" in assert_quiet(before, after, stderr)
+    left = sorted(p.relative_to(offload).as_posix() for p in offload.rglob("*") if p.is_file())
+    assert all(p.endswith(".minidist.lock") for p in left), left

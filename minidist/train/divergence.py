@@ -64,12 +64,11 @@ class DivergenceWatch:
                            "scaler (their gradients overflowed at every scale it tried)")
 
     @contextlib.contextmanager
-    def stops(self, ckpts=None, close=None):
+    def stops(self, ckpts=None):
         """Inside: :class:`Diverged`, or a checkpoint refused for holding NaN or inf (the update of the
         last step watched made the weights non-finite), stops the run: a save in flight is waited for,
-        ``close()`` called (ZeRO offload's files go), and :class:`Diverged` raised with the newest
-        valid checkpoint of ``ckpts`` (a TrainingCheckpoints) named, on its rank 0. Sends nothing
-        more than the save in flight."""
+        and :class:`Diverged` raised with the newest valid checkpoint of ``ckpts`` (a
+        TrainingCheckpoints) named, on its rank 0. Sends nothing more than the save in flight."""
         try:
             yield
         except (Diverged, NonFiniteError) as e:
@@ -77,8 +76,6 @@ class DivergenceWatch:
             if ckpts is not None:
                 with contextlib.suppress(CheckpointError):  # the save in flight may be the one refused
                     ckpts.wait()
-            if close is not None:
-                close()
             raise Diverged(why + _newest_checkpoint(ckpts)) from e
 
 

@@ -130,56 +130,58 @@ def _train_held(cfg, world, machines, corpus, progress: bool, keep_history: bool
                                  keep=cfg.keep, async_save=cfg.async_save, quiet=quiet) if cfg.ckpt_dir else None)
     start = ckpts.resume(model, optimizer, amp, scaler)[0] if cfg.resume else 0
     history, watch = [], DivergenceWatch(mixed_precision=scaler is not None)
-    close = optimizer.close if runs_zero_optimizer(cfg) else None  # offload: its files go, also when it diverges
-    reads = Prefetcher(lambda s: read_batch(sampler, s, cfg.device), range(start, stop), not cfg.no_prefetch)
-    with open_metrics(cfg.out if lead else None, start) as metrics_file, trace_file(cfg, world.trace), reads:
-        # rank 0's progress: a bar on a terminal; under mpiexec or piped, a line every few seconds
-        shown = Progress(start, stop, cfg.batch_size * cfg.block_size, every_s=progress_every,
-                         enabled=progress and lead)
-        for step in shown:
-            if step == cfg.fail_at_step and fault_injection_armed(cfg) and mesh.rank == cfg.fail_rank:
-                crash_here()
-            lr = lr_at(step, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr)
-            t0 = time.perf_counter()
-            with world.trace.capture() as step_events:  # every event of the step, for --explain
-                batch, data_wait_s = next_batch(reads, step, world.trace)  # (B/dp, T+1): this rank's rows
-                loss_scale = scaler.scale if scaler else None  # the scale this step's backward uses
-                loss, grad_norm = train_step(model, optimizer, batch, lr, cfg.grad_clip, dp=dp, engine=engine,
-                                             mesh=mesh, n_micro=cfg.micro_batches,
-                                             trace=world.trace, amp=amp)
-            tokens_per_s = cfg.batch_size * cfg.block_size / (time.perf_counter() - t0)
-            if step == start and cfg.explain:
-                explain_step(cfg, mesh, model, step_events, batch.shape, optimizer)
-            if step == start and runs_zero_optimizer(cfg) and speaks:  # after a step: every model state exists, at its size
-                shown.write(memory_table(optimizer))
-            record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "grad_norm": grad_norm,
-                      "data_wait_s": data_wait_s}
-            if cfg.n_experts:  # the routing's load per expert (one small all-reduce)
-                record.update(expert_load(model, mesh, cfg.micro_batches))
-            if scaler:
-                record.update(loss_scale=loss_scale, skipped=grad_norm is None)
-            if step % cfg.eval_every == 0 or step in (cfg.steps - 1, stop - 1):
-                record["val_loss"] = estimate_val_loss(model, corpus.val, cfg, engine)
-                if speaks:
-                    shown.write(f"step {step:5d}  train loss {loss:.4f}  val loss {record['val_loss']:.4f}")
-            shown.update(step, loss, data_wait_s)
-            if not keep_history:
-                history.clear()  # only the last record: memory stays flat however long the run
-            history.append(record)
-            if metrics_file is not None:
-                metrics_file.write(metrics_line(record))
-                metrics_file.flush()
-            with watch.stops(ckpts, close):
-                watch.after_step(step, loss, grad_norm)  # before the save: a diverged step is never saved
-                if ckpts is not None:
-                    ckpts.after_step(step, model, optimizer, {"seed": cfg.seed}, amp, scaler)
-            stopping.done = step + 1  # what a stop signal reports (train/stopping.py)
-    if ckpts is not None:
-        with watch.stops(ckpts, close):
-            ckpts.wait()
-    write_outputs(cfg, model, optimizer, mesh, amp, quiet)
-    if close is not None:
-        close()
+    close = optimizer.close if runs_zero_optimizer(cfg) else None  # offload: its files go however the run ends
+    try:
+        reads = Prefetcher(lambda s: read_batch(sampler, s, cfg.device), range(start, stop), not cfg.no_prefetch)
+        with open_metrics(cfg.out if lead else None, start) as metrics_file, trace_file(cfg, world.trace), reads:
+            # rank 0's progress: a bar on a terminal; under mpiexec or piped, a line every few seconds
+            shown = Progress(start, stop, cfg.batch_size * cfg.block_size, every_s=progress_every,
+                             enabled=progress and lead)
+            for step in shown:
+                if step == cfg.fail_at_step and fault_injection_armed(cfg) and mesh.rank == cfg.fail_rank:
+                    crash_here()
+                lr = lr_at(step, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr)
+                t0 = time.perf_counter()
+                with world.trace.capture() as step_events:  # every event of the step, for --explain
+                    batch, data_wait_s = next_batch(reads, step, world.trace)  # (B/dp, T+1): this rank's rows
+                    loss_scale = scaler.scale if scaler else None  # the scale this step's backward uses
+                    loss, grad_norm = train_step(model, optimizer, batch, lr, cfg.grad_clip, dp=dp, engine=engine,
+                                                 mesh=mesh, n_micro=cfg.micro_batches,
+                                                 trace=world.trace, amp=amp)
+                tokens_per_s = cfg.batch_size * cfg.block_size / (time.perf_counter() - t0)
+                if step == start and cfg.explain:
+                    explain_step(cfg, mesh, model, step_events, batch.shape, optimizer)
+                if step == start and runs_zero_optimizer(cfg) and speaks:  # after a step: every model state exists, at its size
+                    shown.write(memory_table(optimizer))
+                record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "grad_norm": grad_norm,
+                          "data_wait_s": data_wait_s}
+                if cfg.n_experts:  # the routing's load per expert (one small all-reduce)
+                    record.update(expert_load(model, mesh, cfg.micro_batches))
+                if scaler:
+                    record.update(loss_scale=loss_scale, skipped=grad_norm is None)
+                if step % cfg.eval_every == 0 or step in (cfg.steps - 1, stop - 1):
+                    record["val_loss"] = estimate_val_loss(model, corpus.val, cfg, engine)
+                    if speaks:
+                        shown.write(f"step {step:5d}  train loss {loss:.4f}  val loss {record['val_loss']:.4f}")
+                shown.update(step, loss, data_wait_s)
+                if not keep_history:
+                    history.clear()  # only the last record: memory stays flat however long the run
+                history.append(record)
+                if metrics_file is not None:
+                    metrics_file.write(metrics_line(record))
+                    metrics_file.flush()
+                with watch.stops(ckpts):
+                    watch.after_step(step, loss, grad_norm)  # before the save: a diverged step is never saved
+                    if ckpts is not None:
+                        ckpts.after_step(step, model, optimizer, {"seed": cfg.seed}, amp, scaler)
+                stopping.done = step + 1  # what a stop signal reports (train/stopping.py)
+        if ckpts is not None:
+            with watch.stops(ckpts):
+                ckpts.wait()
+        write_outputs(cfg, model, optimizer, mesh, amp, quiet)
+    finally:  # diverged, stopped by a signal, failed: no offload file is left behind
+        if close is not None:
+            close()
     return model, history
 
 
