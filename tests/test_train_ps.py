@@ -5,6 +5,8 @@
 - Asynchronous (--staleness s) applies each worker's gradient on arrival; metrics.jsonl has one row
   per update with the worker and how stale its parameters were (bounded by (W - 1)(2s + 1)).
 - Collective-only flags and impossible server counts are refused before any message.
+- A run that diverges stops at its first NaN loss, synchronous or not: exit 5, one message, the
+  metrics up to there, no export.
 """
 import json
 
@@ -59,3 +61,19 @@ def test_asynchronous_parameter_server_logs_staleness(tmp_path):
     assert {r["worker"] for r in rows} == {1, 2, 3}  # world ranks: rank 0 serves
     assert 0 < max(r["staleness"] for r in rows) <= staleness_bound(3, 1)
     assert "val_loss" in rows[-1]
+
+
+@needs_mpi
+@pytest.mark.parametrize("mode", [[], ["--staleness", 1]], ids=["sync", "async"])
+def test_a_diverging_run_stops_at_its_first_nan_and_exports_nothing(tmp_path, mode):
+    args = [*TINY, "--data-dir", tmp_path / "data", "--mode", "ps", "--servers", 1, *mode, "--steps", 200,
+            "--lr", 1e30, "--optimizer", "sgd", "--dtype", "float32", "--out", tmp_path, "--export", tmp_path / "m.npz"]
+    run = run_mpi(3, "-m", "minidist.train", *map(str, args), timeout=120, check=False)
+    assert run.returncode == 5, run.output
+    said = [line for line in run.stderr.splitlines() if line.startswith("python -m minidist.train")]
+    assert len(said) == 1 and "the run diverged at step" in said[0] and "nothing is exported" in said[0], run.output
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    first = next(i for i, r in enumerate(rows) if r["loss"] is None)  # (NaN is null in metrics.jsonl)
+    # stopped there; asynchronous: the other worker's push already in flight is applied too (2 workers)
+    assert len(rows) - 1 - first <= (1 if mode else 0), rows
+    assert f"diverged at step {rows[first]['step']} (loss nan" in said[0] and not (tmp_path / "m.npz").exists()

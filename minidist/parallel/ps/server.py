@@ -19,9 +19,15 @@ gradient work, however the workers share it: with a loose bound the fast workers
 Stopping: the answer to a push says whether to go on. Servers see pushes in different orders, so
 one may say stop while another says go on; the worker then sends that one a DONE header. Every
 push reaches every server, so all shards apply the same set of gradients.
+
+A run that diverges stops at once rather than train on NaN: a push whose loss is NaN or inf (or, in
+synchronous mode, a step whose global gradient norm is) ends the run as the end of the budget does.
+Every server sees that push (with the same loss), so they all stop, synchronously at the same step;
+the trainer then reports it (train/ps.py).
 """
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -108,10 +114,14 @@ class ParameterServer:
             if self.cfg.grad_clip > 0:
                 grad *= clip_coef(grad_norm, self.cfg.grad_clip)
             lr = self.apply(grad, t)
+            loss = float(pushes[:, n].mean())  # the same on every server: each worker pushes its loss to all
             if self.history is not None:
-                self.history.append({"step": t, "loss": float(pushes[:, n].mean()), "lr": lr,
-                                     "grad_norm": grad_norm, "time": time.perf_counter() - self.t0})
-            self.send_params(self.workers, stop=t == self.cfg.steps - 1)
+                self.history.append({"step": t, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                                     "time": time.perf_counter() - self.t0})
+            diverged = not (math.isfinite(loss) and math.isfinite(grad_norm))
+            self.send_params(self.workers, stop=t == self.cfg.steps - 1 or diverged)
+            if diverged:
+                return
 
     def global_norm(self, grad) -> float:
         """L2 norm of the whole gradient: every server's squared norm of its piece, all-reduced over
@@ -135,6 +145,7 @@ class ParameterServer:
         posted = {rank: self.group.irecv(headers[rank], rank, PUSH_HEADER, label=PUSH_LABELS[0])
                   for rank in self.workers}
         held: list[int] = []  # workers whose next parameters are held back
+        diverged = False  # a push's loss was NaN or inf: the run ends as if the budget were spent
         self.send_params(self.workers)
         while active:
             with trace.record("wait any gradient", kind="wait"):
@@ -148,11 +159,12 @@ class ParameterServer:
                 self.staleness.append(self.version - version)
                 lr = self.apply(payload[:n] / W, self.version // W)  # schedule: updates / W = steps so far
                 clock[rank] += 1
+                diverged = diverged or not math.isfinite(payload[n])
                 if self.history is not None:
                     self.history.append({"step": step, "loss": float(payload[n]), "lr": lr, "worker": rank,
                                          "update": self.version, "staleness": self.staleness[-1],
                                          "time": time.perf_counter() - self.t0})
-                if self.version >= budget:
+                if self.version >= budget or diverged:
                     active.discard(rank)
                     self.send_params([rank], stop=True)
                 else:
