@@ -30,6 +30,7 @@ from minidist.train import train
 from minidist.train.build import load_data
 from minidist.train.config import ConfigError, TrainConfig
 from minidist.train.feed import rank_spans
+from minidist.train.outputs import estimate_val_loss
 from tests.mpi.harness import run_mpi
 
 VOCAB = 300
@@ -178,6 +179,34 @@ def test_each_rank_reads_exactly_its_share_of_the_bytes(folders, layout, share):
             assert np.array_equal(batch[:, a:b], full[d * rows:(d + 1) * rows, a:b])
             covered[d * rows:(d + 1) * rows, a:b] += 1
     assert covered.min() >= 1  # together the ranks read every token of the batch
+
+
+@pytest.mark.parametrize("layout, share", [(dict(), lambda T: T + 1), (dict(dp=2), lambda T: T + 1),
+                                           (dict(pp=2), lambda T: T)], ids=["one", "dp2", "pp2 stage 0"])
+def test_validation_reads_every_row_but_only_the_ranks_positions(folders, layout, share):
+    """Each rank evaluates every row (the loss one process gets) and reads of each window its spans."""
+    cfg = TrainConfig(**dict(RUN, eval_iters=3), vocab_size=VOCAB, **layout)
+    T, val = cfg.block_size, open_corpus(folders["llmc"]).val
+    seen = []
+
+    class Recording:  # a model that records what it is given
+        def eval(self):
+            pass
+
+        def train(self):
+            pass
+
+        def __call__(self, idx, targets):
+            seen.append((idx.copy(), targets.copy()))
+            return None, types.SimpleNamespace(item=lambda: 1.0)
+
+    spans = rank_spans(cfg, types.SimpleNamespace(dp_rank=0, pp_rank=0, cp_rank=0))
+    assert estimate_val_loss(Recording(), val, cfg, spans=spans) == 1.0
+    assert val.bytes_read == 3 * cfg.batch_size * share(T) * 2  # every row, its positions, uint16
+    for i, (idx, targets) in enumerate(seen):
+        full = get_batch(open_corpus(folders["llmc"]).val, i, cfg.batch_size, T, cfg.seed)  # (B, T+1)
+        assert np.array_equal(idx, full[:, :-1])  # stage 0 holds the ids; its targets were not read
+        assert np.array_equal(targets, full[:, 1:]) == (cfg.pp == 1)
 
 
 def test_window_spans_merge_a_ranks_inputs_and_targets():

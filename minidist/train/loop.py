@@ -151,7 +151,7 @@ def _train_held(cfg, world, machines, corpus, progress: bool, keep_history: bool
                 tokens_per_s = cfg.batch_size * cfg.block_size / (time.perf_counter() - t0)
                 if step == start and cfg.explain:
                     explain_step(cfg, mesh, model, step_events, batch.shape, optimizer)
-                if step == start and runs_zero_optimizer(cfg) and speaks:  # after a step: every model state exists, at its size
+                if step == start and runs_zero_optimizer(cfg) and speaks:  # after a step: each model state at its size
                     shown.write(memory_table(optimizer))
                 record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "grad_norm": grad_norm,
                           "data_wait_s": data_wait_s}
@@ -160,7 +160,7 @@ def _train_held(cfg, world, machines, corpus, progress: bool, keep_history: bool
                 if scaler:
                     record.update(loss_scale=loss_scale, skipped=grad_norm is None)
                 if step % cfg.eval_every == 0 or step in (cfg.steps - 1, stop - 1):
-                    record["val_loss"] = estimate_val_loss(model, corpus.val, cfg, engine)
+                    record["val_loss"] = estimate_val_loss(model, corpus.val, cfg, engine, sampler.spans)
                     if speaks:
                         shown.write(f"step {step:5d}  train loss {loss:.4f}  val loss {record['val_loss']:.4f}")
                 shown.update(step, loss, data_wait_s)

@@ -12,7 +12,7 @@ import numpy as np
 from minidist.autograd import no_grad
 from minidist.checkpoint import save_state_dict
 from minidist.checkpoint.hf import write_hf
-from minidist.data import ByteTokenizer, get_batch, inputs_and_targets
+from minidist.data import ByteTokenizer, inputs_and_targets
 from minidist.device import to_device
 from minidist.files import create, real_folder, write_atomically
 from minidist.train.explain import print_explanation
@@ -20,7 +20,7 @@ from minidist.inspect import zero_memory
 from minidist.inspect.write import model_state_bytes, step_peak_bytes, stream_trace, write_memory_report
 from minidist.parallel.whole_model.consolidate import full_state_dict
 from minidist.parallel.whole_model.generate import generate
-from minidist.parallel.data.sampler import micro_batches
+from minidist.parallel.data.sampler import DistributedSampler, micro_batches
 from minidist.train.config import runs_zero_optimizer
 from minidist.parallel.zero.full_state import full_parameters
 
@@ -68,14 +68,17 @@ def trace_file(cfg, trace):
     return stream_trace(cfg.trace, trace) if cfg.trace is not None else contextlib.nullcontext()
 
 
-def estimate_val_loss(model, val_tokens, cfg, engine=None):
+def estimate_val_loss(model, val_tokens, cfg, engine=None, spans=None):
     """Mean loss over ``cfg.eval_iters`` validation batches, the same batches at every evaluation
-    (through the pipeline ``engine``'s forward-only schedule when there is one)."""
+    (through the pipeline ``engine``'s forward-only schedule when there is one). Every rank evaluates
+    every row (so each gets the loss one process gets, bitwise), and reads of each window only the
+    positions ``spans`` it uses (train/feed.py's ``rank_spans``; None: whole windows)."""
+    rows = DistributedSampler(val_tokens, cfg.batch_size, cfg.block_size, cfg.seed, 0, 1, spans=spans)  # all rows
     model.eval()
     with no_grad():
         losses = []
         for i in range(cfg.eval_iters):
-            batch = to_device(get_batch(val_tokens, i, cfg.batch_size, cfg.block_size, cfg.seed), cfg.device)  # (B, T+1)
+            batch = to_device(rows.batch(i), cfg.device)  # (B, T+1), zero where this rank reads nothing
             if engine is not None:
                 losses.append(engine.evaluate(micro_batches(batch, cfg.micro_batches)))
             else:
