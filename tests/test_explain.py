@@ -15,7 +15,8 @@ import numpy as np
 import minidist
 from minidist.comm import Event
 from minidist.comm.trace import PURPOSES
-from minidist.train.explain import differences, explaining, format_stories, gather_lines, holdings, step_story
+from minidist.train.explain import holdings, step_story
+from minidist.train.stories import differences, explaining, format_stories, gather_lines
 from minidist.model import GPT, GPTConfig
 from minidist.optim import SGD
 from minidist.parallel.data.data_parallel import DataParallel

@@ -18,7 +18,8 @@ from minidist.comm import Event
 from minidist.data import grammar_text
 from minidist.train import train
 from minidist.train.config import TrainConfig
-from minidist.train.explain import differences, step_story
+from minidist.train.explain import step_story
+from minidist.train.stories import differences
 
 TINY = dict(n_layer=2, n_head=4, n_embd=16, block_size=16, batch_size=8, steps=1, eval_every=100, eval_iters=1,
             sample_tokens=0, explain=True)

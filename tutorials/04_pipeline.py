@@ -45,7 +45,7 @@ import numpy as np
 import minidist
 from minidist.data import ByteTokenizer, get_batch, grammar_text, inputs_and_targets
 from minidist.launch_check import check_launch
-from minidist.train.explain import explaining
+from minidist.train.stories import explaining
 from minidist.model import GPT, GPTConfig
 from minidist.optim import AdamW
 from minidist.parallel.mesh import DeviceMesh

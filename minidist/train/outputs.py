@@ -15,7 +15,7 @@ from minidist.checkpoint.hf import write_hf
 from minidist.data import ByteTokenizer, inputs_and_targets
 from minidist.device import to_device
 from minidist.files import create, real_folder, write_atomically
-from minidist.train.explain import print_explanation
+from minidist.train.stories import print_explanation
 from minidist.inspect import zero_memory
 from minidist.inspect.write import model_state_bytes, step_peak_bytes, stream_trace, write_memory_report
 from minidist.parallel.whole_model.consolidate import full_state_dict
