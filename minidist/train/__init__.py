@@ -5,6 +5,7 @@
     memory.py          whether the run fits in this machine's memory, from the config alone
     folders.py         every output path checked at start-up; the checkpoint and offload folders held
     build.py           the device, the data, this rank's model part, optimizer, gradient sync, engine
+    describe.py        what a run says of its layout at the start: who holds what, ZeRO's bytes
     loop.py            the training loop (one step under any layout: minidist/parallel/step.py)
     feed.py            which positions of each window a rank reads, read one step ahead
     progress.py        rank 0's progress: a bar on a terminal, else a line every few seconds

@@ -62,8 +62,8 @@ from minidist.data.prefetch import Prefetcher
 from minidist.data.tokens import DataError
 from minidist.parallel.data.sampler import DistributedSampler
 from minidist.parallel.step import loss_scaler, train_step
-from minidist.train.build import (build_parallel, describe_layout, load_data, memory_table, select_device,
-                                  sample_tokenizer, with_hf_model, world_of_one)
+from minidist.train.build import build_parallel, load_data, sample_tokenizer, select_device, with_hf_model, world_of_one
+from minidist.train.describe import describe_layout, memory_table
 from minidist.train.cli import launcher_rank, parse_args
 from minidist.train.config import (ConfigError, TrainConfig, check_config, comm_timeout_problems, fault_injection_armed,
                                    runs_zero_optimizer)
