@@ -323,12 +323,16 @@ def when_ranks_disagree():
 
     def odd_dtype(group):  # rank 2 asks for 4 float64, the others for 8 float32: 32 bytes each
         x = np.ones(4, np.float64) if group.rank == 2 else np.ones(8, np.float32)
-        group.all_reduce(x)
+        try:
+            group.all_reduce(x)
+        except CollectiveMismatchError as e:  # ranks 1, 2 and 3: each differs from a neighbour
+            return str(e)
+        except CommTimeoutError:  # rank 0 agrees with both its neighbours: it stops at its wait on them
+            return None
 
-    try:
-        minidist.run_local(odd_dtype, 4)
-    except CollectiveMismatchError as e:
-        print(f"caught before any data moved:\n  {e}")
+    told = minidist.run_local(odd_dtype, 4, timeout=5.0)
+    assert told[0] is None and all(told[1:]), told
+    print(f"caught before any data moved (rank 1's error; ranks 2 and 3 raise theirs):\n  {told[1]}")
 
     together, gave_up = threading.Barrier(3), threading.Semaphore(0)
 
