@@ -6,8 +6,8 @@ the kernel hands the signal to the main thread itself. A process has other threa
 communication thread (comm/work.py), the batch reader (data/prefetch.py), MPI's own. When one of them
 takes the signal, Python marks it pending and the main thread sleeps on. Then Ctrl-C or SIGTERM does
 not stop a rank waiting for a collective whose peer has already stopped: the handler runs only when
-the collective gives up, at the transport's deadline, minutes later. (The default suite saw this once
-in about 20 SIGHUPs to a 2-rank job: tests/test_stopping.py.)
+the collective gives up, at the transport's deadline, minutes later. (CI saw it once in
+tests/test_stopping.py; that test's job, SIGHUP to both ranks of a 2-rank run, hung 3 times in 75.)
 
 So every wait here is a loop of short waits. After each, the main thread runs Python code again, and
 a pending handler runs within :data:`WAKE` seconds. A wait that ends early costs nothing: the
