@@ -28,7 +28,7 @@ def refused(path, match):
     not timed: tests/python_lines.py) and 16 MiB of Python allocations; the message names the file."""
     tracemalloc.start()
     try:
-        with python_lines(limit=WORK) as lines, pytest.raises(HFFormatError, match=match) as error:
+        with python_lines(limit=WORK), pytest.raises(HFFormatError, match=match) as error:
             read_hf_config(path)
     finally:
         peak = tracemalloc.get_traced_memory()[1]
