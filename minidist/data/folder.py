@@ -107,21 +107,17 @@ def _read_whole(path: Path, kind: str, train: list[Part], val: list[Part]) -> Co
 
 def _scan(train: list[Part], val: list[Part]) -> tuple[str, int, str]:
     """(SHA-256 of the train parts' bytes, the largest token of all, the file holding it), reading each
-    part once, in chunks."""
+    part once, in chunks of READ_CHUNK bytes, through the one reader (data/tokens.py)."""
     digest, largest, where = hashlib.sha256(), 0, train[0].path if train else ""
     for part in train + val:
-        left = part.count * np.dtype(part.dtype).itemsize
-        with open(part.path, "rb") as f:
-            f.seek(part.offset)
-            while left:
-                chunk = f.read(min(READ_CHUNK, left))
-                if not chunk:
-                    raise DataError(f"{part.path}: cut short while it was read")
-                left -= len(chunk)
-                if part in train:
-                    digest.update(chunk)
-                top = int(np.frombuffer(chunk, dtype=part.dtype).max())
-                largest, where = (top, part.path) if top > largest else (largest, where)
+        tokens, step = Tokens([part]), READ_CHUNK // np.dtype(part.dtype).itemsize
+        for lo in range(0, len(tokens), step):
+            chunk = tokens.read(lo, min(lo + step, len(tokens)))  # a DataError if the file was cut short
+            if part in train:
+                digest.update(chunk.tobytes())
+            top = int(chunk.max())
+            largest, where = (top, part.path) if top > largest else (largest, where)
+        tokens.close()
     return digest.hexdigest(), largest, where
 
 

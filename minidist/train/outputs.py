@@ -115,9 +115,9 @@ def write_outputs(cfg, model, optimizer, mesh, amp=None, quiet=False):
             export(state, cfg.export, model.config, quiet)
         if mesh.rank == 0 and cfg.export_hf is not None:
             write_hf(cfg.export_hf, state, model.config)
-        if mesh.rank == 0 and cfg.export_hf is not None and not quiet:
-            print(f"exported {parameter_count(state, model.config):,} parameters ({dtype_of(state)}) as a Hugging "
-                  f"Face GPT-2 folder: {cfg.export_hf}/config.json and model.safetensors", flush=True)
+            if not quiet:
+                print(f"exported {parameter_count(state, model.config):,} parameters ({dtype_of(state)}) as a "
+                      f"Hugging Face GPT-2 folder: {cfg.export_hf}/config.json and model.safetensors", flush=True)
     if cfg.trace is not None:
         held = zero_memory.model_state_bytes(optimizer) if runs_zero_optimizer(cfg) else model_state_bytes(model, optimizer)
         write_memory_report(cfg.trace, mesh.rank, [dict(label="after last step", **held,

@@ -146,10 +146,8 @@ def export_best(cfg, world, last_rows: list[dict]) -> None:
     its own before the last ready point's all-gather. Sends nothing."""
     if world.rank != 0 or (cfg.export is None and cfg.export_hf is None):
         return
-    losses = [float("nan")] * cfg.population
-    for row in last_rows:
-        losses[row["member"]] = row["val_loss"]
-    best = ranked(losses)[0]
+    best = last_ranked(last_rows)[0]["member"]
+    losses = {row["member"]: row["val_loss"] for row in last_rows}
     for field, written in final_exports(cfg, best).items():
         asked = getattr(cfg, field)
         if field == "export":
@@ -224,9 +222,15 @@ def resumed(cfg, world, group, k: int):
     return members, state["step"], history
 
 
+def last_ranked(rows: list[dict]) -> list[dict]:
+    """The rows of one ready point, best member first (population.ranked: the lowest loss, NaN last)."""
+    order = ranked([r["val_loss"] for r in rows])
+    return [rows[i] for i in order]
+
+
 def final_line(history: list[dict], population: int) -> str:
     """The last ready point in one line: each member's validation loss and hyper-parameters, the best first."""
-    last = sorted(history[-population:], key=lambda r: r["val_loss"])
+    last = last_ranked(history[-population:])
     return (f"the best member is {last[0]['member']}: val loss {last[0]['val_loss']:.4f} ({hparams_text(last[0])}); "
             + "; ".join(f"member {r['member']} {r['val_loss']:.4f}" for r in last[1:]))
 
