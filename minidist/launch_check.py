@@ -13,6 +13,7 @@ import os
 import sys
 
 from minidist.files import file_problems
+from minidist.launchers import leave_after_rank_0
 from minidist.comm.machines import from_mpi
 from minidist.threads import limit_blas_threads
 
@@ -57,7 +58,8 @@ def check_launch(parser, args, ranks=None, alone: int = 1, mpiexec: bool = True)
     if problem:
         if rank == 0:  # one line, from rank 0 alone: what is wrong and how to start it
             print(f"{parser.prog}: {problem}", file=sys.stderr)
-        sys.exit(2)
+            sys.exit(2)
+        leave_after_rank_0(2, os.environ)
     if size == 1 and local is None and alone > 1:  # started alone: its ranks run as threads in this process
         if hasattr(args, "local"):
             args.local = alone

@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 LAUNCHERS = ("mpiexec", "srun")
@@ -22,6 +23,21 @@ HOST_LINE = {  # one machine per line, in each flavour's own format (after '#' a
     "openmpi": re.compile(r"[\w.\-]+(\s+[\w\-]+=\d+)*"),  # host slots=8 max_slots=8
     "hydra": re.compile(r"[\w.\-]+(:[1-9]\d*)?(\s+\w+=\S+)*"),  # host:8, options after it
 }
+
+
+OPEN_MPI_LINGER_S = 1.0
+"""How long a rank that says nothing waits before its non-zero exit under Open MPI's mpiexec."""
+
+
+def leave_after_rank_0(status, environ) -> None:
+    """End a rank other than 0 with ``status`` (``sys.exit``'s argument), rank 0 having said why.
+    Open MPI's ``mpiexec`` ends the whole job at the first non-zero exit, so a quiet rank that left
+    first could cut rank 0's message off before it reached the terminal: under Open MPI (its
+    ``OMPI_COMM_WORLD_SIZE`` in ``environ``) a non-zero exit first waits :data:`OPEN_MPI_LINGER_S`.
+    MPICH's hydra and srun pass rank 0's output on either way: at once there."""
+    if status not in (0, None) and "OMPI_COMM_WORLD_SIZE" in environ:
+        time.sleep(OPEN_MPI_LINGER_S)
+    sys.exit(status)
 
 
 def find_mpiexec() -> str:

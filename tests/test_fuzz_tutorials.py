@@ -182,7 +182,7 @@ MORE_MPI_RUNS = [
 def check_mpi_refused(ranks, prefix, args, words):
     run = run_mpi(ranks, TUTORIALS / named(prefix), *args, timeout=60, check=False)
     assert "Traceback" not in run.stderr, run.output
-    refused(run.stderr, run.returncode, words, "python ")  # once: rank 0 says it, the others leave quietly
+    refused(run.said, run.returncode, words, "python ")  # once: rank 0 says it, the others leave quietly
 
 
 @pytest.mark.skipif(find_mpiexec() is None, reason="mpiexec not found")

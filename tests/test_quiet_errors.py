@@ -24,7 +24,7 @@ TINY = ["--n-layer", "2", "--n-head", "4", "--n-embd", "16", "--block-size", "16
 def test_a_usage_error_is_printed_once_under_mpiexec(tmp_path):
     run = run_mpi(4, "-m", "minidist.train", "--dpp", 2, "--data-dir", tmp_path, check=False)
     assert run.returncode == 2, run.output
-    assert run.stderr.splitlines() == [
+    assert run.said.splitlines() == [
         "usage: python -m minidist.train [--flag value ...]  (--help lists every flag)",
         "python -m minidist.train: error: unrecognized arguments: --dpp 2"], run.output
     assert run.stdout == ""
@@ -36,7 +36,7 @@ def test_every_problem_is_listed_once_numbers_layout_and_the_trainers_own(tmp_pa
     run = run_mpi(4, "-m", "minidist.train", "--dp", 2, "--tp", 3, "--lr", -1, "--comm-timeout", -1, "--save-every", 2,
                   "--data-dir", tmp_path, check=False)
     assert run.returncode == 2, run.output
-    assert run.stderr.splitlines() == [
+    assert run.said.splitlines() == [
         "python -m minidist.train: invalid configuration:",
         "  - --lr must be >= 0, got -1.0",
         "  - world size 4 != dp * tp = 2 * 3 = 6 (start 6 ranks: mpiexec -n 6 ...)",

