@@ -10,7 +10,8 @@ one with its saved and its current value. The identity holds whatever changes th
     data          data_tokens and data_sha256: the training tokens themselves (not the file's name; of a
                   prepared shard folder, its manifest's train shards and their SHA-256)
     the math      optimizer, lr, min_lr, warmup, steps (the cosine schedule ends at ``steps``),
-                  weight_decay, grad_clip, batch_size, dtype; momentum for SGD only;
+                  weight_decay, grad_clip, batch_size, dtype; momentum for SGD only; beta1, beta2 for
+                  AdamW and no_bias (nanoGPT's knobs) where they are not the defaults;
                   loss_scale and loss_scale_window in mixed precision only
 
 and nothing that only says HOW the same math is laid out: dp, tp, pp, ep, zero, offload, schedule, virtual
@@ -51,6 +52,9 @@ def run_identity(cfg, data: dict, exempt=()) -> dict:
     identity = {name: getattr(cfg, name) for name in fields}
     if getattr(cfg, "vocab_size", 0) not in (0, 256):  # a vocabulary other than bytes' (recorded since it exists)
         identity["vocab_size"] = cfg.vocab_size
+    knobs = {"no_bias": False, **({"beta1": 0.9, "beta2": 0.95} if cfg.optimizer == "adamw" else {})}
+    identity.update({name: getattr(cfg, name) for name, default in knobs.items()  # likewise: once set
+                     if getattr(cfg, name, default) != default})
     identity.update(data)
     return json.loads(json.dumps(identity))  # as it reads back from the manifest: compared like for like
 

@@ -3,7 +3,8 @@
     a file                      one uint8 token per byte (a UTF-8 text file is one): the last 10% validates
     a prepared folder           ``manifest.json`` + ``train_*.bin`` / ``val_*.bin`` llm.c shards (data/prepare.py)
     an llm.c folder             ``*train*.bin`` / ``*val*.bin`` llm.c shards, no manifest
-    a nanoGPT folder            ``train.bin`` / ``val.bin``: raw uint16 tokens, no header
+    a nanoGPT folder            ``train.bin`` / ``val.bin``: raw uint16 tokens, no header; its ``meta.pkl``
+                                (a character vocabulary), when there, read with no class allowed
 
 Every shard's header and size are checked on every rank (cheap: no token is read). A prepared
 folder's manifest says each shard's token count, largest token and SHA-256, so nothing more is read:
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from minidist.data.meta_pkl import META, read_meta
 from minidist.data.shards import is_shard, shard_part
 from minidist.data.tokens import DataError, Part, Tokens, file_tokens
 
@@ -42,7 +44,7 @@ class Corpus:
     vocab_size: int | None     # the data's vocabulary (None: not known: --vocab-size must say)
     largest: int               # the largest token id in the data
     largest_in: str            # the file that holds it (the first such)
-    tokenizer: str | None      # "bytes", a tokenizer.json's path, or None (ids only)
+    tokenizer: str | None      # "bytes", a tokenizer.json's or a meta.pkl's path, or None (ids only)
     identity: dict             # data_tokens, data_sha256
 
 
@@ -82,7 +84,10 @@ def open_corpus(path, val_fraction: float = 0.1) -> Corpus:
         if size % 2:
             raise DataError(f"{path / name}: {size:,} bytes, an odd number: not uint16 tokens (truncated?)")
         parts.append(Part(str(path / name), 0, size // 2, "uint16"))
-    return _read_whole(path, "nanogpt", [parts[0]], [parts[1]])
+    corpus = _read_whole(path, "nanogpt", [parts[0]], [parts[1]])
+    if corpus.tokenizer is None and (path / META).is_file():  # a character vocabulary, no class allowed
+        corpus = dataclasses.replace(corpus, vocab_size=read_meta(path / META).vocab_size, tokenizer=str(path / META))
+    return corpus
 
 
 def _text_file(path: Path, val_fraction: float) -> Corpus:

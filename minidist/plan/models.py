@@ -104,10 +104,12 @@ def preset(name: str) -> ModelSpec:
 
 
 def from_gpt_config(config, name: str = "minidist") -> ModelSpec:
-    """The spec of minidist's own GPT built from ``config`` (a ``GPTConfig`` or ``TrainConfig``)."""
+    """The spec of minidist's own GPT built from ``config`` (a ``GPTConfig``, whose ``bias`` says it,
+    or a ``TrainConfig``, whose ``no_bias`` does)."""
     vocab = getattr(config, "vocab_size", 0) or 256  # a TrainConfig's 0: the data's, bytes until it is read
+    bias = config.bias if hasattr(config, "bias") else not config.no_bias
     return ModelSpec(name, config.n_layer, config.n_embd, config.n_head, vocab, block_size=config.block_size,
-                     n_experts=config.n_experts, top_k=config.top_k, moe_every=config.moe_every)
+                     n_experts=config.n_experts, top_k=config.top_k, moe_every=config.moe_every, bias=bias)
 
 
 def with_shape(spec: ModelSpec, **changes) -> ModelSpec:

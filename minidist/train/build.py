@@ -15,6 +15,7 @@ from minidist.comm.trace import KEEP_RECENT
 from minidist.checkpoint.identity import data_identity
 from minidist.data import ByteTokenizer, HFTokenizer, TokenIds, default_corpus, train_val_split
 from minidist.data.folder import MANIFEST, Corpus, open_corpus, read_manifest
+from minidist.data.meta_pkl import META, read_meta
 from minidist.data.tokens import DataError
 from minidist.device import require_cupy, use_gpu
 from minidist.model import GPT, GPTConfig
@@ -30,9 +31,6 @@ from minidist.nn.recompute import recompute_blocks
 from minidist.parallel.tensor.apply import tensor_parallel
 from minidist.parallel.zero.optimizer import ZeroOptimizer
 from minidist.train.config import ConfigError, TrainConfig, bucket_bytes, runs_zero_optimizer
-
-ADAMW_BETAS = (0.9, 0.95)
-
 
 def world_of_one(timeout: float = 60.0) -> ProcessGroup:
     """A one-rank world without MPI: what ``train`` runs on when it is given no world. Its trace
@@ -80,7 +78,7 @@ def load_data(cfg):
                           "mean other tokens to the --init-from-hf model")
     cfg = dataclasses.replace(cfg, vocab_size=model_vocab_size(cfg, corpus, path))
     if corpus.largest >= cfg.vocab_size:
-        how = {"bytes": "byte ", None: ""}.get(corpus.tokenizer, "tokenizer.json ")
+        how = {"bytes": "byte ", None: ""}.get(corpus.tokenizer, f"{Path(corpus.tokenizer or '').name} ")
         whose = "the --init-from-hf model's" if cfg.init_from_hf else "the model's"
         shard = f" (in {Path(corpus.largest_in).name})" if corpus.kind != "file" else ""
         raise ConfigError(f"--data {path}: {how}token id {corpus.largest}{shard} is outside {whose} vocabulary of "
@@ -113,7 +111,7 @@ def model_vocab_size(cfg, corpus, path) -> int:
     if cfg.init_from_hf is not None:
         return read_hf_config(cfg.init_from_hf).vocab_size
     known = corpus.vocab_size
-    if known is None and corpus.tokenizer is not None and corpus.tokenizer != "bytes":
+    if known is None and corpus.tokenizer is not None and corpus.tokenizer != "bytes":  # a tokenizer.json
         known = tokenizer_at(corpus.tokenizer, "--data").vocab_size
     if cfg.vocab_size:
         if known is not None and cfg.vocab_size < known:
@@ -136,25 +134,29 @@ def tokenizer_for(cfg):
 
 
 def tokenizer_at(path, flag: str):
-    """The :class:`~minidist.data.HFTokenizer` of the tokenizer.json ``path``; a :class:`ConfigError`
-    naming ``flag`` without the ``tokenizers`` package, or with a file it cannot read."""
+    """The :class:`~minidist.data.HFTokenizer` of the tokenizer.json ``path``, or the character
+    vocabulary of nanoGPT's meta.pkl ``path`` (data/meta_pkl.py); a :class:`ConfigError` naming
+    ``flag`` without the ``tokenizers`` package, or with a file it cannot read."""
     try:
-        return HFTokenizer(path)
-    except (ImportError, ValueError) as e:
+        return read_meta(Path(path)) if Path(path).name == META else HFTokenizer(path)
+    except (ImportError, ValueError) as e:  # a DataError is a ValueError
         raise ConfigError(f"{flag} {e}") from e
 
 
 def sample_tokenizer(cfg):
     """How the sample at the end is written: the tokenizer of ``--init-from-hf``; else that of a
-    ``--data`` folder (bytes, or the tokenizer.json its manifest names or that lies beside its shards);
-    else :class:`~minidist.data.TokenIds` (a folder of ids only: the sample is its ids). Reads one
-    small file."""
+    ``--data`` folder (bytes, or the tokenizer.json its manifest names or that lies beside its shards,
+    or nanoGPT's meta.pkl); else :class:`~minidist.data.TokenIds` (a folder of ids only: the sample is
+    its ids). Reads one small file."""
     folder = Path(cfg.data) if cfg.data is not None else None
     if cfg.init_from_hf is not None or folder is None or not folder.is_dir():
         return tokenizer_for(cfg)
     if (folder / MANIFEST).is_file() and read_manifest(folder)["tokenizer"]["kind"] == "bytes":
         return ByteTokenizer()
-    return tokenizer_at(folder / "tokenizer.json", "--data") if (folder / "tokenizer.json").is_file() else TokenIds()
+    for name in ("tokenizer.json", META):
+        if (folder / name).is_file():
+            return tokenizer_at(folder / name, "--data")
+    return TokenIds()
 
 
 HF_MODEL_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")  # what --init-from-hf's folder decides
@@ -205,7 +207,7 @@ def build_model(cfg, tp_group=None, cp_group=None, ep_group=None, announce: bool
         config = GPTConfig(vocab_size=cfg.vocab_size or ByteTokenizer.vocab_size, block_size=cfg.block_size,
                            n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, n_experts=cfg.n_experts,
                            top_k=cfg.top_k, moe_every=cfg.moe_every, capacity_factor=cfg.capacity_factor,
-                           aux_loss_coef=cfg.aux_loss_coef)
+                           aux_loss_coef=cfg.aux_loss_coef, bias=not cfg.no_bias)
     dtype = np.dtype(COMPUTE_DTYPES.get(cfg.dtype, cfg.dtype)).name  # mixed precision: how the weights are stored
     model = GPT(config, seed=cfg.seed, dtype=dtype)
     if state is not None:
@@ -232,8 +234,8 @@ def load_full_state(model, state: dict) -> None:
 
 
 def optimizer_settings(cfg) -> dict:
-    """The hyper-parameters of ``cfg.optimizer``: AdamW (betas 0.9, 0.95) or SGD with momentum."""
-    extra = {"betas": ADAMW_BETAS} if cfg.optimizer == "adamw" else {"momentum": cfg.momentum}
+    """The hyper-parameters of ``cfg.optimizer``: AdamW (its betas) or SGD with momentum."""
+    extra = {"betas": (cfg.beta1, cfg.beta2)} if cfg.optimizer == "adamw" else {"momentum": cfg.momentum}
     return dict(lr=cfg.lr, weight_decay=cfg.weight_decay, **extra)
 
 

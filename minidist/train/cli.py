@@ -50,7 +50,9 @@ GROUPS = {  # the flags of --help, by what they are about: field -> help
         "seed": "seeds the weights and the batches", "optimizer": "update rule",
         "lr": "peak learning rate (0: the weights never move, to evaluate or convert a model)",
         "min_lr": "learning rate at the end of the cosine decay (default: 3e-4, or --lr where that is lower)",
-        "warmup": "linear warmup steps", "momentum": "SGD momentum", "weight_decay": "decay of >= 2-D parameters",
+        "warmup": "linear warmup steps", "momentum": "SGD momentum",
+        "beta1": "AdamW: decay of the gradient's running mean",
+        "beta2": "AdamW: decay of the squared gradient's running mean (nanoGPT's character recipe: 0.99)", "weight_decay": "decay of >= 2-D parameters",
         "grad_clip": "max global grad norm (0: off)"},
     "model": {
         "n_layer": "transformer blocks", "n_head": "attention heads", "n_embd": "embedding width",
@@ -59,6 +61,7 @@ GROUPS = {  # the flags of --help, by what they are about: field -> help
         "capacity_factor": "0: dropless; c > 0: each expert takes at most ceil(c k T / E) of each sequence's "
                            "assignments, the rest are dropped",
         "aux_loss_coef": "weight of the load-balancing loss (per sequence, Switch-style)",
+        "no_bias": "no biases in the Linear and LayerNorm layers (nanoGPT's bias=False)",
         "vocab_size": "the model's vocabulary (0: the data's: 256 bytes, a prepared folder's manifest, a "
                       "tokenizer.json beside the shards; a folder without either needs it)",
         "init_from_hf": "start from a local Hugging Face GPT-2 folder (config.json + model.safetensors; its "

@@ -35,6 +35,8 @@ class TrainConfig:
     min_lr: float | None = None  # None: MIN_LR, or --lr where that is lower (__post_init__)
     warmup: int = 20
     momentum: float = 0.9
+    beta1: float = 0.9  # AdamW's, as nanoGPT's
+    beta2: float = 0.95
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     # model
@@ -47,6 +49,7 @@ class TrainConfig:
     moe_every: int = 1
     capacity_factor: float = 0.0
     aux_loss_coef: float = 0.01
+    no_bias: bool = False  # nanoGPT's bias=False: no biases in Linears and LayerNorms
     vocab_size: int = 0  # 0: the data's (train/build.py: load_data)
     # data, evaluation, output
     data: str | None = None
@@ -128,7 +131,7 @@ class ConfigError(ValueError):
 # their features, below.) Integer flags are below 2**63, and a run must fit in memory (train/memory.py).
 RANGES = {
     "steps": "[1, inf)", "batch_size": "[1, inf)", "seed": "[0, inf)", "loss_scale_window": "[1, inf)",
-    "lr": "[0, inf)", "min_lr": "[0, inf)", "warmup": "[0, inf)", "momentum": "[0, 1)",
+    "lr": "[0, inf)", "min_lr": "[0, inf)", "warmup": "[0, inf)", "momentum": "[0, 1)", "beta1": "[0, 1)", "beta2": "[0, 1)",
     "weight_decay": "[0, inf)", "grad_clip": "[0, inf)", "block_size": "[1, inf)",
     "capacity_factor": "[0, 1e6]", "aux_loss_coef": "[0, inf)", "vocab_size": "[0, 1048576]",  # a capacity factor >= E keeps every assignment
     "eval_every": "[1, inf)", "eval_iters": "[1, inf)", "sample_tokens": "[0, inf)",
@@ -226,11 +229,14 @@ def optimizer_problems(cfg) -> list[str]:
 
 
 def hugging_face_problems(cfg) -> list[str]:
-    """Hugging Face's GPT-2, which --export-hf writes and --init-from-hf reads, has no experts."""
-    if cfg.n_experts and (cfg.export_hf is not None or cfg.init_from_hf is not None):
-        return ["--export-hf and --init-from-hf read and write Hugging Face's GPT-2, which has no experts: use "
-                "--export for a mixture-of-experts model"]
-    return []
+    """Hugging Face's GPT-2, which --export-hf writes and --init-from-hf reads, has no experts and
+    always has biases."""
+    if cfg.export_hf is None and cfg.init_from_hf is None:
+        return []
+    found = ["--export-hf and --init-from-hf read and write Hugging Face's GPT-2, which has no experts: use "
+             "--export for a mixture-of-experts model"] if cfg.n_experts else []
+    return found + (["--export-hf and --init-from-hf read and write Hugging Face's GPT-2, which always has biases: "
+                     "use --export for a model built with --no-bias"] if cfg.no_bias else [])
 
 
 def comm_timeout_problems(cfg) -> list[str]:

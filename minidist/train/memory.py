@@ -59,11 +59,12 @@ def block_kinds(model) -> tuple:
 
 def model_elements(model, t: int = 1, ep: int = 1) -> int:
     """Parameters of ``model`` (the planner's ModelSpec of minidist's GPT: tied head, learned
-    positions, LayerNorms with biases) on one tp rank of ``t`` holding 1/ep of the experts, counted by
-    kind of block (dense, experts); with t = ep = 1, ``minidist.plan.models.parameter_count``."""
+    positions, LayerNorms with biases unless ``--no-bias``) on one tp rank of ``t`` holding 1/ep of the
+    experts, counted by kind of block (dense, experts); with t = ep = 1, ``minidist.plan.models.parameter_count``."""
     blocks = sum(n * sum(block_numel(model, t, layer, ep).values()) for n, layer in block_kinds(model))
     C = model.n_embd
-    return padded_vocab_size(model.vocab_size, t) // t * C + model.block_size * C + 2 * C + blocks
+    ln_f = C * (2 if model.bias else 1)
+    return padded_vocab_size(model.vocab_size, t) // t * C + model.block_size * C + ln_f + blocks
 
 
 def rank_bytes(cfg) -> dict:

@@ -36,14 +36,14 @@ from minidist.optim import OPTIMIZERS, adamw_update, clip_coef, lr_at, sgd_updat
 from minidist.parallel.ps.protocol import (DONE, GATHER, GATHER_LABEL, PULL, PULL_HEADER, PULL_LABELS, PUSH,
                                            PUSH_HEADER, PUSH_LABELS, wait_any)
 
-ADAMW_BETAS, ADAMW_EPS = (0.9, 0.95), 1e-8  # as minidist.train.build.build_optimizer
+ADAMW_EPS = 1e-8  # as minidist.optim.AdamW's
 
 
 class ParameterServer:
     """Server ``server`` of ``servers_group``: owns ``layout.bounds[server]`` of the flat parameters.
 
     ``group`` is the world (servers are ranks 0..k-1, workers k..k+W-1), ``cfg`` a TrainConfig-like
-    object (optimizer, lr, min_lr, warmup, steps, momentum, weight_decay, grad_clip). The shard's
+    object (optimizer, lr, min_lr, warmup, steps, momentum, beta1, beta2, weight_decay, grad_clip). The shard's
     initial value is read from ``layout``'s model, which every rank built from the same seed.
     ``history`` (server 0 only, else None) receives one dict per step (sync) or update (async).
     """
@@ -71,7 +71,7 @@ class ParameterServer:
         with self.group.trace.record("optimizer", kind="compute"):
             if cfg.optimizer == "adamw":
                 adamw_update(self.shard, grad, self.state["exp_avg"], self.state["exp_avg_sq"], step=self.version,
-                             lr=lr, beta1=ADAMW_BETAS[0], beta2=ADAMW_BETAS[1], eps=ADAMW_EPS,
+                             lr=lr, beta1=cfg.beta1, beta2=cfg.beta2, eps=ADAMW_EPS,
                              weight_decay=self.rates)
             else:
                 sgd_update(self.shard, grad, self.state["momentum_buf"], lr=lr, momentum=cfg.momentum,
