@@ -112,7 +112,8 @@ LESSONS = [
         r"  step 1: scale  65536 -> 131072   clean, 2 in a row: doubled\n  step 2: scale 131072 ->  65536   overflow",
         r"  step 4: scale  65536 -> 131072   clean, 2 in a row: doubled\n",
         r"\nTry:\n  1\. BLOWUP = 2\.0 \*\* 16",
-        r"Mixed-precision ZeRO holds what the paper says, skips an overflow on every rank"]),
+        r"Mixed-precision ZeRO holds what the paper says, skips an overflow on every rank, and trains like one "
+        r"process in float16\. All checks passed\."]),
     ("10_context_parallel.py", 4, [], [
         r"     1  kv 12-15 +- +kv 0-3 +F +kv 4-7 +F +kv 8-11 +F",  # contiguous: rank 0 skips, the others compute
         r"     1  kv 6-7,8-9 +--FF +kv 0-1,14-15 +F-F-",  # zig-zag: half of every block it meets
