@@ -123,7 +123,8 @@ LESSONS = [
         r"the 6 heads of each tp rank .* do not divide by cp 4: use --cp-algorithm ring or zigzag",
         (r"  (ring|zigzag|ulysses) +\d\.\de[-+]\d\d +3\.\d{12} \(", 3),
         r"\nTry:\n  1\. --local 2",
-        r"Ring, zig-zag and Ulysses attention equal one process's to 1e-10; zig-zag balances the causal work"]),
+        r"Ring, zig-zag and Ulysses attention equal one process's to 1e-10; zig-zag balances the causal work "
+        r"\(max/min 1 against contiguous' 7\)\. All checks passed\."]),
     ("11_experts.py", 2, [], [
         r"  sent     \(ep, E/ep\) rows to   r0: e0=2 e1=4   r1: e2=4 e3=6 ",  # route's choices, rank 0
         r"  received \(ep, E/ep\) rows from r0: e0=2 e1=4   r1: e0=3 e1=3 ",  # rank 1's sent, column 0
@@ -142,7 +143,8 @@ LESSONS = [
         r"  1,1,1 +zbv +[\d.]+ +([\d.]+) +>= \1 ",  # ZB-V reaches its bound (p-1) T_F / 2
         (r"(zb-h1|zbv) +losses( \d\.\d{10}){3}  matches one process", 2),
         r"\nTry:\n  1\. MICRO = 4",
-        r"Zero-bubble schedules: B \+ W = backward bitwise; zb-h1 and zbv train as one process does\."]),
+        r"Zero-bubble schedules: B \+ W = backward bitwise; zb-h1 and zbv train as one process does\. "
+        r"All checks passed\."]),
     ("13_offload.py", 2, [], [
         r"  measured = formula to the byte: 6 configurations x 2 ranks, every rank the same bytes",
         r"  ZeRO-3 \+ optimizer,params -> files +G/N = 1 +G/N = 1 +O/N \+ P/N = 7\n",  # 16 bytes/param, where
