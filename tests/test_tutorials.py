@@ -60,7 +60,7 @@ LESSONS = [
         (r"= one process's", 2),  # tensor parallel, then + sequence parallel
         r"tensor \+ sequence parallel: loss [\d.]+ = one process's",
         r"\nTry: ",
-        r"Tensor parallelism on \d ranks: 2 all-reduces per block each way, .*; all checks passed\."]),
+        r"Tensor parallelism on \d ranks: 2 all-reduces per block each way, .* a rank\. All checks passed\."]),
     ("04_pipeline.py", 4, [], [
         r"  t 0-\d+:\n",  # the interleaved timeline cut along time, every line <= 100 characters
         r"in flight per rank: \[[\d, ]+\] \(chunk, micro-batch\) pairs",
