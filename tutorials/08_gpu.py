@@ -126,7 +126,7 @@ def draw(path, rows, with_nccl, aware, gpu, fake, n):
     columns = "host buffers and GPU buffers over the ring" + (", and NCCL" if with_nccl else
                                                                f"\n(no NCCL: it needs one GPU per rank, here "
                                                                f"{gpu_count()} for {n} ranks)")
-    fig.suptitle(f"One all-reduce on {n} ranks ({gpu}): {columns}", fontsize=11)
+    fig.suptitle(f"One all-reduce on {n} ranks, GPU: {gpu}. {columns[0].upper()}{columns[1:]}", fontsize=11)
     if fake:
         ax.set_title("FAKE GPU: the tests' CuPy double, in host memory. Every path ran and was checked; "
                      "the times mean nothing", fontsize=9, color="firebrick")
