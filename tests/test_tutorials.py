@@ -4,7 +4,9 @@ threads in one process; 03 with ``--local 4``, and started alone in tests/test_f
 
 Each lesson checks its claims against one process and exits non-zero when one fails; the last line
 asserted here is the one it prints only once every check has passed, the others what the lesson
-shows on the way. What a lesson checks is exact (values, bytes, counts, orders); the times it
+shows on the way. Both runs draw the lesson's picture (``--png``): the file must be written, and the
+lesson's last line must say "All checks passed" (08 without a GPU: the one line that says why it
+stops, and no picture). What a picture shows is tests/test_lesson_pictures.py's, never its pixels. What a lesson checks is exact (values, bytes, counts, orders); the times it
 measures are printed, never asserted, here or in the lesson: a loaded machine must not fail a
 correct lesson. HANG_SECONDS only stops a lesson that hangs, far above the minute each takes on
 2 cores (tutorials/README.md promises it; ``pytest --durations`` shows it).
@@ -60,7 +62,7 @@ LESSONS = [
         (r"= one process's", 2),  # tensor parallel, then + sequence parallel
         r"tensor \+ sequence parallel: loss [\d.]+ = one process's",
         r"\nTry: ",
-        r"Tensor parallelism on \d ranks: 2 all-reduces per block each way, .*; all checks passed\."]),
+        r"Tensor parallelism on \d ranks: 2 all-reduces per block each way, .* a rank\. All checks passed\."]),
     ("04_pipeline.py", 4, [], [
         r"  t 0-\d+:\n",  # the interleaved timeline cut along time, every line <= 100 characters
         r"in flight per rank: \[[\d, ]+\] \(chunk, micro-batch\) pairs",
@@ -102,7 +104,8 @@ LESSONS = [
         r"\nTry:\n  1\. STRAGGLER = 0\.06",
         r"Synchronous = one process; asynchronous staleness <= \(W-1\)\(2s\+1\); .* All checks passed\."]),
     # without a GPU the lesson says what it needs, once for the whole job (rank 0), and stops with status 0
-    ("08_gpu.py", 2, [], [(r"Every GPU result equals the host ring's" if gpu_count()
+    ("08_gpu.py", 2, [], [(r"Every GPU result equals the host ring's, element for element\. All checks passed\."
+                           if gpu_count()
                            else r"Lesson 8 needs CuPy and an NVIDIA GPU", 1)]),
     ("09_mixed_precision_zero.py", 4, [], [
         r"    3 +15,040 +15,040 +30,080 +60,160 +120,320 +120,320   = 4 Psi",
@@ -114,7 +117,8 @@ LESSONS = [
         r"  step 1: scale  65536 -> 131072   clean, 2 in a row: doubled\n  step 2: scale 131072 ->  65536   overflow",
         r"  step 4: scale  65536 -> 131072   clean, 2 in a row: doubled\n",
         r"\nTry:\n  1\. BLOWUP = 2\.0 \*\* 16",
-        r"Mixed-precision ZeRO holds what the paper says, skips an overflow on every rank"]),
+        r"Mixed-precision ZeRO holds what the paper says, skips an overflow on every rank, and trains like one "
+        r"process in float16\. All checks passed\."]),
     ("10_context_parallel.py", 4, [], [
         r"     1  kv 12-15 +- +kv 0-3 +F +kv 4-7 +F +kv 8-11 +F",  # contiguous: rank 0 skips, the others compute
         r"     1  kv 6-7,8-9 +--FF +kv 0-1,14-15 +F-F-",  # zig-zag: half of every block it meets
@@ -124,7 +128,8 @@ LESSONS = [
         r"the 6 heads of each tp rank .* do not divide by cp 4: use --cp-algorithm ring or zigzag",
         (r"  (ring|zigzag|ulysses) +\d\.\de[-+]\d\d +3\.\d{12} \(", 3),
         r"\nTry:\n  1\. --local 2",
-        r"Ring, zig-zag and Ulysses attention equal one process's to 1e-10; zig-zag balances the causal work"]),
+        r"Ring, zig-zag and Ulysses attention equal one process's to 1e-10; zig-zag balances the causal work "
+        r"\(max/min 1 against contiguous' 7\)\. All checks passed\."]),
     ("11_experts.py", 2, [], [
         r"  sent     \(ep, E/ep\) rows to   r0: e0=2 e1=4   r1: e2=4 e3=6 ",  # route's choices, rank 0
         r"  received \(ep, E/ep\) rows from r0: e0=2 e1=4   r1: e0=3 e1=3 ",  # rank 1's sent, column 0
@@ -143,7 +148,8 @@ LESSONS = [
         r"  1,1,1 +zbv +[\d.]+ +([\d.]+) +>= \1 ",  # ZB-V reaches its bound (p-1) T_F / 2
         (r"(zb-h1|zbv) +losses( \d\.\d{10}){3}  matches one process", 2),
         r"\nTry:\n  1\. MICRO = 4",
-        r"Zero-bubble schedules: B \+ W = backward bitwise; zb-h1 and zbv train as one process does\."]),
+        r"Zero-bubble schedules: B \+ W = backward bitwise; zb-h1 and zbv train as one process does\. "
+        r"All checks passed\."]),
     ("13_offload.py", 2, [], [
         r"  measured = formula to the byte: 6 configurations x 2 ranks, every rank the same bytes",
         r"  ZeRO-3 \+ optimizer,params -> files +G/N = 1 +G/N = 1 +O/N \+ P/N = 7\n",  # 16 bytes/param, where
@@ -217,6 +223,18 @@ LESSONS = [
 HANG_SECONDS = 300  # a safety net against a hung lesson, not a bound on its time
 
 
+def assert_ends_well(script, stdout, png, output):
+    """The lesson drew its picture into ``png`` and its last line is its self-check; lesson 08
+    without a GPU: its last line says why it stops, and it drew nothing."""
+    lines = [line for line in stdout.splitlines() if line.strip()]
+    assert lines, output
+    if script.startswith("08") and not gpu_count():
+        assert lines[-1].startswith("Lesson 8 needs CuPy and an NVIDIA GPU") and not png.exists(), output
+        return
+    assert "All checks passed" in lines[-1], f"the last line is not the self-check: {lines[-1]!r}\n{output}"
+    assert png.is_file() and png.stat().st_size > 0, f"no picture in {png}:\n{output}"
+
+
 def assert_printed(stdout, expected, output):
     """Every expectation of a LESSONS row holds for ``stdout`` (``output``: shown on failure)."""
     for pattern in expected:
@@ -231,21 +249,25 @@ def assert_printed(stdout, expected, output):
 @pytest.mark.parametrize("script, ranks, expected",
                          [(s, n, v) for s, n, _, v in LESSONS if n is not None],
                          ids=[s[:2] for s, n, _, _ in LESSONS if n is not None])
-def test_tutorial_under_mpiexec(script, ranks, expected):
-    run = run_mpi(ranks, TUTORIALS / script, timeout=HANG_SECONDS)
+def test_tutorial_under_mpiexec(script, ranks, expected, tmp_path):
+    png = tmp_path / f"{script[:2]}.png"
+    run = run_mpi(ranks, TUTORIALS / script, "--png", png, timeout=HANG_SECONDS)
     assert_printed(run.stdout, expected, run.output)
+    assert_ends_well(script, run.stdout, png, run.output)
 
 
 @pytest.mark.parametrize("script, args, expected",
                          [(s, a, v) for s, _, a, v in LESSONS if a is not None],
                          ids=[s[:2] for s, _, a, _ in LESSONS if a is not None])
-def test_tutorial_in_one_process(script, args, expected):
+def test_tutorial_in_one_process(script, args, expected, tmp_path):
     """Started as a learner first tries it, ``python tutorials/NN.py`` (or with ``--local N``): a
     lesson for several ranks runs them as threads in this process, and says so in one line."""
-    done = subprocess.run([sys.executable, str(TUTORIALS / script), *args], capture_output=True, text=True,
-                          timeout=HANG_SECONDS, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    png = tmp_path / f"{script[:2]}.png"
+    done = subprocess.run([sys.executable, str(TUTORIALS / script), *args, "--png", str(png)], capture_output=True,
+                          text=True, timeout=HANG_SECONDS, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stdout + done.stderr
     assert_printed(done.stdout, expected, done.stdout)
+    assert_ends_well(script, done.stdout, png, done.stdout + done.stderr)
     alone = [line for line in done.stdout.splitlines() if "started alone, so its" in line]
     assert len(alone) == (not args and script[:2] not in ("00", "06", "08", "14", "16", "17", "18")), done.stdout
 
@@ -275,9 +297,14 @@ def test_the_pipeline_lesson_explains_its_first_step_per_rank():
 
 
 @pytest.mark.skipif(find_mpiexec() is None, reason="mpiexec not found")
-def test_the_gpu_lesson_runs_its_staged_ring_on_the_fake_gpu():
+def test_the_gpu_lesson_runs_its_staged_ring_on_the_fake_gpu(tmp_path):
     """Lesson 08's GPU path on the fake-CuPy double (one fake GPU, so no NCCL): the staged ring on
-    device arrays, checked by the lesson against the host ring. Its timings mean nothing here."""
-    run = run_mpi(2, "on_fake_gpu.py", 1, TUTORIALS / "08_gpu.py", timeout=HANG_SECONDS)
+    device arrays, checked by the lesson against the host ring, its picture drawn. Its timings mean
+    nothing here, and the lesson says so."""
+    png = tmp_path / "08.png"
+    run = run_mpi(2, "on_fake_gpu.py", 1, TUTORIALS / "08_gpu.py", "--png", png, timeout=HANG_SECONDS)
     assert "not CUDA-aware: each message is staged through pinned host memory" in run.stdout, run.output
+    assert "2 ranks on fake GPU (host memory)" in run.stdout and "the times below mean nothing" in run.stdout, run.output
     assert "Every GPU result equals the host ring's" in run.stdout, run.output
+    lines = [line for line in run.stdout.splitlines() if line.strip()]
+    assert "All checks passed" in lines[-1] and png.is_file() and png.stat().st_size > 0, run.output

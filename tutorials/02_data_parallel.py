@@ -38,8 +38,9 @@ then per bucket a black tick where its all-reduce was queued, a pale orange wait
 dashed line where backward ends (red right of it is exposed). Each panel's title is the line the
 lesson prints for that rank; the figure's title is what the step waits for after backward against
 t_comm alone, with what the overlap saved (negative on a busy 2-core machine: the picture says so
-too). Below, the bucket-size sweep: blue bars (% of the all-reduce time under backward) and orange
-lines (exposed ms) per bucket size, t_comm alone dotted.
+too). Below, the bucket-size sweep in two panels: left, blue bars per rank, the % of the all-reduce
+time under backward, each labelled (a 1 MiB bucket's 0% too); right, orange lines per rank, the ms
+the step waits after backward, t_comm alone dotted.
 """
 import argparse
 import time
@@ -385,8 +386,9 @@ def draw(path, timelines, buckets, sweep, median, saved):
     from matplotlib.patches import Patch
 
     n = len(timelines)
-    fig, axes = plt.subplots(n + 1, 1, figsize=(10, 2.0 * n + 2.6),
-                             gridspec_kw={"height_ratios": [1.6] * n + [1.3]})
+    fig = plt.figure(figsize=(11, 2.0 * n + 3.2))
+    grid = fig.add_gridspec(n + 1, 2, height_ratios=[1.6] * n + [1.6])
+    axes = [fig.add_subplot(grid[r, :]) for r in range(n)]
     end = max(float(t[:-1, 3].max()) for t in timelines) * 1.02
     colors = {"backward": "#9e9e9e", "waiting": "#fdd49e", "running": "#d7301f"}
     for r, (ax, t) in enumerate(zip(axes, timelines)):
@@ -402,7 +404,7 @@ def draw(path, timelines, buckets, sweep, median, saved):
         ax.set_yticks(range(len(rows), -1, -1), labels, fontsize=8)
         ax.set_xlim(0, end)
         ax.set_title(f"rank {r}, the median pass ({median + 1} of {PASSES}): {pass_words(t)}", fontsize=9, loc="left")
-        ax.set_xlabel("ms from the start of backward", fontsize=8)
+        ax.set_xlabel("ms from the start of backward", fontsize=9)
         ax.tick_params(axis="x", labelsize=8)
     handles = [Patch(color=colors["backward"], label="backward computing"),
                Patch(color=colors["waiting"], label="queued, waiting for the\ncommunication thread"),
@@ -411,28 +413,35 @@ def draw(path, timelines, buckets, sweep, median, saved):
                plt.Line2D([], [], color="black", linestyle="--", linewidth=0.8, label="backward ends")]
     axes[0].legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
 
-    ax = axes[-1]
     sizes = [f"{size // 1024} KiB\n({count} bucket{'s' if count > 1 else ''})" for size, count, _, _ in sweep]
     x = np.arange(len(sweep))
     width = 0.8 / n
+    hidden, waits = fig.add_subplot(grid[n, 0]), fig.add_subplot(grid[n, 1])
     for r in range(n):
-        ax.bar(x + (r - (n - 1) / 2) * width, [100 * np.median(numbers[r, :, 0]) for *_, numbers in sweep],
-               width, label=f"rank {r}: % under backward", color=plt.get_cmap("Blues")(0.45 + 0.4 * r / max(1, n - 1)))
-    ax.set_xticks(x, sizes, fontsize=8)
-    ax.set_ylabel("% under backward (bars)", fontsize=8)
-    ax.set_ylim(0, 100)
-    ax.set_title("bucket-size sweep: medians per size", fontsize=9, loc="left")
-    exposed = ax.twinx()
+        shares = [100 * np.median(numbers[r, :, 0]) for *_, numbers in sweep]
+        bars = hidden.bar(x + (r - (n - 1) / 2) * width, shares, width, label=f"rank {r}",
+                          color=plt.get_cmap("Blues")(0.45 + 0.4 * r / max(1, n - 1)), edgecolor="black", linewidth=0.5)
+        hidden.bar_label(bars, [f"{v:.0f}%" for v in shares], fontsize=8)  # a 0% bar still says 0%
+    hidden.set_xticks(x, sizes, fontsize=8)
+    hidden.set_xlabel("bucket size", fontsize=9)
+    hidden.set_ylabel("% of the all-reduce time\nrun under backward", fontsize=9)
+    hidden.set_ylim(0, 115)
+    hidden.set_yticks([0, 25, 50, 75, 100])
+    hidden.tick_params(axis="y", labelsize=8)
+    hidden.set_title("sweep: how much of the all-reduce hides (median)", fontsize=9, loc="left")
+    hidden.legend(fontsize=8, frameon=False, loc="upper right", ncol=n)
     for r in range(n):
-        exposed.plot(x, [np.median(numbers[r, :, 1]) for *_, numbers in sweep], marker="o",
-                     color=plt.get_cmap("Oranges")(0.5 + 0.4 * r / max(1, n - 1)), label=f"rank {r}: exposed ms")
-    exposed.plot(x, [alone for _, _, alone, _ in sweep], marker="s", linestyle=":", color="black",
-                 label="t_comm alone (ms)")
-    exposed.set_ylabel("ms (lines)", fontsize=8)
-    exposed.set_ylim(bottom=0)
-    lines = ax.get_legend_handles_labels()[0] + exposed.get_legend_handles_labels()[0]
-    names = ax.get_legend_handles_labels()[1] + exposed.get_legend_handles_labels()[1]
-    ax.legend(lines, names, loc="upper left", bbox_to_anchor=(1.08, 1.0), fontsize=8, frameon=False)
+        waits.plot(x, [np.median(numbers[r, :, 1]) for *_, numbers in sweep], marker="o",
+                   color=plt.get_cmap("Oranges")(0.5 + 0.4 * r / max(1, n - 1)), label=f"rank {r}: exposed after backward")
+    waits.plot(x, [alone for _, _, alone, _ in sweep], marker="s", linestyle=":", color="black",
+               label="t_comm: the all-reduces alone")
+    waits.set_xticks(x, sizes, fontsize=8)
+    waits.set_xlabel("bucket size", fontsize=9)
+    waits.set_ylabel("ms", fontsize=9)
+    waits.set_ylim(bottom=0)
+    waits.tick_params(axis="y", labelsize=8)
+    waits.set_title("sweep: what the step waits for after backward (median)", fontsize=9, loc="left")
+    waits.legend(fontsize=8, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.suptitle(f"Data parallelism on {n} ranks: the step waits {saved}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")

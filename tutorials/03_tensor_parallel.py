@@ -221,7 +221,7 @@ def lesson(world, png=None):
         print(f"\nTry: {other[0]}:\n       per rank, measured: {other[1]}\n"
               "     n_layer=3 in CONFIG: one more 'h.2       forward   all_reduce 1024, all_reduce 1024', and backward")
         print(f"Tensor parallelism on {world.size} ranks: 2 all-reduces per block each way, sp activations "
-              f"{plain_bytes:,} -> {sp_bytes:,} B a rank; all checks passed.")
+              f"{plain_bytes:,} -> {sp_bytes:,} B a rank. All checks passed.")
 
 
 # slots of one block, left to right; "f" and "g" are where the ranks may talk

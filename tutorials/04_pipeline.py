@@ -224,19 +224,20 @@ def lesson(world, png=None, explain=False, local=False):
 
 def draw(path, p, known, executed, local):
     """One row per schedule: left, the step executed with known stage costs (the schedule itself),
-    right, this run's last step of the GPT (the schedule and this machine); titles carry the bubbles
-    printed in section 4."""
+    right, this run's last step of the GPT, each rank's forward, backward and idle time added up
+    (its boxes are slivers between waits for cores and messages); titles carry the bubbles printed
+    in section 4."""
     cores = len(os.sched_getaffinity(0))
     ranks = f"{p} ranks as threads of one process" if local else f"{p} processes on {cores} cores"
     rows = [[Panel(known[name][0], f"{name}, executed with known stage costs: bubble "
                    f"{100 * known[name][0].bubble():.1f}%, ideal {100 * known[name][1].bubble():.1f}%", 1e3),
              Panel(executed[name], f"{name}, executed on this machine (the GPT, last step): bubble "
-                   f"{100 * executed[name].bubble():.1f}%", 1e3)] for name, _ in SCHEDULES]
+                   f"{100 * executed[name].bubble():.1f}%", 1e3, summed=True)] for name, _ in SCHEDULES]
     draw_panels(path, rows, f"Pipeline schedules on {p} ranks, m = {MICRO} micro-batches. Left: blocks that sleep "
                 f"{SLEEP_MS} ms a forward (a backward's B and W as much each; the better of 2 steps): the schedule "
                 "as it is.\n"
-                f"Right: the GPT trained above ({ranks}): the schedule plus the machine's waits for cores and "
-                "messages", "milliseconds of the step")
+                f"Right: the GPT trained above ({ranks}), each rank's step added up: its own timeline interleaves "
+                "the actions with waits for cores and messages", "milliseconds of the step", widths=[2.6, 1])
 
 
 def main():

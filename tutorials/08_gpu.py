@@ -23,10 +23,13 @@ Where the lessons run: every lesson but this one runs on CPU ranks, processes un
 threads in one process, NumPy buffers, no GPU. This one needs CuPy and an NVIDIA GPU on every rank:
 its host-ring column is only the baseline of its GPU columns. Without CuPy or a GPU it says so once
 (rank 0) and stops with exit status 0, drawing nothing. Its picture (a GPU run): one group of bars
-per size, host ring, GPU ring and NCCL side by side on a log time axis.
+per size, host ring, GPU ring and NCCL (where it ran) side by side on a log time axis, each labelled
+with its ms, the title naming the GPU (on the tests' CuPy double: "fake GPU", and the picture says
+its times mean nothing).
 """
 import argparse
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -50,11 +53,22 @@ def timed_all_reduce(group, x, repeats=5):
     return sorted(times)[len(times) // 2]
 
 
+def gpu_name(cupy) -> str:
+    """This rank's GPU as the CUDA runtime names it (the tests' CuPy double: "fake GPU (host memory)")."""
+    name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
 def lesson(ring, nccl, cupy, png=None):
     rank, n = ring.rank, ring.size
     say = print if rank == 0 else (lambda *a, **k: None)
     aware = ring.transport.cuda_aware
-    say(f"=== 1. {n} ranks; this MPI is {'CUDA-aware: GPU buffers go to MPI as they are' if aware else 'not CUDA-aware: each message is staged through pinned host memory'}")
+    gpu, fake = gpu_name(cupy), getattr(cupy, "is_fake", False)
+    say(f"=== 1. {n} ranks on {gpu} ({gpu_count()} GPU{'s' * (gpu_count() > 1)}); this MPI is "
+        f"{'CUDA-aware: GPU buffers go to MPI as they are' if aware else 'not CUDA-aware: each message is staged through pinned host memory'}")
+    if fake:
+        say("  a stand-in for CuPy (the tests' double): its 'GPU' arrays live in host memory, so every path runs and "
+            "is checked,\n  but the times below mean nothing")
     x = cupy.arange(10, dtype=cupy.float32) * (rank + 1)  # on the GPU
     ring.all_reduce(x)
     want = np.arange(10, dtype=np.float32) * sum(range(1, n + 1))
@@ -83,35 +97,55 @@ def lesson(ring, nccl, cupy, png=None):
         say(f"  {count * 4 // 1024:>6}KiB {cells}")
         rows.append((count * 4, row))
     if png and rank == 0:
-        draw(png, rows, nccl is not None, aware)
+        draw(png, rows, nccl is not None, aware, gpu, fake, n)
     say("\nTry:\n  1. SIZES = [2**8, 2**12]. Expect the GPU ring slower than the host ring for such small buffers "
         "(copies\n     and synchronisation per ring step dominate).\n  2. -n 4 on a machine with 4 GPUs. Expect "
         "the NCCL column, for 4 ranks.")
-    say("\nEvery GPU result equals the host ring's, element for element.")
+    say("\nEvery GPU result equals the host ring's, element for element. All checks passed.")
 
 
-def draw(path, rows, with_nccl, aware):
-    """The all-reduce times of part 2: one group of bars per size (host ring, GPU ring, NCCL)."""
+def draw(path, rows, with_nccl, aware, gpu, fake, n):
+    """The all-reduce times of part 2: one group of bars per size (host ring, GPU ring, NCCL where
+    it ran), each labelled with its ms; the title names the GPU and the columns this run had."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     names = ["host ring (NumPy)", "GPU ring (" + ("CUDA-aware MPI" if aware else "staged via pinned host") + ")"]
     names += ["NCCL"] if with_nccl else []
-    fig, ax = plt.subplots(figsize=(9, 4.2))
+    fig, ax = plt.subplots(figsize=(10, 4.8))
     width = 0.8 / len(names)
     for k, name in enumerate(names):
-        ax.bar([i + (k - (len(names) - 1) / 2) * width for i in range(len(rows))], [1e3 * r[1][k] for r in rows],
-               width, label=name)
+        times = [1e3 * r[1][k] for r in rows]
+        bars = ax.bar([i + (k - (len(names) - 1) / 2) * width for i in range(len(rows))], times, width, label=name)
+        ax.bar_label(bars, [f"{t:.3g}" for t in times], fontsize=8)
     ax.set_xticks(range(len(rows)), [f"{nbytes // 1024:,} KiB" for nbytes, _ in rows])
     ax.set_yscale("log")
+    ax.margins(y=0.15)
     ax.set_xlabel("all-reduce size (float32)")
-    ax.set_ylabel("median time (ms, log scale)")
-    ax.set_title("One all-reduce: host buffers, GPU buffers over the ring, NCCL", fontsize=10)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9, frameon=False)
+    ax.set_ylabel("median time of 5 (ms, log scale)")
+    columns = "host buffers and GPU buffers over the ring" + (", and NCCL" if with_nccl else
+                                                               f"\n(no NCCL: it needs one GPU per rank, here "
+                                                               f"{gpu_count()} for {n} ranks)")
+    fig.suptitle(f"One all-reduce on {n} ranks, GPU: {gpu}. {columns[0].upper()}{columns[1:]}", fontsize=11)
+    if fake:
+        ax.set_title("FAKE GPU: the tests' CuPy double, in host memory. Every path ran and was checked; "
+                     "the times mean nothing", fontsize=9, color="firebrick")
+    ax.legend(loc="upper left", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     print(f"  times drawn in {path}")
+
+
+def other_lessons() -> str:
+    """The numbers of every other lesson in this folder, as ranges: ``00-07, 09-18``."""
+    numbers = sorted(int(p.name[:2]) for p in Path(__file__).parent.glob("[0-9][0-9]_*.py") if p.name[:2] != "08")
+    runs, start = [], numbers[0]
+    for a, b in zip(numbers, numbers[1:] + [None]):
+        if b != a + 1:
+            runs.append(f"{start:02d}" + (f"-{a:02d}" if a > start else ""))
+            start = b
+    return ", ".join(runs)
 
 
 def launched_rank() -> int:
@@ -132,8 +166,9 @@ def main():
         if launched_rank() == 0:  # one message for the whole job, not one per rank
             print("Lesson 8 needs CuPy and an NVIDIA GPU (pip install -e \".[gpu]\" on a machine with a CUDA "
                   "driver); this machine has none, so it stops here"
-                  + (f" and draws nothing into {args.png}" if args.png else "") + ". Every other lesson (00-07, "
-                  "09-15) runs on CPU ranks, as processes under mpiexec or threads in one process: no GPU needed.")
+                  + (f" and draws nothing into {args.png}" if args.png else "") + f". Every other lesson ("
+                  f"{other_lessons()}) runs on CPU ranks, as processes under mpiexec or threads in one process: "
+                  "no GPU needed.")
         return
     import cupy
     ring = minidist.init(backend="ring")

@@ -51,7 +51,9 @@ reduce-scatters in the same order: against EACH OTHER they are bitwise equal, as
 
 Picture (``--png PATH``): left, why a scale: two pairs of bars, the share of the nonzero step-0
 gradients float16 would flush to 0 (red) or keep subnormal (orange), unscaled (about 0.2% and 14.5%)
-and x 65536 (about 0.02% and 0.2%), each bar labelled with the printed share. Right, the loss scale
+and x 65536 (about 0.02% and 0.2%), each bar labelled with the printed share. Right, on top, part
+3's run rank by rank and step by step: red where a rank's own gradient shard held an inf, grey where
+its shard was finite and it skipped all the same, green where it updated. Below, the loss scale
 each step used, as a staircase on a log axis: part 3's run (65536, a red X at step 2 labelled
 "step 2 skipped: 65536 -> 32768", then 32768 to the end) above part 3b's (65536, doubled to 131072
 after 2 clean steps, a red X at step 2 "step 2 skipped: 131072 -> 65536", doubled again at step 5).
@@ -139,9 +141,9 @@ def held_bytes(zero):
 def train(group, stage, growth_interval=2000):
     """STEPS steps of AdamW under ZeRO ``stage`` in float16 (with the default growth_interval the
     scale never grows here: only OVERFLOW_STEP may be skipped, asserted); returns (bytes held at
-    step 0, the paper's formula, the float32 masters at the end (gathered), every rank's view of the
-    overflow step and the next: rows (step, inf in own shard, skipped, scale before, after,
-    skipped steps, loss), and the scale per step: rows (before, after, skipped, clean steps))."""
+    step 0, the paper's formula, the float32 masters at the end (gathered), every rank's view of
+    every step: rows (step, inf in own shard, skipped, scale before, after, skipped steps, loss),
+    step by step, rank by rank, and the scale per step: rows (before, after, skipped, clean steps))."""
     model = GPT(CONFIG, seed=0, dtype="float16")  # the compute dtype: parameters and gradients float16
     scaler = DynamicLossScaler(group=group, growth_interval=growth_interval)  # the world: all skip together
     zero = ZeroOptimizer(model, group, stage, "adamw", lr=LR, weight_decay=0.1,
@@ -166,9 +168,8 @@ def train(group, stage, growth_interval=2000):
         if growth_interval > STEPS:
             assert skipped == (step == OVERFLOW_STEP), f"rank {group.rank}: step {step} skipped={skipped}"
         scales.append((scale, scaler.scale, skipped, scaler.clean_steps))
-        if step in (OVERFLOW_STEP, OVERFLOW_STEP + 1):
-            row = np.array([step, inf_here, skipped, scale, scaler.scale, scaler.skipped_steps, loss.item()])
-            report.append(group.all_gather(row[None, :]))  # (N, 7): every rank's view of this step
+        row = np.array([step, inf_here, skipped, scale, scaler.scale, scaler.skipped_steps, loss.item()])
+        report.append(group.all_gather(row[None, :]))  # (N, 7): every rank's view of this step
     with full_parameters(zero, masters=True):
         masters = {name: p.data.copy() for name, p in model.named_parameters()}  # float32, full
     return held, zero_memory.formula(zero), masters, np.concatenate(report), np.array(scales)
@@ -248,12 +249,17 @@ def lesson(group, png=None):
         print(f"\n3. One overflow (ZeRO-3): rank {OVERFLOW_RANK} seeds step {OVERFLOW_STEP}'s backward with "
               f"{BLOWUP:g} x the scale; every rank's own view, gathered:")
         for i, (s, inf, skip, before, after, n_skipped, lss) in enumerate(results[3][3]):
+            if s not in (OVERFLOW_STEP, OVERFLOW_STEP + 1):
+                continue
             what = (f"SKIPPED, scale {before:.0f} -> {after:.0f}, skipped steps {n_skipped:.0f}" if skip
                     else f"updated, scale {before:.0f}")
             print(f"  step {s:.0f} rank {i % n}: inf in own gradient shard: {'yes' if inf else 'no ':3}  "
                   f"{what}   loss {lss:.4f}")
         print(f"  the flag is agreed over the world (one 8-byte all-reduce): ranks whose shard is finite skip too;"
               f"\n  training went on at scale {results[3][3][-1, 4]:.0f}: {STEPS - 1} of {STEPS} steps applied")
+        seen = results[3][3].reshape(STEPS, n, 7)  # (step, rank, field)
+        assert (seen[:, :, 2] == seen[:, :1, 2]).all() and seen[OVERFLOW_STEP, :, 1].any(), "ranks disagreed"
+        assert not seen[OVERFLOW_STEP, :, 1].all(), "every rank saw inf: part 3 shows no rank skipping for another"
         print(f"\n3b. The scale grows back: the same run with growth_interval = {GROWTH} (the trainer's "
               "--loss-scale-window; default 2000):")
         for step, (before, after, skipped, clean) in enumerate(growing):
@@ -266,7 +272,7 @@ def lesson(group, png=None):
         print("\n".join(check))
         print("  stages 1, 2, 3: bitwise equal masters (the same float16 reduce-scatters in the same order)")
         if png:
-            draw(png, n, counts, results[3][4], growing)
+            draw(png, n, counts, results[3][4], growing, seen)
         print("\nTry:")
         print("  1. BLOWUP = 2.0 ** 16. Expect 'inf in own gradient shard: yes' on all 4 ranks at step 2 (rank 3's "
               "inf\n     reaches every shard through the reduce-scatter), the same skip, 65536 -> 32768, and part 4 "
@@ -275,35 +281,59 @@ def lesson(group, png=None):
               "halved at\n     step 2 (rank 3's overflow) and again at step 4, where 262144 overflows on its own "
               "(part 2: 28,122 x 4\n     > 65504): the scaler settles just below float16's ceiling, 131072 <-> 262144.")
         print("Mixed-precision ZeRO holds what the paper says, skips an overflow on every rank, "
-              "and trains like one process in float16.")
+              "and trains like one process in float16. All checks passed.")
 
 
-def draw(path, n, counts, scales, growing):
+def draw(path, n, counts, scales, growing, seen):
     """Left, why a loss scale: the share of part 2's nonzero gradients float16 would flush to 0 or
-    keep subnormal, unscaled and scaled. Right, the loss scale each step's backward was seeded with,
-    in part 3's run (top) and in 3b's (bottom) (``scales``, ``growing``: rows (before, after,
-    skipped, clean)), the skipped steps marked; every number as the lesson prints it."""
+    keep subnormal, unscaled and scaled. Right, top: part 3's run rank by rank and step by step
+    (``seen``: (step, rank, field) as gathered), whether its own gradient shard held an inf and
+    whether it updated or skipped; below, the loss scale each step's backward was seeded with, in
+    part 3's run and in 3b's (``scales``, ``growing``: rows (before, after, skipped, clean)), the
+    skipped steps marked; every number as the lesson prints it."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch, Rectangle
     nonzero, *flushes = counts  # unscaled: flushed, subnormal; scaled: flushed, subnormal
-    fig = plt.figure(figsize=(12, 5))
-    grid = fig.add_gridspec(2, 2, width_ratios=[1, 1.7])
+    fig = plt.figure(figsize=(13, 7.5))
+    grid = fig.add_gridspec(3, 2, width_ratios=[1, 1.9], height_ratios=[1.25, 1, 1])
     why = fig.add_subplot(grid[:, 0])
     x = np.arange(2)
     for k, (what, colour) in enumerate((("flushed to 0", "#d7301f"), ("subnormal (fewer bits)", "#fdae6b"))):
         shares = [100 * flushes[k] / nonzero, 100 * flushes[2 + k] / nonzero]
         bars = why.bar(x + (k - 0.5) * 0.38, shares, 0.38, color=colour, label=what)
-        why.bar_label(bars, [f"{v:.2f}%" for v in shares], fontsize=8)
+        why.bar_label(bars, [f"{v:.2f}%" for v in shares], fontsize=9)
     why.set_xticks(x, ["unscaled", f"x {INIT_SCALE:.0f}"])
     why.set_ylabel(f"% of the {nonzero:,.0f} nonzero step-0 gradients", fontsize=9)
     why.set_title("part 2, why a scale: float16 gradients", fontsize=10, loc="left")
-    why.legend(fontsize=8, frameon=False, loc="upper right")
+    why.set_ylim(0, 100 * max(flushes) / nonzero * 1.35)  # room above the bars for the legend
+    why.legend(fontsize=9, frameon=False, loc="upper right")
     steps = np.arange(STEPS + 1)
+    ranks = fig.add_subplot(grid[0, 1])
+    states = {"inf": ("#d7301f", "inf in its own shard: skipped"),
+              "skipped": ("#bdbdbd", "its shard finite: skipped all the same"),
+              "updated": ("#a1d99b", "updated")}
+    for step in range(STEPS):
+        for r in range(n):
+            inf, skipped = seen[step, r, 1], seen[step, r, 2]
+            state = "inf" if inf else "skipped" if skipped else "updated"
+            ranks.add_patch(Rectangle((step - 0.45, r - 0.42), 0.9, 0.84, color=states[state][0]))
+            ranks.text(step, r, {"inf": "inf: skip", "skipped": "skip", "updated": "update"}[state], fontsize=8,
+                       ha="center", va="center", color="white" if inf else "black")
+    saw = [r for r in range(n) if seen[OVERFLOW_STEP, r, 1]]
+    ranks.set_yticks(range(n), [f"rank {r}" for r in range(n)], fontsize=8)
+    ranks.set_ylim(n - 0.5, -0.5)
+    ranks.set_xticks(steps, [f"step {s}" for s in range(STEPS)] + ["after"], fontsize=8)
+    ranks.set_title(f"part 3, each rank's own view: at step {OVERFLOW_STEP} rank{'s' * (len(saw) > 1)} "
+                    f"{' and '.join(map(str, saw))} hold{'s' * (len(saw) == 1)} an inf, all {n} skip (one flag over "
+                    "the world)", fontsize=9, loc="left")
+    ranks.legend(handles=[Patch(color=c, label=w) for c, w in states.values()], fontsize=8, loc="upper left",
+                 bbox_to_anchor=(1.01, 1.0), frameon=False)
     runs = ((scales, "part 3: growth_interval 2000 (the default)", "#4c72b0"),
             (growing, f"part 3b: growth_interval {GROWTH}", "#55a868"))
     for row, (rows, title, colour) in enumerate(runs):
-        ax = fig.add_subplot(grid[row, 1])
+        ax = fig.add_subplot(grid[row + 1, 1], sharex=ranks)
         used = np.append(rows[:, 0], rows[-1, 1])  # the scale each step's backward used, then the next one
         ax.plot(steps, used, drawstyle="steps-post", color=colour, marker="o", label="the scale a step used")
         skipped = np.flatnonzero(rows[:, 2])
@@ -317,16 +347,17 @@ def draw(path, n, counts, scales, growing):
         ax.set_yticks(levels, [f"{v:.0f}" for v in levels], fontsize=8)
         ax.minorticks_off()
         ax.set_ylim(min(levels) / 1.6, max(levels) * 2.2)
-        ax.set_xticks(steps, [f"step {s}" for s in range(STEPS)] + ["after"], fontsize=8)
+        ax.tick_params(axis="x", labelsize=8)
         ax.set_ylabel("loss scale", fontsize=9)
         ax.set_title(title, fontsize=9, loc="left")
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    ranks.set_xlim(-0.5, STEPS + 0.3)
     fig.suptitle(f"Mixed-precision ZeRO-3 on {n} ranks: rank {OVERFLOW_RANK} overflows at step {OVERFLOW_STEP}, "
                  "every rank skips it and halves the scale", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
-    print(f"  the loss scale per step, and why one, drawn in {path}")
+    print(f"  the loss scale per step, each rank's view of the overflow, and why a scale, drawn in {path}")
 
 
 if __name__ == "__main__":

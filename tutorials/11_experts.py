@@ -393,53 +393,59 @@ def lesson(group, png=None):
 
 
 def draw(path, n, probs, trained):
-    """Left: part 1's routing as a token x expert matrix, each cell shaded by the router's probability
-    (as printed), each token's top-k experts outlined in the colour of the expert's rank (dashed: sent
-    to another rank). Right: part 2's assignments per expert."""
+    """Left: part 1's routing as a token x expert matrix, each cell shaded grey by the router's
+    probability (as printed; a colour bar beside it), each token's top-k experts outlined in the colour
+    of the expert's rank (dashed: sent to another rank). Right: part 2's assignments per expert."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.colors import LinearSegmentedColormap, to_hex
     from matplotlib.patches import Rectangle
+    from minidist.inspect.colors import text_color
     L, L2 = E // n, TRAIN.n_experts // n
+    shade = LinearSegmentedColormap.from_list("probability", ["white", "#4d4d4d"])  # grey: no rank's colour
     colours = plt.get_cmap("tab10").colors
-    fig, axes = plt.subplots(1, 1 + len(COEFS), figsize=(16, 1.5 + 0.2 * n * T),
-                             gridspec_kw={"width_ratios": [1.2, 1, 1]})
+    fig, axes = plt.subplots(1, 1 + len(COEFS), figsize=(17, 2 + 0.26 * n * T),
+                             gridspec_kw={"width_ratios": [1.3, 1, 1]})
     ax = axes[0]
-    ax.imshow(probs.reshape(n * T, E), cmap="Blues", vmin=0, vmax=1, aspect="auto")  # (n T, E): row r T + t
+    image = ax.imshow(probs.reshape(n * T, E), cmap=shade, vmin=0, vmax=1, aspect="auto")  # (n T, E): row r T + t
     for r in range(n):
         experts = route(probs[r], K)  # (T, k)
         for t in range(T):
             y = r * T + t
             for e in range(E):
                 chosen = e in experts[t]
-                ax.text(e, y, f"{probs[r, t, e]:.2f}", ha="center", va="center", fontsize=7,
-                        color="white" if probs[r, t, e] > 0.6 else "black", weight="bold" if chosen else "normal")
+                ax.text(e, y, f"{probs[r, t, e]:.2f}", ha="center", va="center", fontsize=9,
+                        color=text_color(to_hex(shade(probs[r, t, e]))), weight="bold" if chosen else "normal")
             for e in experts[t]:
-                ax.add_patch(Rectangle((e - 0.45, y - 0.42), 0.9, 0.84, fill=False, lw=2, edgecolor=colours[e // L],
+                ax.add_patch(Rectangle((e - 0.45, y - 0.42), 0.9, 0.84, fill=False, lw=2.5, edgecolor=colours[e // L],
                                        ls="-" if e // L == r else "--"))
         if r:
             ax.axhline(r * T - 0.5, color="black", lw=1.5)
     for s in range(1, n):
         ax.axvline(s * L - 0.5, color="black", lw=1.5)
     rows = [sum(int((route(probs[r], K) == e).sum()) for r in range(n)) for e in range(E)]
-    ax.set_xticks(range(E), [f"e{e}\nrank {e // L}\n{rows[e]} rows" for e in range(E)], fontsize=8)
+    ax.set_xticks(range(E), [f"e{e}\nrank {e // L}\n{rows[e]} rows" for e in range(E)], fontsize=9)
     for e, tick in enumerate(ax.get_xticklabels()):
         tick.set_color(colours[e // L])
     ax.xaxis.tick_top()
-    ax.set_yticks(range(n * T), [f"seq {r} t{t} (rank {r})" for r in range(n) for t in range(T)], fontsize=7)
+    ax.set_yticks(range(n * T), [f"seq {r} t{t} (rank {r})" for r in range(n) for t in range(T)], fontsize=9)
     for y, tick in enumerate(ax.get_yticklabels()):
         tick.set_color(colours[y // T])
     ax.set_xlabel(f"router probabilities; outlined: each token's top-{K} experts, in the colour of the expert's "
                   "rank;\nsolid: computed on the token's own rank, dashed: sent to another rank by the dispatch",
-                  fontsize=8)
-    ax.set_title(f"part 1: {n} sequences of {T} tokens routed to {E} experts", fontsize=10)
+                  fontsize=9)
+    ax.set_title(f"part 1: {n} sequences of {T} tokens routed to {E} experts", fontsize=11)
+    bar = fig.colorbar(image, ax=ax, fraction=0.05, pad=0.02, ticks=[0, 0.25, 0.5, 0.75, 1])
+    bar.set_label("router probability (grey: the shading of each cell)", fontsize=9)
+    bar.ax.tick_params(labelsize=8)
     top = max(load.max() for load, _, _ in trained) * 1.25
     width = 0.8 / TRAIN.n_layer
     for ax, coef, (load, computed, loss) in zip(axes[1:], COEFS, trained):
         for r in range(n):
             ax.axvspan(r * L2 - 0.5, (r + 1) * L2 - 0.5, color=colours[r], alpha=0.08)
             ax.text((r + 0.5) * L2 - 0.5, top * 0.97, f"rank {r}\n" + " + ".join(str(c) for c in computed[r])
-                    + "\nrows", ha="center", va="top", fontsize=9 if n == 2 else 7, color=colours[r])
+                    + "\nrows", ha="center", va="top", fontsize=9 if n == 2 else 8, color=colours[r])
         x = np.arange(TRAIN.n_experts)
         for i, row in enumerate(load):
             ax.bar(x + (i - (TRAIN.n_layer - 1) / 2) * width, row, width, label=f"layer {i}: max/mean "
@@ -447,7 +453,8 @@ def draw(path, n, probs, trained):
         ax.axhline(load.mean(), color="k", ls=":", lw=1, label="even load")
         ax.set(xticks=x, xticklabels=[f"e{e}" for e in x], ylim=(0, top), ylabel="assignments (last "
                f"{LAST} steps)", title=f"part 2: {TRAIN.n_experts} experts, aux coef {coef:g} (loss {loss:.2f})")
-        ax.legend(loc="center right", fontsize=8)
+        ax.set_xlabel("expert (shaded: the rank that holds it)", fontsize=9)
+        ax.legend(loc="center right", fontsize=9)
     fig.suptitle(f"Expert parallelism on {n} ranks: the router decides which rank computes each token "
                  f"(E = {E}, top-{K}, {L} expert{'s' * (L > 1)} per rank), and the auxiliary loss keeps the work even")
     fig.tight_layout()

@@ -26,12 +26,13 @@ unit costs by default; on other costs a schedule placed for unit costs is replay
   2. 1F1B, ZB-H1 and ZB-V for p ranks and m = 8, simulated; idle time and memory vs the formulas.
   3. A GPT trained 3 steps with zb-h1 and with zbv: every loss equals one process's.
 
-Pictures (``--png zb.png``): zb.png has one row per schedule (ZB-H1, ZB-V), ranks top to bottom,
-boxes coloured by micro-batch (F plain, B hatched //, W hatched xx), labelled where the label fits.
+Pictures (``--png zb.png``): zb.png has one row per schedule (ZB-H1, ZB-V), ranks top to bottom.
 Left, "executed with known stage costs": the schedule run on blocks that sleep 20 ms for each F, B
-and W (the better of 2 steps), so it shows as placed: ZB-H1's W boxes filling what would be 1F1B's
-idle end, ZB-V's half-size chunks packed almost without grey. Right, "executed on this machine": the GPT's last step,
-gaps and stretched boxes from ranks sharing cores. Each title carries the bubble printed beside it.
+and W (the better of 2 steps), F blue, B orange, W green (ZB-V's chunk 1 paler), each box labelled
+with its micro-batch where it fits, so it shows as placed: ZB-H1's W boxes filling what would be
+1F1B's idle end, ZB-V's half-size chunks packed almost without grey. Right, "executed on this
+machine": the GPT's last step, each rank's F, B, W and idle time added up into one bar (its own
+timeline interleaves them with waits for cores). Each title carries the bubble printed beside it.
 zb_schedules.png stacks the three ideal timelines on one axis, F blue, B orange, W green (ZB-V's
 chunk 1 paler): the grey corners shrink from 1F1B to ZB-H1 to ZB-V.
 """
@@ -203,20 +204,24 @@ def lesson(world, png=None):
               "replayed or rescheduled;\n     ZB-V replayed 13.5, worse than 1F1B, rescheduled 7: "
               "a zero-bubble order must be "
               "placed for the real costs.")
-        print("Zero-bubble schedules: B + W = backward bitwise; zb-h1 and zbv train as one process does.")
+        print("Zero-bubble schedules: B + W = backward bitwise; zb-h1 and zbv train as one process does. "
+              "All checks passed.")
 
 
 def draw(path, p, known, executed):
     """One row per schedule: left, the step executed with known stage costs (the schedule itself),
-    right, the GPT's last step on this machine; titles carry the bubbles printed above."""
+    F, B and W in three colours, ZB-V's second chunk paler; right, the GPT's last step on this
+    machine, each rank's F, B, W and idle time added up (its boxes are slivers between waits for
+    cores and messages); titles carry the bubbles printed above."""
     rows = [[Panel(known[name][0], f"{name}, executed with known stage costs: bubble "
                    f"{100 * known[name][0].bubble():.1f}%, ideal {100 * known[name][1].bubble():.1f}%", 1e3),
              Panel(executed[name], f"{name}, executed on this machine (the GPT, last step): bubble "
-                   f"{100 * executed[name].bubble():.1f}%", 1e3)] for name, _ in SCHEDULES[1:]]
-    draw_panels(path, rows, f"Zero-bubble schedules on {p} ranks, m = {MICRO} micro-batches. Left: blocks that sleep "
-                f"{SLEEP_MS} ms for each F, B and W (the better of 2 steps): the schedule as placed.\nRight: the GPT "
-                "trained above: the schedule plus this machine's waits for cores and messages",
-                "milliseconds of the step")
+                   f"{100 * executed[name].bubble():.1f}%", 1e3, summed=True)] for name, _ in SCHEDULES[1:]]
+    draw_panels(path, rows, f"Zero-bubble schedules on {p} ranks, m = {MICRO} micro-batches, each box labelled with "
+                f"its micro-batch. Left: blocks that sleep {SLEEP_MS} ms for each F, B and W (the better of 2 "
+                "steps): the schedule as placed,\nW (green) filling what would be 1F1B's idle time. Right: the GPT "
+                "trained above, each rank's step added up: its own timeline interleaves the actions with waits for "
+                "cores and messages", "milliseconds of the step", widths=[2.6, 1], by_op=True)
 
 
 def draw_schedules(path, ideal, p):

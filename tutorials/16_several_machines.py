@@ -68,34 +68,58 @@ def axes_across_machines():
 
 
 def draw(path: str):
-    """One row per layout: the two machines as boxes, their ranks inside, and each axis's groups as
-    lines between their ranks; a group that crosses machines is drawn red and dashed."""
+    """One panel per layout: the two machines as boxes, their ranks inside, and each axis's groups as
+    brackets below their ranks, one colour per axis; a group that crosses machines is dashed and
+    passes through the link between the boxes. Each panel is titled with the mesh's own report."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
     from minidist.parallel.mesh import MeshShape
 
-    fig, rows = plt.subplots(len(LAYOUTS), 1, figsize=(7, 1.9 * len(LAYOUTS)))
+    fig, rows = plt.subplots(len(LAYOUTS), 1, figsize=(8, 2.3 * len(LAYOUTS)))
     colour = {"tp": "tab:blue", "pp": "tab:green", "dp": "tab:orange"}
     for ax, layout in zip(rows, LAYOUTS):
+        lines = minidist.run_local(lambda g: DeviceMesh(g, **layout, machines=TWO_OF_TWO).machine_lines(), 4)[0]
         shape = MeshShape(**layout)
         for machine in range(TWO_OF_TWO.count):
-            ax.add_patch(plt.Rectangle((machine * 2 - 0.45, -0.85), 1.9, 1.65, fill=False, lw=1.5))
-            ax.text(machine * 2 + 0.5, 0.65, f"machine {machine}", ha="center", va="bottom", fontsize=8)
+            ax.add_patch(plt.Rectangle((machine * 2 - 0.36, -1.35), 1.72, 1.75, fill=False, lw=1.5))
+            ax.text(machine * 2 + 0.5, 0.3, f"machine {machine}", ha="center", va="top", fontsize=9)
+        ax.axvspan(1.36, 1.64, color="#e4e4e4", zorder=0)  # the link between the machines
+        ax.text(1.5, 0.1, "link", ha="center", va="top", fontsize=8, color="dimgrey", rotation=90)
         for rank in range(4):
-            ax.text(rank, 0, f"rank {rank}", ha="center", va="center", fontsize=8,
-                    bbox=dict(boxstyle="round", fc="white", ec="grey"))
-        for level, axis in enumerate(shape.sized_axes()):
-            for i, group in enumerate(shape.groups(axis)):  # groups that interleave, one below the other
-                crosses = len(TWO_OF_TWO.spanned(group)) > 1
-                y = -0.22 - 0.3 * level - 0.08 * (i % 2)
-                ax.plot(group, [y] * len(group), color="red" if crosses else colour[axis], lw=2,
-                        ls="--" if crosses else "-", marker="o", ms=3)
-            ax.text(3.6, -0.26 - 0.3 * level, f"{axis} groups", color=colour[axis], va="center", fontsize=8)
-        ax.set_title(" x ".join(f"{a} {n}" for a, n in layout.items()) + " (red dashed: across machines)", fontsize=9)
-        ax.set_xlim(-0.6, 4.4)
-        ax.set_ylim(-0.95, 0.95)
+            ax.text(rank, 0, f"rank {rank}", ha="center", va="center", fontsize=9,
+                    bbox=dict(boxstyle="round", fc="white", ec="grey"), zorder=3)
+        level, handles = 0, []
+        for k, axis in enumerate(shape.sized_axes()):
+            dx = -0.1 + 0.2 * k  # each axis leaves a rank at its own x: the brackets never share a line
+            placed = []  # (lo, hi, level) of this axis: groups that overlap along x go one below the other
+            for group in shape.groups(axis):
+                lo, hi = min(group), max(group)
+                row = next((r for r in range(level, level + 4)
+                            if all(r != q or h < lo or hi < l for l, h, q in placed)), level)
+                placed.append((lo, hi, row))
+                y = -0.4 - 0.28 * row
+                style = "--" if len(TWO_OF_TWO.spanned(group)) > 1 else "-"
+                ax.plot([lo + dx, hi + dx], [y, y], color=colour[axis], lw=2.2, ls=style)
+                for r in group:
+                    ax.plot([r + dx, r + dx], [-0.17, y], color=colour[axis], lw=1.2, ls=style)
+                    ax.plot(r + dx, y, "o", color=colour[axis], ms=4)
+            level = max(q for *_, q in placed) + 1
+            crosses = any(len(TWO_OF_TWO.spanned(g)) > 1 for g in shape.groups(axis))
+            handles.append(Line2D([], [], color=colour[axis], lw=2.2, ls="--" if crosses else "-",
+                                  label=f"{axis} groups: " + ("cross the link" if crosses else "inside a machine")))
+        ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=9, frameon=False)
+        name = " x ".join(f"{a} {n}" for a, n in layout.items())
+        report = lines[0].split("; ")[1]
+        warned = any(line.startswith("warning") for line in lines[1:])
+        ax.set_title(f"{name}: {report}" + (" - warned: tp sums activations over the link in every layer" if warned else ""), fontsize=10,
+                     color="firebrick" if warned else "black", loc="left")
+        ax.set_xlim(-0.55, 3.55)
+        ax.set_ylim(-1.45, 0.45)
         ax.axis("off")
+    fig.suptitle(f"Which groups cross machines: 4 ranks on {TWO_OF_TWO}\n(ranks fill a machine before the next; "
+                 "tp varies fastest; solid: inside a machine, dashed: across the link)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"\ndrew the groups of each layout on the two machines into {path}")

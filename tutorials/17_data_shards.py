@@ -133,11 +133,33 @@ class SlowStorage:
         return self.sampler.batch(step)
 
 
-def part3(folder: Path, steps: int = 12, delay: float = 0.02):
+def step_compute(delay: float, ratio: float):
+    """The step's compute: a fixed number of matmuls on fixed matrices, the same work at every step,
+    chosen on this machine to last about ``ratio`` reads (one matmul timed once, before the runs)."""
+    a = np.random.default_rng(0).standard_normal((256, 256)) / 16  # (256, 256): entries ~1/16, tanh stays O(1)
+
+    def one():
+        return np.tanh(a @ a)  # (256, 256); a never changes, so every call is the same work
+
+    one()
+    start = time.perf_counter()
+    for _ in range(8):
+        one()
+    per = (time.perf_counter() - start) / 8
+    n = max(1, int(np.ceil(ratio * delay / per)))
+
+    def compute():
+        for _ in range(n):
+            one()
+    return compute, n
+
+
+def part3(folder: Path, steps: int = 8, delay: float = 0.02, ratio: float = 2.5):
     print(f"\n=== 3. the next batch read while this step computes: storage slowed to {1e3 * delay:.0f} ms a read ===")
     sampler = DistributedSampler(open_corpus(folder).train, 8, 64, 0, 0, 1)
-    x = np.random.default_rng(0).standard_normal((384, 384))
-    timelines, batches = {}, {}
+    compute, n = step_compute(delay, ratio)
+    print(f"  a step's compute: {n} matmuls of (256, 256) at every step, sized on this machine to ~{ratio:g} reads")
+    timelines, batches, waits = {}, {}, {}
     for ahead in (False, True):
         events, got = [], []
         t0 = time.perf_counter()
@@ -145,30 +167,31 @@ def part3(folder: Path, steps: int = 12, delay: float = 0.02):
             for step in range(steps):
                 f = reads.get(step)
                 compute_start = time.perf_counter()
-                for _ in range(4):  # the step's compute: a few matmuls
-                    x = np.tanh(x @ x / 384)
+                compute()
                 events.append((f.read_start - t0, f.read_end - t0, f.wait_s, compute_start - t0,
                                time.perf_counter() - t0))
                 got.append(f.batch)
         timelines[ahead], batches[ahead] = events, got
-        wait = sum(e[2] for e in events[1:]) / (steps - 1)
-        compute = sum(e[4] - e[3] for e in events[1:]) / (steps - 1)
-        print(f"  {'with prefetch' if ahead else 'without':<15} each step waited {1e3 * wait:5.1f} ms for its batch "
-              f"(after the first), then computed for {1e3 * compute:5.1f} ms")
+        waits[ahead] = sum(e[2] for e in events[1:]) / (steps - 1)
+        compute_s = sum(e[4] - e[3] for e in events[1:]) / (steps - 1)
+        print(f"  {'with prefetch' if ahead else 'without':<15} each step waited {1e3 * waits[ahead]:5.1f} ms for its "
+              f"batch (mean after the first), then computed for {1e3 * compute_s:5.1f} ms")
     assert all(a.tobytes() == b.tobytes() for a, b in zip(batches[False], batches[True]))
     print("  with prefetch the read of step s + 1 ran during step s's compute: a wait of ~0 whenever the read is the\n"
           "  shorter of the two. The batches are the same, bitwise: only WHEN the bytes are read changed")
     print("  (times measured on a shared machine: printed, never asserted)")
-    return timelines
+    return timelines, waits, delay
 
 
-def draw(path: str, cfg, rows, timelines):
+def draw(path: str, cfg, rows, prefetch):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
-    fig = plt.figure(figsize=(12, 7.5))
-    grid = fig.add_gridspec(3, 4, height_ratios=[1, 1, 1.2])
+    timelines, waits, delay = prefetch
+    fig = plt.figure(figsize=(12, 8.5))
+    grid = fig.add_gridspec(3, 4, height_ratios=[1, 1, 1.5])
     T, B = cfg.block_size, cfg.batch_size
     for k, r in enumerate(rows):
         ax = fig.add_subplot(grid[k // 4, k % 4])
@@ -179,19 +202,38 @@ def draw(path: str, cfg, rows, timelines):
         ax.set_title(f"dp {r['d']} pp {r['p']} cp {r['c']}: {r['read']} B of "
                      + ("ids" if r["p"] == 0 else "targets"), fontsize=9)
         ax.set_xticks([0, T // 2, T]), ax.set_yticks(range(B))
-        ax.set_xlabel("position in the window", fontsize=7), ax.set_ylabel("row", fontsize=7)
-        ax.tick_params(labelsize=7)
+        ax.set_xlabel("position in the window", fontsize=8), ax.set_ylabel("row of the batch", fontsize=8)
+        ax.tick_params(labelsize=8)
     ax = fig.add_subplot(grid[2, :])
-    for y, ahead in enumerate((True, False)):
-        for read_start, read_end, wait, c0, c1 in timelines[ahead]:
-            ax.barh(2 * y + 0.4, read_end - read_start, left=read_start, height=0.7, color="#e8a33d")
-            ax.barh(2 * y - 0.4, c1 - c0, left=c0, height=0.7, color="#3b75af")
-            if wait > 1e-3:
-                ax.barh(2 * y - 0.4, wait, left=c0 - wait, height=0.7, color="#cccccc")
-    ax.set_yticks([-0.4, 0.4, 1.6, 2.4], ["with prefetch: step", "read (thread)", "without: step", "read"])
-    ax.set_xlabel("seconds (orange: a batch read, blue: a step's compute, grey: the step waiting for its batch)")
-    fig.suptitle("Each rank reads only its rows and positions (blue) of the global batch; the next batch is read "
-                 "while the step computes", fontsize=10)
+    colors = {"read": "#e8a33d", "compute": "#3b75af", "wait": "#b0b0b0"}
+    ticks, names = [], []
+    for y, ahead in ((2.6, False), (0, True)):  # without on top, as the text tells it
+        for step, (read_start, read_end, wait, c0, c1) in enumerate(timelines[ahead]):
+            bars = [(y + 0.5, read_start, read_end, colors["read"]), (y - 0.5, c0, c1, colors["compute"])]
+            if wait > 1e-4:
+                bars.append((y - 0.5, c0 - wait, c0, colors["wait"]))
+            for row, lo, hi, color in bars:
+                ax.barh(row, 1e3 * (hi - lo), left=1e3 * lo, height=0.8, color=color, edgecolor="white", linewidth=1.5)
+            for row, lo, hi in ((y + 0.5, read_start, read_end), (y - 0.5, c0, c1)):  # the step each bar serves
+                if hi - lo > 0.012:
+                    ax.text(1e3 * (lo + hi) / 2, row, str(step), ha="center", va="center", fontsize=8, color="white")
+        label = "with prefetch" if ahead else "without prefetch"
+        ticks += [y + 0.5, y - 0.5]
+        names += [f"{label}: reads" + (" (a thread)" if ahead else ""),
+                  f"steps: mean wait {1e3 * waits[ahead]:.1f} ms"]
+    ax.set_yticks(ticks, names, fontsize=9)
+    ax.set_ylim(-1.1, 3.7), ax.set_xlim(left=0)
+    ax.set_xlabel("time since the run started (ms); each bar numbered with the step it serves", fontsize=9)
+    ax.tick_params(axis="x", labelsize=8)
+    ax.legend(handles=[Patch(color=colors["read"], label=f"a batch read ({1e3 * delay:.0f} ms of slowed storage)"),
+                       Patch(color=colors["compute"], label="a step's compute (the same matmuls every step)"),
+                       Patch(color=colors["wait"], label="the step waiting for its batch")],
+              loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, fontsize=9, frameon=False)
+    ax.set_title(f"3. Measured on this machine: each step waits {1e3 * waits[False]:.1f} ms for its batch without "
+                 f"prefetch, {1e3 * waits[True]:.1f} ms with it (mean over steps 1-{len(timelines[True]) - 1})",
+                 fontsize=10)
+    fig.suptitle("2. Each rank reads only its rows and positions (blue) of the global batch, dp 2 x pp 2 x cp 2",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"\nwrote {path}")
@@ -205,12 +247,13 @@ def main():
     with tempfile.TemporaryDirectory(prefix="minidist-lesson17-") as tmp:
         folder = part1(Path(tmp))
         cfg, rows = part2(folder)
-        timelines = part3(folder)
+        prefetch = part3(folder)
         if args.png:
-            draw(args.png, cfg, rows, timelines)
+            draw(args.png, cfg, rows, prefetch)
     print("\nTry:\n  1. LAYOUT = dict(dp=2, cp=2) (no pipeline, the ring's contiguous chunks): each rank reads T/cp + 1 = 9\n"
           "     positions of each window, its chunk's ids and one target more: 2 rows x 9 x 2 = 36 B\n"
-          "  2. part3(folder, delay=0.2): a read slower than the step; prefetch still hides the step's compute of it\n"
+          "  2. part3(folder, ratio=0.5): a step's compute half as long as the read; with prefetch the step still\n"
+          "     waits, about read - compute = 10 ms: prefetch hides as much of the read as the step computes\n"
           "  3. python -m minidist.data.prepare corpus.txt --out shards --tokenizer bpe:512, then\n"
           "     python -m minidist.train --data shards: a vocabulary of 512 from the manifest, the sample decoded by it")
     print("\nEach rank read only its rows and positions, the run equals one process, and the prefetched batches are "

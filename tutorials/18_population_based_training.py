@@ -38,7 +38,7 @@ from minidist.launch_check import check_launch
 from minidist.train import train
 from minidist.train.config import TrainConfig
 from minidist.train.pbt import train_pbt
-from minidist.train.population import draw
+from minidist.train.population import FACTORS, draw, ranked
 
 K, RANKS = 4, 2  # members, ranks per member (dp 2)
 SIZES = dict(n_layer=2, n_head=4, n_embd=32, block_size=32, batch_size=8, eval_iters=4, eval_every=1000,
@@ -107,31 +107,85 @@ def part4(history, root: Path):
     print(f"  --export best.npz: member {final[0]['member']}'s final model ({n:,} parameters), the best one")
 
 
+def changes(history, first):
+    """Every copy as (step, copier, donor, new lr, how): "x0.8" or "x1.2" when the copied lr was
+    perturbed, "fresh draw" when it was drawn again from the range (told apart by the values: the
+    new lr is the donor's x0.8 or x1.2 exactly, or not)."""
+    lr_before = {k: first[k].hparams["lr"] for k in range(K)}  # each member's lr before the ready point
+    found = []
+    for s in sorted({r["step"] for r in history}):
+        rows = {r["member"]: r for r in history if r["step"] == s}
+        for k, r in rows.items():
+            if r["copied"]:
+                ratio = r["lr"] / lr_before[r["parent"]]
+                how = next((f"x{f:g}" for f in FACTORS if abs(ratio - f) < 1e-9), None)
+                found.append((s, k, r["parent"], r["lr"], how or "fresh draw"))
+        lr_before = {k: r["lr"] for k, r in rows.items()}
+    return found
+
+
 def draw_png(path: str, history, cfg):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    fig, (lr_ax, tree_ax, loss_ax) = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
+    fig, axes = plt.subplot_mosaic([["lr", "key"], ["tree", "raw"], ["gap", "raw"]], figsize=(12, 10.5),
+                                   gridspec_kw=dict(height_ratios=[1.1, 0.8, 1.2], width_ratios=[3, 1]))
+    lr_ax, tree_ax, gap_ax, raw_ax, key = (axes[name] for name in ("lr", "tree", "gap", "raw", "key"))
+    tree_ax.sharex(gap_ax), lr_ax.sharex(gap_ax)
     colors = plt.cm.tab10(np.arange(K))
     steps = sorted({r["step"] for r in history})
     first = draw(K, cfg.seed, {"lr": cfg.lr}, {"lr": cfg.lr_range})
+    at = {(r["step"], r["member"]): r for r in history}
+    final = [at[steps[-1], k]["val_loss"] for k in range(K)]
+    winner = ranked(final)[0]  # the rule the export uses
+    best = {s: min(at[s, k]["val_loss"] for k in range(K)) for s in steps}
     for k in range(K):
-        rows = [r for r in history if r["member"] == k]
-        lrs = [first[k].hparams["lr"]] + [r["lr"] for r in rows]
-        lr_ax.step([0] + steps, lrs, where="post", color=colors[k], label=f"member {k}")
-        loss_ax.plot(steps, [r["val_loss"] for r in rows], "o-", color=colors[k])
+        lrs = [first[k].hparams["lr"]] + [at[s, k]["lr"] for s in steps]
+        lr_ax.step([0] + steps, lrs, where="post", color=colors[k], lw=3.5 if k == winner else 1.5)
         tree_ax.plot([0, steps[-1]], [k, k], color=colors[k], lw=6, alpha=0.25)
-    for r in history:
-        if r["copied"]:
-            tree_ax.annotate("", xy=(r["step"], r["member"]), xytext=(r["step"], r["parent"]),
-                             arrowprops=dict(arrowstyle="->", color=colors[r["parent"]], lw=1.8))
-    lr_ax.set_yscale("log"), lr_ax.set_ylabel("learning rate"), lr_ax.legend(fontsize=8, ncol=K)
+        gap_ax.plot(steps, [at[s, k]["val_loss"] - best[s] for s in steps], "o-", color=colors[k], ms=5,
+                    lw=3.5 if k == winner else 1.5)
+    marks = {"x0.8": "v", "x1.2": "^", "fresh draw": "*"}
+    for s, k, donor, lr, how in changes(history, first):
+        lr_ax.plot(s, lr, marks[how], color=colors[k], mec="black", ms=14 if how == "fresh draw" else 9, zorder=3)
+        lr_ax.annotate(how, (s, lr), xytext=(6, 4 if how != "x0.8" else -12), textcoords="offset points", fontsize=8)
+        tree_ax.annotate("", xy=(s, k), xytext=(s, donor), arrowprops=dict(arrowstyle="->", color=colors[donor], lw=1.8))
+    for bound in cfg.lr_range:
+        lr_ax.axhline(bound, color="grey", ls=":", lw=1)
+    lr_ax.text(steps[-1], cfg.lr_range[1], "--lr-range", color="grey", fontsize=8, va="bottom", ha="right")
+    lr_ax.set_yscale("log"), lr_ax.set_ylabel("learning rate (log)")
+    lr_ax.set_ylim(cfg.lr_range[0] / 1.6, cfg.lr_range[1] * 1.6)
+    lr_ax.set_title("Each member's learning rate; a copier takes its donor's, x0.8 or x1.2, or one in four a fresh "
+                    "draw", fontsize=10, loc="left")
+    members = [Line2D([], [], color=colors[k], lw=3.5 if k == winner else 1.5,
+                      label=f"member {k}" + (" (winner)" if k == winner else "")) for k in range(K)]
+    kinds = [Line2D([], [], ls="", marker=m, color="white", mec="black", ms=9, label=how) for how, m in marks.items()]
+    key.legend(handles=members + kinds, fontsize=9, loc="center left", title="members; a copied lr:", title_fontsize=9)
+    key.axis("off")
     tree_ax.set_yticks(range(K), [f"member {k}" for k in range(K)])
-    tree_ax.set_ylabel("exploit: weights copied\n(arrow: from donor to copier)")
-    loss_ax.set_ylabel("validation loss"), loss_ax.set_xlabel("step")
+    tree_ax.tick_params(axis="y", labelsize=9)
+    tree_ax.set_title(f"Exploit: at each ready point the bottom {cfg.quantile:.0%} copies the weights of the top "
+                      f"{cfg.quantile:.0%} (arrow: from donor to copier)", fontsize=10, loc="left")
+    tree_ax.set_ylim(-0.5, K - 0.5)
+    gap_ax.set_yscale("symlog", linthresh=1e-4)
+    gap_ax.set_ylim(-2e-5, 10)
+    star = gap_ax.plot(steps[-1], 0, "*", color=colors[winner], mec="black", ms=18, zorder=3, ls="",
+                       label=f"the winner: member {winner}, val loss {final[winner]:.4f}, exported")
+    gap_ax.legend(handles=star, fontsize=9, loc="upper right")
+    gap_ax.set_ylabel("validation loss minus the best\nmember's at that point (symlog)")
+    gap_ax.set_xlabel("step")
+    gap_ax.set_title("The ranking behind each copy: each member's loss above the best one's (0: the best)",
+                     fontsize=10, loc="left")
+    for k in range(K):
+        raw_ax.plot(steps, [at[s, k]["val_loss"] for s in steps], "o-", color=colors[k], ms=4,
+                    lw=3 if k == winner else 1.2)
+    raw_ax.set_title("the validation losses", fontsize=10, loc="left")
+    raw_ax.set_xlabel("step"), raw_ax.set_ylabel("validation loss")
+    raw_ax.tick_params(labelsize=8)
     fig.suptitle(f"Population-based training: {K} members x dp {RANKS}, ready every {cfg.ready_every} steps, "
-                 f"truncation {cfg.quantile:.0%}, explore lr x0.8 / x1.2", fontsize=10)
+                 f"truncation {cfg.quantile:.0%}, explore lr", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"\nwrote {path}")

@@ -5,7 +5,8 @@ trace, whose compute events ("forward" / "backward" / "weight", group "stage s",
 the engine records (on this machine's real stages, or on stages with known costs: known_costs.py).
 All are :class:`~minidist.parallel.pipeline.validate.Timeline` objects, so the same ``bubble()``
 measures each: the fraction of the step the ranks sit idle. ``draw_panels`` draws them in a grid,
-every box labelled only where its label fits.
+every box labelled only where its label fits; a panel too fine to read as boxes (a step on a shared
+machine, its actions slivers between waits) can be drawn summed: each rank's F, B, W and idle time.
 
     rank 0 | F0 F1 F2 F3 .  .  .  B0 -- B1 -- B2 -- B3 --
     rank 1 | .  F0 F1 F2 F3 .  B0 -- B1 -- B2 -- B3 -- .
@@ -48,7 +49,10 @@ def format_timeline(timeline: Timeline, title: str = "") -> str:
 
 _TRACED = {"forward": "F", "backward": "B", "weight": "W"}  # trace event -> action op
 HATCHES = {"B": "//", "W": "xx"}  # F plain
+OP_COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}  # by_op: a colour per op, chunk 1 paler
+IDLE = "#d9d9d9"
 BOX_HEIGHT = 0.8  # of a rank's row
+LABEL_POINTS = (8, 7)  # a label's sizes, the largest that fits first
 
 
 def compute_spans(trace) -> np.ndarray:
@@ -84,28 +88,36 @@ def executed_timeline(spans_per_rank: list[np.ndarray]) -> Timeline:
 @dataclass
 class Panel:
     """One timeline to draw: ``title`` says what it is (and is printed as it is), its times
-    multiplied by ``factor`` (1e3: milliseconds)."""
+    multiplied by ``factor`` (1e3: milliseconds). ``summed``: each rank's F, B, W and idle time
+    added up, one bar per rank as long as the step (:func:`draw_summed`), instead of the boxes."""
     timeline: Timeline
     title: str
     factor: float = 1.0
+    summed: bool = False
 
 
-def draw_timeline(ax, timeline: Timeline, factor: float = 1.0, colors=None, title: str = "") -> None:
+def draw_timeline(ax, timeline: Timeline, factor: float = 1.0, colors=None, title: str = "",
+                  by_op: bool = False) -> None:
     """Draw ``timeline``'s boxes into matplotlib axes ``ax``: one row per rank, F, B and W boxes
-    coloured by micro-batch (``colors``: a colormap; B hatched //, W hatched xx), idle time grey;
-    times multiplied by ``factor``; ``title`` as it is. The boxes get their labels from
-    :func:`label_boxes`, once the figure's layout is final."""
+    coloured by micro-batch (``colors``: a colormap; B hatched //, W hatched xx), or ``by_op``: F, B
+    and W in three colours; a rank's second chunk paler; idle time grey; times multiplied by
+    ``factor``; ``title`` as it is. The boxes get their labels from :func:`label_boxes`, once the
+    figure's layout is final."""
     import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgba
 
     colors = colors or plt.get_cmap("tab10")
-    ax.set_facecolor("#d9d9d9")  # idle
+    p = len(timeline.spans)
+    ax.set_facecolor(IDLE)
     for op in "FBW":  # one call per op: its hatching and alpha
         rows = [(r, s) for r, ranks in enumerate(timeline.spans) for s in ranks if s.action.op == op]
         if rows:
+            fill = ([to_rgba(OP_COLOURS[op], 0.5 if s.action.stage >= p else 1.0) for _, s in rows] if by_op else
+                    [to_rgba(colors(s.action.microbatch % colors.N), (0.75 if op == "F" else 1.0)
+                             * (0.45 if s.action.stage >= p else 1.0)) for _, s in rows])
             ax.barh([r for r, _ in rows], [(s.end - s.start) * factor for _, s in rows], height=BOX_HEIGHT,
                     left=[s.start * factor for _, s in rows], edgecolor="black", linewidth=0.4,
-                    color=[colors(s.action.microbatch % colors.N) for _, s in rows], hatch=HATCHES.get(op),
-                    alpha=0.75 if op == "F" else 1.0)
+                    color=fill, hatch=None if by_op else HATCHES.get(op))
     ax.set_yticks(range(len(timeline.spans)), [f"rank {r}" for r in range(len(timeline.spans))])
     ax.set_ylim(len(timeline.spans) - 0.5, -0.5)  # rank 0 on top
     ax.set_title(title, fontsize=9, loc="left")
@@ -113,7 +125,7 @@ def draw_timeline(ax, timeline: Timeline, factor: float = 1.0, colors=None, titl
 
 def label_boxes(ax, timeline: Timeline, factor: float = 1.0, words=None, measured=None) -> None:
     """Write each box's label inside it: ``words(action)``, by default ``F3`` or ``B3.1`` (op,
-    micro-batch, chunk), in the largest of 7, 6 or 5 points that fits, else without the op letter
+    micro-batch, chunk), in the largest of LABEL_POINTS that fits, else without the op letter
     (the hatching shows it), else the micro-batch alone, else not at all: a label keeps 3 points
     clear of each side of its box, so labels never overlap and never run together.
     Measures text and boxes on the figure's renderer: call it once the layout is final (after
@@ -132,7 +144,7 @@ def label_boxes(ax, timeline: Timeline, factor: float = 1.0, words=None, measure
             text = ax.text((s.start + s.end) / 2 * factor, r, full, ha="center", va="center",  # legible on hatching
                            bbox=dict(boxstyle="square,pad=0.1", fc="white", alpha=0.6, lw=0))
             shorter = dict.fromkeys((full, full.lstrip("FBW"), str(s.action.microbatch)))  # longest first
-            for label, size in ((label, size) for label in shorter for size in (7, 6, 5)):
+            for label, size in ((label, size) for label in shorter for size in LABEL_POINTS):
                 if (label, size) not in measured:
                     text.set_text(label)
                     text.set_fontsize(size)
@@ -147,25 +159,102 @@ def label_boxes(ax, timeline: Timeline, factor: float = 1.0, words=None, measure
                 text.remove()
 
 
-def legend_handles(timelines: list[Timeline], colors) -> list:
+def _fit(ax, x: float, y: float, width: float, height: float, candidates, measured: dict) -> None:
+    """Write the first of ``candidates`` that fits a box ``width`` x ``height`` pixels wide and high,
+    centred at data point (x, y), 3 points clear of each side; nothing if none fits."""
+    renderer = ax.figure.canvas.get_renderer()
+    margin = 6 * ax.figure.dpi / 72
+    text = ax.text(x, y, "", ha="center", va="center", bbox=dict(boxstyle="square,pad=0.1", fc="white", alpha=0.6,
+                                                                 lw=0))
+    for label, size in ((label, size) for label in candidates for size in LABEL_POINTS):
+        if (label, size) not in measured:
+            text.set_text(label)
+            text.set_fontsize(size)
+            box = text.get_window_extent(renderer)
+            measured[label, size] = box.width, box.height
+        if measured[label, size][0] + margin <= width and measured[label, size][1] <= height:
+            text.set_text(label)
+            text.set_fontsize(size)
+            return
+    text.remove()
+
+
+def summed(timeline: Timeline) -> list[dict[str, float]]:
+    """Per rank, the time its step spent in F, B and W, and idle (the makespan's rest)."""
+    found = []
+    for spans in timeline.spans:
+        time = {op: sum(s.end - s.start for s in spans if s.action.op == op) for op in "FBW"}
+        time["idle"] = timeline.makespan - sum(time.values())
+        found.append(time)
+    return found
+
+
+def draw_summed(ax, timeline: Timeline, title: str = "", by_op: bool = False) -> None:
+    """One bar per rank, as long as the step (100%): the time it spent in F, then B, then W, then
+    idle, each added up (``by_op``: in the ops' colours, else plain and hatched as
+    :func:`draw_timeline`'s boxes). Their labels come from :func:`label_summed`, once the layout is
+    final."""
+    for r, time in enumerate(summed(timeline)):
+        left = 0.0
+        for op in ("F", "B", "W", "idle"):
+            if time[op] > 0:
+                colour = IDLE if op == "idle" else OP_COLOURS[op] if by_op else "white"
+                ax.barh(r, 100 * time[op] / timeline.makespan, left=100 * left / timeline.makespan, height=BOX_HEIGHT,
+                        color=colour, edgecolor="black", linewidth=0.4,
+                        hatch=None if by_op or op == "idle" else HATCHES.get(op))
+                left += time[op]
+    ax.set_yticks(range(len(timeline.spans)), [f"rank {r}" for r in range(len(timeline.spans))])
+    ax.set_ylim(len(timeline.spans) - 0.5, -0.5)
+    ax.set_xlim(0, 100)
+    ax.set_title(title, fontsize=9, loc="left")
+
+
+def label_summed(ax, timeline: Timeline, factor: float = 1.0, unit: str = "ms", measured=None) -> None:
+    """Write each segment of :func:`draw_summed`'s bars inside it, its time multiplied by ``factor``:
+    ``B 12 ms``, ``B 12``, ``12``, ``B``, or nothing, the first that fits."""
+    measured = {} if measured is None else measured
+    for r, time in enumerate(summed(timeline)):
+        left = 0.0
+        for op in ("F", "B", "W", "idle"):
+            if time[op] > 0:
+                lo, hi = 100 * left / timeline.makespan, 100 * (left + time[op]) / timeline.makespan
+                (x0, y0), (x1, y1) = ax.transData.transform([(lo, r - BOX_HEIGHT / 2), (hi, r + BOX_HEIGHT / 2)])
+                value = f"{time[op] * factor:.0f}"
+                candidates = [f"{op} {value} {unit}"] * bool(unit) + [f"{op} {value}", value, op]
+                _fit(ax, (lo + hi) / 2, r, abs(x1 - x0), abs(y1 - y0), candidates, measured)
+                left += time[op]
+
+
+def legend_handles(timelines: list[Timeline], colors, by_op: bool = False) -> list:
     """Legend entries for ``timelines``: a colour per micro-batch, F plain, B and W hatched (each only
-    where it occurs), idle grey."""
+    where it occurs), or ``by_op``: a colour per op; the second chunk paler; idle grey."""
+    from matplotlib.colors import to_rgba
     from matplotlib.patches import Patch
 
     spans = [s for t in timelines for ranks in t.spans for s in ranks]
     ops = {s.action.op for s in spans}
     words = {"F": "F: forward", "B": "B: backward" + (" (input gradient)" if "W" in ops else ""),
              "W": "W: weight gradients"}
+    if by_op:
+        handles = [Patch(fc=OP_COLOURS[op], ec="black", label=words[op]) for op in "FBW" if op in ops]
+        if any(s.action.stage >= len(t.spans) for t in timelines for ranks in t.spans for s in ranks):
+            handles += [Patch(fc=to_rgba(OP_COLOURS[op], 0.5), ec="black", label=f"{op}, chunk 1 (paler)")
+                        for op in "FBW" if op in ops]
+        return handles + [Patch(fc=IDLE, label="idle")]
     handles = [Patch(fc=colors(i % colors.N), ec="black", label=f"micro-batch {i}")
                for i in range(1 + max(s.action.microbatch for s in spans))]
     handles += [Patch(fc="white", ec="black", hatch=HATCHES.get(op), label=words[op]) for op in "FBW" if op in ops]
-    return handles + [Patch(fc="#d9d9d9", label="idle")]
+    if any(s.action.stage >= len(t.spans) for t in timelines for ranks in t.spans for s in ranks):
+        handles.append(Patch(fc=to_rgba(colors(0), 0.45), ec="black", label="chunk 1: the same colour, paler"))
+    return handles + [Patch(fc=IDLE, label="idle")]
 
 
-def draw_panels(path, rows: list[list[Panel]], title: str = "", xlabel: str = "") -> None:
+def draw_panels(path, rows: list[list[Panel]], title: str = "", xlabel: str = "", widths=None,
+                by_op: bool = False) -> None:
     """Save a PNG of timelines in a grid: ``rows`` of :class:`Panel`, the panels of a column on one
-    time axis; each panel's boxes drawn by :func:`draw_timeline` and labelled by :func:`label_boxes`,
-    one legend for all."""
+    time axis (``widths``: the columns' relative widths); each panel's boxes drawn by
+    :func:`draw_timeline` and labelled by :func:`label_boxes` (a ``summed`` panel: by
+    :func:`draw_summed` and :func:`label_summed`), one legend for all; ``by_op``: coloured by op."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -174,23 +263,33 @@ def draw_panels(path, rows: list[list[Panel]], title: str = "", xlabel: str = ""
     n_mb = 1 + max(s.action.microbatch for t in timelines for ranks in t.spans for s in ranks)
     colors = plt.get_cmap("tab20" if n_mb > 10 else "tab10")
     p, columns = max(len(t.spans) for t in timelines), len(rows[0])
-    fig, axes = plt.subplots(len(rows), columns, squeeze=False, sharex="col",
-                             figsize=(max(13.0, 8 * columns + 0.5), 0.6 + len(rows) * (0.42 * p + 0.75)))
+    width = max(13.0, 8 * columns + 0.5) if widths is None else 18.0
+    fig, axes = plt.subplots(len(rows), columns, squeeze=False, sharex="col", gridspec_kw=dict(width_ratios=widths),
+                             figsize=(width, 0.6 + len(rows) * (0.42 * p + 0.75)))
     for c in range(columns):
         end = max(panel.timeline.makespan * panel.factor for panel in (row[c] for row in rows))
         for ax, panel in zip(axes[:, c], (row[c] for row in rows)):
-            draw_timeline(ax, panel.timeline, panel.factor, colors, panel.title)
-            ax.set_xlim(0, end)
+            if panel.summed:
+                draw_summed(ax, panel.timeline, panel.title, by_op)
+            else:
+                draw_timeline(ax, panel.timeline, panel.factor, colors, panel.title, by_op)
+                ax.set_xlim(0, end)
             ax.tick_params(axis="x", labelsize=8)
-        axes[-1, c].set_xlabel(xlabel, fontsize=9)
-    fig.legend(handles=legend_handles(timelines, colors), loc="upper left", bbox_to_anchor=(1.0, 0.97), fontsize=8,
-               frameon=False)
+        axes[-1, c].set_xlabel("% of the step: each rank's time in F, B, W and idle added up (inside: ms)"
+                               if rows[-1][c].summed else xlabel, fontsize=9)
+    fig.legend(handles=legend_handles(timelines, colors, by_op), loc="upper left", bbox_to_anchor=(1.0, 0.97),
+               fontsize=8, frameon=False)
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     measured = {}  # each label's size, measured once for the whole figure
     for axes_row, row in zip(axes, rows):
         for ax, panel in zip(axes_row, row):
-            label_boxes(ax, panel.timeline, panel.factor, measured=measured)
+            if panel.summed:
+                label_summed(ax, panel.timeline, panel.factor, "ms" if panel.factor == 1e3 else "", measured)
+            else:  # with two chunks the paleness says the chunk: every box its micro-batch alone
+                chunks = any(s.action.stage >= len(panel.timeline.spans) for spans in panel.timeline.spans for s in spans)
+                label_boxes(ax, panel.timeline, panel.factor, measured=measured,
+                            words=(lambda a: str(a.microbatch)) if chunks else None)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
