@@ -352,8 +352,9 @@ def draw(path, n, counts, scales, growing, seen):
         ax.set_title(title, fontsize=9, loc="left")
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ranks.set_xlim(-0.5, STEPS + 0.3)
-    fig.suptitle(f"Mixed-precision ZeRO-3 on {n} ranks: rank {OVERFLOW_RANK} overflows at step {OVERFLOW_STEP}, "
-                 "every rank skips it and halves the scale", fontsize=11)
+    fig.suptitle(f"Mixed-precision ZeRO-3 on {n} ranks: rank {OVERFLOW_RANK}'s gradients overflow at step "
+                 f"{OVERFLOW_STEP}, the reduce-scatter puts the inf in the shards of rank{'s' * (len(saw) > 1)} "
+                 f"{' and '.join(map(str, saw))}; every rank skips the step and halves the scale", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
