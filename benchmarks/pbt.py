@@ -113,7 +113,7 @@ def population(args, seed: int, folder: Path) -> tuple[dict, float]:
     for k in range(args.population):
         lines = (folder / "out" / f"member-{k}" / "metrics.jsonl").read_text().splitlines()[:args.ready_every]
         first.append([{n: json.loads(line)[n] for n in SAME} for line in lines])
-    copies = sum(r["copied"] for r in history if r["step"] < args.steps)  # copies made (the last point's are not used)
+    copies = sum(r["donor"] is not None for r in history)  # copies made (none at the last point)
     return dict(members=last, history=history, copies=copies, first=first), wall
 
 

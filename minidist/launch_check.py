@@ -67,9 +67,9 @@ def check_launch(parser, args, ranks=None, alone: int = 1, mpiexec: bool = True)
               f"(as processes: mpiexec -n {alone} python {script})")
     if size == 1:
         here = n  # its ranks, as threads of this process
-    else:  # the job's ranks on this machine (MPI's shared-memory split: collective, every rank is here)
+    else:  # the job's ranks on this host (MPI's shared-memory split and host names: collective)
         from mpi4py import MPI
-        here = from_mpi(MPI.COMM_WORLD).local_size(rank)
+        here = from_mpi(MPI.COMM_WORLD).host_size(rank)
     limit_blas_threads(os.environ.get("OMP_NUM_THREADS"), here, announce=rank == 0)  # its share of the cores
 
 

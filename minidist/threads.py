@@ -1,4 +1,4 @@
-"""This process's share of the machine's cores for BLAS and OpenMP threads.
+"""This process's share of its host's cores for BLAS and OpenMP threads.
 
 NumPy's BLAS (OpenBLAS, MKL) starts a pool of threads as large as the machine. One process is right
 to; eight ranks of one job on two cores are not: each starts its pool, sixteen threads spin against
@@ -7,7 +7,7 @@ trainer's ``main``, every lesson through ``launch_check.check_launch``) calls
 :func:`limit_blas_threads` once, before any work, with the ``OMP_NUM_THREADS`` it read: a user who
 set it has chosen, and nothing changes.
 
-    limit_blas_threads(os.environ.get("OMP_NUM_THREADS"), ranks_here=machines.local_size(rank))  # mpiexec ranks
+    limit_blas_threads(os.environ.get("OMP_NUM_THREADS"), ranks_here=machines.host_size(rank))  # mpiexec ranks
     limit_blas_threads(os.environ.get("OMP_NUM_THREADS"), ranks_here=4)  # 4 ranks as threads of this process
 """
 from __future__ import annotations

@@ -6,6 +6,7 @@ its donor would, with its new hyper-parameters; the lineage file is a function o
 resumed population continues bitwise; bad flags are refused before anything is sent.
 """
 import dataclasses
+import re
 import json
 import shutil
 
@@ -73,19 +74,26 @@ def test_tournament_a_member_copies_the_other_it_meets_only_when_that_one_is_bet
 def test_explore_multiplies_by_08_or_12_or_resamples_inside_the_range():
     seen = set()
     for step in range(200):
-        new = explore({"lr": 1e-3, "weight_decay": 0.1}, ["lr", "weight_decay"], {"lr": (1e-4, 1e-2)}, 0, step, 1)
+        new, how = explore({"lr": 1e-3, "weight_decay": 0.1}, ["lr", "weight_decay"], {"lr": (1e-4, 1e-2)}, 0, step, 1)
         assert 1e-4 <= new["lr"] <= 1e-2
-        assert new["weight_decay"] in (0.1 * FACTORS[0], 0.1 * FACTORS[1])  # no range: perturbed only
-        seen.add("perturbed" if new["lr"] in (1e-3 * FACTORS[0], 1e-3 * FACTORS[1]) else "resampled")
-    assert seen == {"perturbed", "resampled"}
+        assert new["weight_decay"] == 0.1 * float(how["weight_decay"][1:])  # no range: perturbed only, "x0.8" or "x1.2"
+        assert how["weight_decay"] in ("x0.8", "x1.2")
+        perturbed = new["lr"] in (1e-3 * FACTORS[0], 1e-3 * FACTORS[1])
+        assert how["lr"] == (f"x{new['lr'] / 1e-3:.1f}" if perturbed else "fresh draw")  # each change named as made
+        seen.add(how["lr"])
+    assert seen == {"x0.8", "x1.2", "fresh draw"}
+    # a perturbation past the range is clipped, and says so
+    new, how = next((n, h) for n, h in (explore({"lr": 1e-2}, ["lr"], {"lr": (1e-4, 1e-2)}, 0, s, 1) for s in range(50))
+                    if h["lr"].startswith("x1.2"))
+    assert new["lr"] == 1e-2 and how["lr"] == "x1.2, clipped to [0.0001, 0.01]"
 
 
 def test_a_generation_gives_each_copier_its_donors_explored_hyperparameters_and_its_parent():
     members = [Member(0, {"lr": 1.0}, 0), Member(1, {"lr": 2.0}, 1)]
-    after, copies = generation(members, [1.0, 2.0], rule="truncation", quantile=0.5, names=["lr"], ranges={},
-                               seed=0, step=3)
+    after, copies, changes = generation(members, [1.0, 2.0], rule="truncation", quantile=0.5, names=["lr"], ranges={},
+                                        seed=0, step=3)
     assert copies == {1: 0} and after[0] == Member(0, {"lr": 1.0}, 0, 1.0)
-    assert after[1].parent == 0 and after[1].hparams["lr"] in (0.8, 1.2)
+    assert after[1].parent == 0 and after[1].hparams["lr"] == float(changes[1]["lr"][1:]) and 0 not in changes
 
 
 # --- the loop
@@ -111,11 +119,11 @@ def test_a_copy_continues_as_its_donor_would_with_its_new_hyperparameters(tmp_pa
     cfg = pbt_config(tmp_path, steps=6)
     history = run_population(cfg)[0][1]
     first = [r for r in history if r["step"] == 3]
-    copier = next(r for r in first if r["copied"])
-    donor = member_config(cfg, Member(copier["parent"], {"lr": first[copier["parent"]]["lr"]}, 0), copier["parent"])
+    copier = next(r for r in first if r["donor"] is not None)
+    donor = member_config(cfg, Member(copier["donor"], first[copier["donor"]]["before"], 0), copier["donor"])
     # the donor's checkpoint of step 3, continued alone with the copier's new learning rate
-    again = dataclasses.replace(donor, ckpt_dir=str(tmp_path / "again"), out=None, lr=copier["lr"], resume=True)
-    shutil.copytree(step_dir(tmp_path / "ckpt" / f"member-{copier['parent']}", 3), step_dir(again.ckpt_dir, 3))
+    again = dataclasses.replace(donor, ckpt_dir=str(tmp_path / "again"), out=None, lr=copier["after"]["lr"], resume=True)
+    shutil.copytree(step_dir(tmp_path / "ckpt" / f"member-{copier['donor']}", 3), step_dir(again.ckpt_dir, 3))
     rows = train(again, progress=False, stop_at=6, explored=exempt_of(cfg), quiet=True)[1]
     ours = metrics(tmp_path / "out" / f"member-{copier['member']}" / "metrics.jsonl")[3:6]
     assert without_timings(ours) == without_timings(rows)
@@ -127,8 +135,16 @@ def test_the_lineage_is_a_function_of_the_seed_and_resume_continues_bitwise(tmp_
     whole = run_population(cfg)
     again = run_population(dataclasses.replace(cfg, ckpt_dir=str(tmp_path / "b" / "ckpt"), out=str(tmp_path / "b" / "out")))
     lineage = metrics(tmp_path / "a" / "out" / "pbt.jsonl")
-    assert lineage == metrics(tmp_path / "b" / "out" / "pbt.jsonl") and len(lineage) == 4 * 3
-    assert {r["step"] for r in lineage} == {3, 6, 9} and whole[0][1] == again[0][1]
+    assert lineage == metrics(tmp_path / "b" / "out" / "pbt.jsonl") and len(lineage) == 4 * 4
+    assert {r["step"] for r in lineage} == {0, 3, 6, 9} and whole[0][1] == again[0][1]
+    # each row's "before" is the member's "after" of the ready point before it; copies name how they changed
+    after = {r["member"]: r["after"] for r in lineage if r["step"] == 0}
+    for r in (r for r in lineage if r["step"] > 0):
+        assert r["before"] == after[r["member"]], r
+        assert (r["donor"] is None) == (r["change"] == {}), r
+        assert all(how.split(",")[0] in ("x0.8", "x1.2", "fresh draw") for how in r["change"].values()), r
+        after[r["member"]] = r["after"]
+    assert all(r["after"] is None for r in lineage if r["step"] == 9)  # the end: nothing follows
     # a crash after the population of step 6 was recorded: step 9's population and saves are lost
     (tmp_path / "a" / "ckpt" / "population" / "step-000009.json").unlink()
     resumed = run_population(dataclasses.replace(cfg, resume=True))
@@ -144,7 +160,7 @@ def test_the_exports_hold_the_best_members_final_model(tmp_path):
     from safetensors.numpy import load_file
     cfg = pbt_config(tmp_path, steps=7, export=str(tmp_path / "best.npz"), export_hf=str(tmp_path / "best-hf"))
     ranks = run_population(cfg)
-    last = [r for r in ranks[0][1] if r["step"] == 7]
+    last = [r for r in ranks[0][1] if r["step"] == 7]  # (the rows of step 0 are the starts)
     best = ranked([r["val_loss"] for r in last])[0]
     state = ranks[best][0]  # one rank per member: rank k is member k
     with np.load(tmp_path / "best.npz") as exported:
@@ -178,7 +194,8 @@ def test_the_command_line_trains_a_population_and_refuses_a_bad_one_with_exit_2(
             "--eval-iters", "1", "--lr-range", "1e-3", "1e-2", "--ckpt-dir", tmp_path / "ckpt", "--out", tmp_path / "out"]
     run = run_mpi(2, *args, timeout=120)
     assert "final: the best member is" in run.stdout and run.stdout.count("step     2  val loss") == 1, run.output
-    assert len(metrics(tmp_path / "out" / "pbt.jsonl")) == 4
+    assert re.search(r"start: member 0 lr [\d.e-]+ \(drawn in \[0\.001, 0\.01\]\); member 1 lr", run.stdout), run.output
+    assert len(metrics(tmp_path / "out" / "pbt.jsonl")) == 2 * 3  # the starts, then 2 ready points
     bad = run_mpi(2, *args[:5], "3", *args[6:], check=False)
     assert bad.returncode == 2 and bad.stderr.count("--population 3 does not divide") == 1, bad.output
 
@@ -190,5 +207,5 @@ def test_a_diverged_member_copies_a_live_one_and_the_population_goes_on(tmp_path
     cfg = pbt_config(tmp_path, seed=3, lr_range=(1e-3, 1e30), steps=6, dtype="float32")
     history = run_population(cfg)[0][1]
     first = [r for r in history if r["step"] == 3]
-    assert np.isnan(first[1]["val_loss"]) and first[1]["copied"] and first[1]["parent"] == 0
+    assert np.isnan(first[1]["val_loss"]) and first[1]["donor"] == 0
     assert all(np.isfinite(r["val_loss"]) for r in history if r["step"] == 6)

@@ -72,14 +72,15 @@ def ranks_of(job) -> list:
 
 def assert_quiet(before: list[str], after: str, stderr: str) -> str:
     """The job's only line on stderr (which it returns); nothing on stdout after the signal but hydra's
-    SIGINT lines and progress lines; no traceback anywhere."""
+    SIGINT lines, progress lines and a checkpoint's "saved" line; no traceback anywhere."""
     everything = "".join(before) + after + stderr
     for noise in ("Traceback", "KeyboardInterrupt", "BAD TERMINATION", "YOUR APPLICATION TERMINATED"):
         assert noise not in everything, everything
     said = ranks_said(stderr)  # without Open MPI's own note on a rank's non-zero exit
     assert len(said.splitlines()) == 1, everything
     for line in after.splitlines():
-        assert any(h in line for h in HYDRA_SIGINT) or re.search(r"\bsteps?\b.*\bloss\b", line), everything
+        assert (any(h in line for h in HYDRA_SIGINT) or re.search(r"\bsteps?\b.*\bloss\b", line)
+                or line.startswith("saved ")), everything
     return said.strip()
 
 
@@ -97,7 +98,7 @@ def stop_ranks(job, signum) -> None:
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_to_mpiexec_stops_the_job_with_one_line(tmp_path, signum):
     job = start(tmp_path, "--eval-every", 1000000)
-    before = wait_for(job, r"step\s+0\s+train loss")
+    before = wait_for(job, r"step\s+1\s+train loss")
     job.send_signal(signum)
     after, stderr = finish(job)
     assert job.returncode == 128 + signum, after + stderr
@@ -111,7 +112,7 @@ def test_a_signal_to_mpiexec_stops_the_job_with_one_line(tmp_path, signum):
 
 def test_sighup_to_the_ranks_stops_the_job_with_one_line(tmp_path):
     job = start(tmp_path, "--eval-every", 1000000)
-    before = wait_for(job, r"step\s+0\s+train loss")
+    before = wait_for(job, r"step\s+1\s+train loss")
     stop_ranks(job, signal.SIGHUP)
     after, stderr = finish(job)
     assert job.returncode == 128 + signal.SIGHUP, after + stderr
@@ -121,7 +122,7 @@ def test_sighup_to_the_ranks_stops_the_job_with_one_line(tmp_path):
 def test_a_stop_names_the_newest_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     job = start(tmp_path, "--ckpt-dir", ckpt, "--save-every", 1, "--eval-every", 1)
-    before = wait_for(job, r"step\s+1\s+train loss")  # printed in step 1: step 0's checkpoint is saved
+    before = wait_for(job, r"step\s+2\s+train loss")  # printed in the second step: the first one's checkpoint is saved
     stop_ranks(job, signal.SIGTERM)
     after, stderr = finish(job)
     assert job.returncode == 128 + signal.SIGTERM, after + stderr
@@ -139,7 +140,7 @@ def test_a_stop_leaves_no_offload_file_behind(tmp_path):
     lasts) goes when a signal stops the run, as when it ends or diverges: only the folders' lock files stay."""
     offload = tmp_path / "offload"
     job = start(tmp_path, "--zero", 2, "--offload", "optimizer", "--offload-dir", offload, "--eval-every", 1000000)
-    before = wait_for(job, r"step\s+0\s+train loss")
+    before = wait_for(job, r"step\s+1\s+train loss")
     held = sorted(p.relative_to(offload).as_posix() for p in offload.rglob("*") if p.is_file())
     assert [p for p in held if p.startswith("rank0/") and not p.endswith(".minidist.lock")], held  # the state files
     stop_ranks(job, signal.SIGTERM)

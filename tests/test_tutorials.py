@@ -202,7 +202,7 @@ LESSONS = [
     ("17_data_shards.py", None, [], [
         r"again: cached, nothing written",
         (r"(?m)^  dp \d pp \d cp \d +\[\d, \d\] +[\d. +]+ +32  train_\d{6}\.bin", 8),  # 2 rows x 8 positions x 2 B
-        r"together: 256 bytes for a batch of 136",
+        r"together: 256 bytes for a batch of 136 bytes \(4 rows x 17 tokens x 2 bytes\)",
         r"trained: losses \[([\d.]+), ([\d.]+)\], one process on the full batch \[\1, \2\]",
         r"with prefetch +each step waited +[\d.]+ ms",  # timed: any value
         r"the batches are the same, bitwise|The batches are the same, bitwise",
@@ -214,8 +214,8 @@ LESSONS = [
         # said by the trainer, from MPI's split: hydra makes a machine of each of the two names of this
         # host, Open MPI one node of both (the lesson says so, and rehearses two machines under MPICH only)
         {"openmpi": r"   the trainer names no machine: MPI's split put ranks 0-3 on 1 machine"}.get(
-            FLAVOUR, r"   the trainer: 2 machines: ranks 0-1 on machine 0, ranks 2-3 on machine 1; tp groups inside a "
-                     r"machine, dp groups across 2 machines\n"),
+            FLAVOUR, r"   the trainer: 2 machines \(rehearsed on one host, [\w.-]+\): ranks 0-1 on machine 0, ranks 2-3 on "
+                     r"machine 1; tp groups inside a machine, dp groups across 2 machines\n"),
         r"largest relative difference \d\.\de-1\d \(<= 1e-10\)",
         r"\nTry: ",
         r"MPI's split says which ranks share a machine; the mesh says which groups cross machines\. All checks passed\."]),

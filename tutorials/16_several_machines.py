@@ -165,8 +165,9 @@ def on_two_machines(root: Path, flavour: str):
     said = [line.strip() for line in run.stdout.splitlines() if "machine" in line]
     expected = 2 if flavour != "openmpi" else 1
     if expected == 2:
-        assert said and said[0].startswith("2 machines: ranks 0-1 on machine 0, ranks 2-3 on machine 1; tp groups "
-                                           "inside a machine, dp groups across 2 machines"), run.stdout
+        assert said and said[0].startswith(f"2 machines (rehearsed on one host, {socket.gethostname()}): ranks 0-1 on "
+                                           "machine 0, ranks 2-3 on machine 1; tp groups inside a machine, dp groups "
+                                           "across 2 machines"), run.stdout
         print("   the trainer: " + "\n   ".join(said))
     else:  # the trainer names machines only when there are several (DeviceMesh.machine_lines)
         assert not said, run.stdout

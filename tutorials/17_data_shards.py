@@ -109,7 +109,8 @@ def part2(folder: Path):
           f"positions of each window),\n  on stage {cfg.pp - 1} their targets, the same positions shifted by one")
     whole = (T + 1) * 2 * B
     total = sum(r["read"] for r in rows)
-    print(f"  together: {total:,} bytes for a batch of {whole:,}: the ids once on stage 0, the targets once on stage "
+    print(f"  together: {total:,} bytes for a batch of {whole:,} bytes ({B} rows x {T + 1} tokens x 2 bytes): the ids "
+          f"once on stage 0, the targets once on stage "
           f"{cfg.pp - 1} ({total / whole:.2f}x, against {cfg.dp * cfg.pp * cfg.cp}x if every rank read the whole batch)")
     if cfg.pp == 2:  # stage 0: its chunks' ids; stage 1: the same positions shifted by one, their targets
         assert set(per_window.values()) == {T // cfg.cp}, per_window

@@ -38,7 +38,7 @@ from minidist.launch_check import check_launch
 from minidist.train import train
 from minidist.train.config import TrainConfig
 from minidist.train.pbt import train_pbt
-from minidist.train.population import FACTORS, draw, ranked
+from minidist.train.population import draw, ranked
 
 K, RANKS = 4, 2  # members, ranks per member (dp 2)
 SIZES = dict(n_layer=2, n_head=4, n_embd=32, block_size=32, batch_size=8, eval_iters=4, eval_every=1000,
@@ -61,7 +61,7 @@ def part2(cfg):
           f"losses; the bottom {cfg.quantile:.0%} copies the top ===")
     history = minidist.run_local(lambda g: train_pbt(cfg, g)[1], K * RANKS)[0]
     lineage = [json.loads(line) for line in open(Path(cfg.out) / "pbt.jsonl")]
-    assert lineage == history and len(lineage) == K * cfg.steps // cfg.ready_every
+    assert lineage == history and len(lineage) == K * (cfg.steps // cfg.ready_every + 1)  # step 0: the starts
     return history
 
 
@@ -84,8 +84,8 @@ def ancestry(history, k: int) -> list[int]:
     chain = [k]
     for s in sorted({r["step"] for r in history}, reverse=True):
         row = next(r for r in history if r["step"] == s and r["member"] == chain[-1])
-        if row["copied"]:
-            chain.append(row["parent"])
+        if row["donor"] is not None:
+            chain.append(row["donor"])
     return chain[::-1]
 
 
@@ -94,12 +94,14 @@ def part4(history, root: Path):
     last = max(r["step"] for r in history)
     final = sorted((r for r in history if r["step"] == last), key=lambda r: r["val_loss"])
     for r in final:
-        chain = " -> ".join(str(m) for m in ancestry(history, r["member"]))
-        print(f"  member {r['member']}: val loss {r['val_loss']:.4f}, lr {r['lr']:.2e}; its weights came "
-              f"through members {chain}")
-    copies = sum(r["copied"] for r in history)
-    print(f"  {copies} copies in {last // RUN['ready_every'] - 1} ready points; the best member ends at "
-          f"val loss {final[0]['val_loss']:.4f}")
+        chain = ancestry(history, r["member"])
+        came = (f"its weights came through member{'s' * (len(chain) > 1)} {' -> '.join(map(str, chain))}"
+                if chain != [r["member"]] else "its own weights all along")
+        print(f"  member {r['member']}: val loss {r['val_loss']:.4f}, lr {r['before']['lr']:.2e}; {came}")
+    copies = sum(r["donor"] is not None for r in history)
+    points = last // RUN["ready_every"]
+    print(f"  {copies} copies at the {points - 1} ready points that exploit ({points} in all: the last, at step "
+          f"{last}, only ranks); the best member ends at val loss {final[0]['val_loss']:.4f}")
     best = root / "ckpt" / f"member-{final[0]['member']}" / "final.npz"  # each member's last segment wrote its own
     with np.load(root / "best.npz") as exported:
         n = sum(exported[name].size for name in exported.files if name != "lm_head.weight")  # (tied to wte)
@@ -107,21 +109,11 @@ def part4(history, root: Path):
     print(f"  --export best.npz: member {final[0]['member']}'s final model ({n:,} parameters), the best one")
 
 
-def changes(history, first):
-    """Every copy as (step, copier, donor, new lr, how): "x0.8" or "x1.2" when the copied lr was
-    perturbed, "fresh draw" when it was drawn again from the range (told apart by the values: the
-    new lr is the donor's x0.8 or x1.2 exactly, or not)."""
-    lr_before = {k: first[k].hparams["lr"] for k in range(K)}  # each member's lr before the ready point
-    found = []
-    for s in sorted({r["step"] for r in history}):
-        rows = {r["member"]: r for r in history if r["step"] == s}
-        for k, r in rows.items():
-            if r["copied"]:
-                ratio = r["lr"] / lr_before[r["parent"]]
-                how = next((f"x{f:g}" for f in FACTORS if abs(ratio - f) < 1e-9), None)
-                found.append((s, k, r["parent"], r["lr"], how or "fresh draw"))
-        lr_before = {k: r["lr"] for k, r in rows.items()}
-    return found
+def changes(history):
+    """Every copy as (step, copier, donor, new lr, how), as pbt.jsonl records it: "x0.8" or "x1.2"
+    when the copied lr was perturbed, "fresh draw" when it was drawn again from the range."""
+    return [(r["step"], r["member"], r["donor"], r["after"]["lr"], r["change"]["lr"].split(",")[0])
+            for r in history if r["donor"] is not None]
 
 
 def draw_png(path: str, history, cfg):
@@ -135,20 +127,19 @@ def draw_png(path: str, history, cfg):
     lr_ax, tree_ax, gap_ax, raw_ax, key = (axes[name] for name in ("lr", "tree", "gap", "raw", "key"))
     tree_ax.sharex(gap_ax), lr_ax.sharex(gap_ax)
     colors = plt.cm.tab10(np.arange(K))
-    steps = sorted({r["step"] for r in history})
-    first = draw(K, cfg.seed, {"lr": cfg.lr}, {"lr": cfg.lr_range})
+    steps = sorted({r["step"] for r in history} - {0})  # the ready points (step 0: each member's start)
     at = {(r["step"], r["member"]): r for r in history}
     final = [at[steps[-1], k]["val_loss"] for k in range(K)]
     winner = ranked(final)[0]  # the rule the export uses
     best = {s: min(at[s, k]["val_loss"] for k in range(K)) for s in steps}
     for k in range(K):
-        lrs = [first[k].hparams["lr"]] + [at[s, k]["lr"] for s in steps]
+        lrs = [at[0, k]["after"]["lr"]] + [at[s, k]["after"]["lr"] for s in steps[:-1]] + [at[steps[-1], k]["before"]["lr"]]
         lr_ax.step([0] + steps, lrs, where="post", color=colors[k], lw=3.5 if k == winner else 1.5)
         tree_ax.plot([0, steps[-1]], [k, k], color=colors[k], lw=6, alpha=0.25)
         gap_ax.plot(steps, [at[s, k]["val_loss"] - best[s] for s in steps], "o-", color=colors[k], ms=5,
                     lw=3.5 if k == winner else 1.5)
     marks = {"x0.8": "v", "x1.2": "^", "fresh draw": "*"}
-    for s, k, donor, lr, how in changes(history, first):
+    for s, k, donor, lr, how in changes(history):
         lr_ax.plot(s, lr, marks[how], color=colors[k], mec="black", ms=14 if how == "fresh draw" else 9, zorder=3)
         lr_ax.annotate(how, (s, lr), xytext=(6, 4 if how != "x0.8" else -12), textcoords="offset points", fontsize=8)
         tree_ax.annotate("", xy=(s, k), xytext=(s, donor), arrowprops=dict(arrowstyle="->", color=colors[donor], lw=1.8))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import signal
 
-from minidist.checkpoint.format import MANIFEST
+from minidist.checkpoint.format import MANIFEST, step_dir
 from minidist.checkpoint.identity import identity_differences
 from minidist.checkpoint.layout import load_training_state, training_meta, training_pieces
 from minidist.checkpoint.reader import latest_checkpoint
@@ -72,15 +72,20 @@ class TrainingCheckpoints:
                  f"pp {saved['pp']} x {cp}tp {saved['tp']} = {ckpt.world_size} ranks)")
         return ckpt.meta["data_position"], ckpt.meta
 
-    def after_step(self, step: int, model, optimizer, meta: dict, amp=None, scaler=None) -> None:
+    def after_step(self, step: int, model, optimizer, meta: dict, amp=None, scaler=None) -> str | None:
         """Save checkpoint ``step + 1`` (the state after step ``step``) when it is due; ``meta`` adds
         the trainer's fields to the layout, optimizer step, data position and run identity (under
-        mixed precision: ``amp``'s float32 masters, or ZeRO's, and the loss ``scaler``'s state)."""
-        if self.save_every and (step + 1) % self.save_every == 0:
-            self.writer.save(step + 1, training_pieces(model, optimizer, self.mesh, amp),
-                             {**training_meta(self.mesh, optimizer, scaler), "data_position": step + 1, **meta,
-                              "run": self.identity},
-                             async_=self.async_save)
+        mixed precision: ``amp``'s float32 masters, or ZeRO's, and the loss ``scaler``'s state).
+        Returns the line that says so (saved; or, with ``async_save``, being written), None when no
+        save was due."""
+        if not (self.save_every and (step + 1) % self.save_every == 0):
+            return None
+        self.writer.save(step + 1, training_pieces(model, optimizer, self.mesh, amp),
+                         {**training_meta(self.mesh, optimizer, scaler), "data_position": step + 1, **meta,
+                          "run": self.identity},
+                         async_=self.async_save)
+        where = step_dir(self.root, step + 1)
+        return f"saving {where} in the background" if self.async_save else f"saved {where}"
 
     def wait(self) -> None:
         """Wait for an asynchronous save in flight (re-raising its error)."""

@@ -4,14 +4,16 @@
 ranks the launcher placed on one machine: hydra's hostfile lines (``mpiexec -f hosts``), Open MPI's
 ``--host a:2,b:2``, Slurm's nodes under ``srun``. A hostfile that names one machine twice makes two
 "machines" of it, as far as MPI (and so minidist) is concerned, which is how the tests rehearse a
-cluster on one computer. Host names are not asked: two names can be one machine, and one name
-(``localhost``) every machine.
+cluster on one computer. Hostfile names are not asked: two names can be one machine, and one name
+(``localhost``) every machine. Each machine's own host name (``MPI_Get_processor_name``) is asked,
+only to say when machines are rehearsed on one host, and to count the cores a host's ranks share.
 
 Three things follow from the answer, all from :func:`machines_of` (or :func:`from_mpi`):
 
 - the GPU of a rank: its index among the ranks of its machine (``local_rank``), under ``--device
   cuda`` and the NCCL backend;
-- its share of the machine's cores for BLAS threads (``local_size``: ``minidist/threads.py``);
+- its share of its host's cores for BLAS threads (``host_size``: ``minidist/threads.py``; the same
+  as ``local_size`` but when several "machines" are rehearsed on one host);
 - the mesh's report of which axes' groups stay inside a machine and which cross machines
   (``parallel/mesh.py``), said by the trainer at start-up and by ``--explain``.
 
@@ -26,8 +28,10 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Machines:
     """The machine of every rank of a world (``of_rank[r]``), machines numbered in the order of
-    their lowest rank: rank 0 is always on machine 0."""
+    their lowest rank: rank 0 is always on machine 0; and each machine's host name (``hosts[m]``;
+    empty: not asked, each machine its own host)."""
     of_rank: tuple[int, ...]
+    hosts: tuple[str, ...] = ()
 
     @property
     def count(self) -> int:
@@ -45,14 +49,29 @@ class Machines:
         """How many ranks share ``rank``'s machine."""
         return self.of_rank.count(self.of_rank[rank])
 
+    def host_size(self, rank: int) -> int:
+        """How many ranks share ``rank``'s host (its cores): the ranks of every machine of its host name."""
+        if not self.hosts:
+            return self.local_size(rank)
+        host = self.hosts[self.of_rank[rank]]
+        return sum(self.hosts[m] == host for m in self.of_rank)
+
+    def rehearsed(self) -> bool:
+        """Whether several machines share one host name: a cluster rehearsed on one computer."""
+        return len(set(self.hosts)) < len(self.hosts)
+
     def spanned(self, ranks) -> list[int]:
         """The machines that ``ranks`` run on, in order: one for a group inside a machine."""
         return sorted({self.of_rank[r] for r in ranks})
 
     def __str__(self) -> str:
-        """``2 machines: ranks 0-1 on machine 0, ranks 2-3 on machine 1``."""
+        """``2 machines: ranks 0-1 on machine 0, ranks 2-3 on machine 1``; rehearsed on one host:
+        ``2 machines (rehearsed on one host, vm): ...``."""
         parts = [f"ranks {_ranges(self.ranks_on(m))} on machine {m}" for m in range(self.count)]
-        return f"{self.count} machine{'s' * (self.count > 1)}: " + ", ".join(parts)
+        shared = sorted({h for h in self.hosts if self.hosts.count(h) > 1})
+        how = f" (rehearsed on one host, {', '.join(shared)})" if len(shared) == 1 and len(set(self.hosts)) == 1 else (
+            f" (some rehearsed on one host: {', '.join(shared)})" if shared else "")
+        return f"{self.count} machine{'s' * (self.count > 1)}{how}: " + ", ".join(parts)
 
 
 def _ranges(ranks: list[int]) -> str:
@@ -73,16 +92,17 @@ def one_machine(size: int) -> Machines:
 def from_mpi(comm) -> Machines:
     """The machines of ``comm``'s ranks (an mpi4py communicator). Collective over ``comm``: one
     ``Split_type(COMM_TYPE_SHARED)``, one broadcast of the machine's lowest rank inside it, and one
-    ``allgather`` of that rank (an int per rank) over ``comm``."""
+    ``allgather`` of that rank and this rank's host name (an int and a short string per rank) over ``comm``."""
     from mpi4py import MPI
     if comm.Get_size() == 1:
         return one_machine(1)
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())  # the ranks of this machine
     lowest = node.bcast(comm.Get_rank(), root=0)  # key = rank: the split's rank 0 is its lowest rank
     node.Free()
-    lowest_of = comm.allgather(lowest)
-    number = {r: m for m, r in enumerate(sorted(set(lowest_of)))}
-    return Machines(tuple(number[r] for r in lowest_of))
+    every = comm.allgather((lowest, MPI.Get_processor_name()))
+    number = {r: m for m, r in enumerate(sorted({r for r, _ in every}))}
+    hosts = {number[r]: host for r, host in every}
+    return Machines(tuple(number[r] for r, _ in every), tuple(hosts[m] for m in range(len(number))))
 
 
 def machines_of(world) -> Machines:

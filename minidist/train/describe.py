@@ -1,7 +1,9 @@
-"""What a run says of its layout at the start (rank 0, before the first step): who holds which part
-of the model and what each parallelism cut further, and under ZeRO the model states' bytes, the
-paper's formula beside what the arrays hold. Sends nothing.
+"""What a run says of its data and its layout at the start (rank 0, before the first step): its data
+and vocabulary, who holds which part of the model and what each parallelism cut further, and under
+ZeRO the model states' bytes, the paper's formula beside what the arrays hold. Sends nothing.
 """
+from pathlib import Path
+
 import numpy as np
 
 from minidist.inspect import zero_memory
@@ -9,6 +11,20 @@ from minidist.inspect.accounting import format_memory_table
 from minidist.parallel.context.ring_attention import sequence_chunks, token_ranges
 from minidist.parallel.pipeline import placement_of, rank_stages
 from minidist.parallel.tensor.layout import ep_block
+
+
+def describe_data(cfg, corpus) -> str:
+    """What the run reads and how its tokens are counted: the data, its vocabulary and tokenizer, and
+    that a loss is per token of that vocabulary (so runs compare only under the same tokenizer)."""
+    where = cfg.data if cfg.data is not None else "the generated corpus"
+    kind = {"file": "a text file", "prepared": "a prepared folder", "llm.c": "llm.c shards",
+            "nanogpt": "nanoGPT's train.bin / val.bin"}[corpus.kind]
+    tokenizer = corpus.tokenizer
+    how = ("a token per byte" if tokenizer == "bytes" else "token ids alone (no tokenizer beside them)" if tokenizer is None
+           else f"the characters of {Path(tokenizer).name}" if Path(tokenizer).name == "meta.pkl"
+           else f"the tokenizer {Path(tokenizer).name}")
+    return (f"data: {where} ({kind}), vocabulary {cfg.vocab_size:,}: {how}. The loss is per token of this "
+            f"vocabulary: compare it only with runs of the same tokenizer")
 
 
 def describe_layout(cfg, mesh, model) -> str:

@@ -63,7 +63,7 @@ from minidist.data.tokens import DataError
 from minidist.parallel.data.sampler import DistributedSampler
 from minidist.parallel.step import loss_scaler, train_step
 from minidist.train.build import build_parallel, load_data, sample_tokenizer, select_device, with_hf_model, world_of_one
-from minidist.train.describe import describe_layout, memory_table
+from minidist.train.describe import describe_data, describe_layout, memory_table
 from minidist.train.cli import launcher_rank, parse_args
 from minidist.train.config import (ConfigError, TrainConfig, check_config, comm_timeout_problems, fault_injection_armed,
                                    runs_zero_optimizer)
@@ -125,6 +125,7 @@ def _train_held(cfg, world, machines, corpus, progress: bool, keep_history: bool
                     else sum(p.data.size for p in model.parameters()))
         print(f"{n_params:,} parameters on rank 0, {len(corpus.train):,} train / {len(corpus.val):,} val "
               f"tokens, {cfg.batch_size} x {cfg.block_size} tokens per step, {mesh!r}")
+        print(describe_data(cfg, corpus))
         if world.size > 1:
             print(describe_layout(cfg, mesh, model))
     ckpts = (TrainingCheckpoints(cfg.ckpt_dir, mesh, run_identity(cfg, corpus.identity, explored), save_every=cfg.save_every,
@@ -163,7 +164,8 @@ def _train_held(cfg, world, machines, corpus, progress: bool, keep_history: bool
                 if step % cfg.eval_every == 0 or step in (cfg.steps - 1, stop - 1):
                     record["val_loss"] = estimate_val_loss(model, corpus.val, cfg, engine, sampler.spans)
                     if speaks:
-                        shown.write(f"step {step:5d}  train loss {loss:.4f}  val loss {record['val_loss']:.4f}")
+                        # counted as the progress line and the checkpoints count: steps done
+                        shown.write(f"step {step + 1:5d}  train loss {loss:.4f}  val loss {record['val_loss']:.4f}")
                 shown.update(step, loss, data_wait_s)
                 if not keep_history:
                     history.clear()  # only the last record: memory stays flat however long the run
@@ -174,7 +176,9 @@ def _train_held(cfg, world, machines, corpus, progress: bool, keep_history: bool
                 with watch.stops(ckpts):
                     watch.after_step(step, loss, grad_norm)  # before the save: a diverged step is never saved
                     if ckpts is not None:
-                        ckpts.after_step(step, model, optimizer, {"seed": cfg.seed}, amp, scaler)
+                        saved = ckpts.after_step(step, model, optimizer, {"seed": cfg.seed}, amp, scaler)
+                        if saved and speaks:
+                            shown.write(saved)
                 stopping.done = step + 1  # what a stop signal reports (train/stopping.py)
         if ckpts is not None:
             with watch.stops(ckpts):
@@ -230,7 +234,7 @@ def _run(cfg, stopping):
         print(f"python -m minidist.train: {e}", file=sys.stderr)  # no CuPy, no GPU, fewer GPUs than ranks
         sys.exit(EXIT_CONFIG)
     stopping.mpi_started(world.rank)  # its rank from now on; the stop signals taken back from MPI's start-up
-    here = machines_of(world).local_size(world.rank)  # the ranks on this machine (MPI's shared-memory split)
+    here = machines_of(world).host_size(world.rank)  # the ranks on this host (MPI's shared-memory split, its names)
     limit_blas_threads(os.environ.get("OMP_NUM_THREADS"), here, announce=world.rank == 0)  # a share of its cores each
     try:
         if cfg.mode == "pbt":  # a population of collective runs (it calls train: imported here)

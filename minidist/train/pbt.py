@@ -19,9 +19,17 @@ the step of the same layout run alone with the same hyper-parameters, bitwise. A
               read it in any layout): the member continues exactly as the donor would from there
     explore   with the donor's hyper-parameters perturbed; the checkpoints' identity leaves the
               explored ones out, so the copy resumes as the same run
-    record    rank 0 appends a row per member to ``--out``/pbt.jsonl (step, member, parent,
-              hyper-parameters, validation loss, copied) and writes the population (every member, its
-              hyper-parameters and lineage) to ``--ckpt-dir``/population/step-<n>.json
+    record    rank 0 prints one line (the losses; each copy, its hyper-parameters before and after and
+              how they changed: x0.8, x1.2 or a fresh draw) and appends a row per member to
+              ``--out``/pbt.jsonl, and writes the population (every member, its hyper-parameters and
+              parent) to ``--ckpt-dir``/population/step-<n>.json
+
+A row of pbt.jsonl is one member at one ready point: ``step``, ``member``, ``val_loss`` (its loss
+there, which decided), ``before`` (the hyper-parameters it trained with up to it), ``donor`` (the
+member whose weights and hyper-parameters it takes there, or null), ``after`` (what it trains with
+from there; null at the end) and ``change`` ({name: "x0.8" | "x1.2" | "fresh draw"}, empty without
+a copy). The rows of step 0 give each member's start (``change``: "drawn in [A, B]" or "given"). A
+member's ``parent`` (population files) is the member whose weights it last took: one meaning.
 
 ``--export`` and ``--export-hf`` get the best member's final model (the lowest validation loss at the
 last ready point): each member's last segment writes its own under its checkpoint folder
@@ -91,11 +99,17 @@ def train_pbt(cfg, world, memory_bytes=None, stopping=None):
     k = world.rank // k_ranks
     group = world.split(k, world.rank, name=f"member{k}")
     names, ranges, exempt = names_of(cfg), ranges_of(cfg), exempt_of(cfg)
-    members, start, history = resumed(cfg, world, group, k) if cfg.resume else (
-        draw(cfg.population, cfg.seed, {n: getattr(cfg, n) for n in names}, ranges), 0, [])
+    if cfg.resume:
+        members, start, history = resumed(cfg, world, group, k)
+    else:
+        members, start, history = draw(cfg.population, cfg.seed, {n: getattr(cfg, n) for n in names}, ranges), 0, []
     if world.rank == 0 and cfg.out is not None:  # the lineage so far (none, or the resumed population's), then appended
         with create(real_folder(cfg.out) / "pbt.jsonl", text=True) as f:
             f.writelines(json.dumps(r) + "\n" for r in history)
+    if not cfg.resume:  # each member's start, recorded as the ready point of step 0
+        starts = [start_row(m, names, ranges) for m in members]
+        history += starts
+        record(cfg, world, members, starts, 0)
     model = None
     for seg_start in range(start, cfg.steps, cfg.ready_every):
         seg_end = min(seg_start + cfg.ready_every, cfg.steps)
@@ -112,13 +126,15 @@ def train_pbt(cfg, world, memory_bytes=None, stopping=None):
         losses = agree(world, k, val_loss, cfg.population)
         if not any(np.isfinite(losses)):
             raise Diverged(f"every member of the population diverged before step {seg_end}")
+        before = members
         if seg_end < cfg.steps:  # exploit and explore; at the end only the losses count
-            members, copies = generation(members, losses, rule=cfg.exploit, quantile=cfg.quantile, names=names,
-                                         ranges=ranges, seed=cfg.seed, step=seg_end)
+            members, copies, changes = generation(members, losses, rule=cfg.exploit, quantile=cfg.quantile,
+                                                  names=names, ranges=ranges, seed=cfg.seed, step=seg_end)
         else:
-            members, copies = [dataclasses.replace(m, val_loss=losses[m.index]) for m in members], {}
-        rows = [dict(step=seg_end, member=m.index, parent=copies.get(m.index, m.index), val_loss=losses[m.index],
-                     copied=m.index in copies, **members[m.index].hparams) for m in members]
+            members, copies, changes = [dataclasses.replace(m, val_loss=losses[m.index]) for m in members], {}, {}
+        rows = [dict(step=seg_end, member=m.index, val_loss=losses[m.index], before=m.hparams,
+                     donor=copies.get(m.index), after=members[m.index].hparams if seg_end < cfg.steps else None,
+                     change=changes.get(m.index, {})) for m in before]
         history += rows
         if seg_end < cfg.steps:
             copy_checkpoints(cfg, group, world, k, copies, seg_end)
@@ -189,14 +205,36 @@ def copy_checkpoints(cfg, group, world, k: int, copies: dict, step: int) -> None
     world.barrier(label="setup: every copying member's checkpoint is its donor's")
 
 
+def start_row(member: Member, names, ranges: dict) -> dict:
+    """Member ``member``'s start as a row of pbt.jsonl (the ready point of step 0): its first
+    hyper-parameters and where each came from."""
+    change = {n: f"drawn in [{ranges[n][0]:g}, {ranges[n][1]:g}]" if n in ranges else "given" for n in names}
+    return dict(step=0, member=member.index, val_loss=None, before=None, donor=None, after=member.hparams,
+                change=change)
+
+
+def copy_text(row: dict) -> str:
+    """``member 3 copies 0: lr 0.0131 -> 0.0157 (x1.2)``: a copy at a ready point, each explored
+    hyper-parameter from the donor's value to the copy's, and how it changed."""
+    return f"member {row['member']} copies {row['donor']}: " + ", ".join(
+        f"{name} {row['before_donor'][name]:.3g} -> {row['after'][name]:.3g} ({how})" for name, how in row["change"].items())
+
+
 def record(cfg, world, members: list[Member], rows: list[dict], step: int) -> None:
-    """Rank 0: the ready point's rows appended to ``--out``/pbt.jsonl, the population to
-    ``--ckpt-dir``/population/step-<n>.json (atomically). Sends nothing."""
+    """Rank 0: the ready point in one line (each member's start at step 0), its rows appended to
+    ``--out``/pbt.jsonl, the population to ``--ckpt-dir``/population/step-<n>.json (atomically).
+    Sends nothing."""
     if world.rank != 0:
         return
-    copied = "; ".join(f"member {r['member']} copies {r['parent']}: " + hparams_text(r) for r in rows if r["copied"])
-    print(f"step {step:5d}  val loss " + ", ".join(f"{r['val_loss']:.4f}" for r in rows) + f"  ({copied or 'no copy'})",
-          flush=True)
+    if step == 0:
+        print("start: " + "; ".join(f"member {r['member']} {hparams_text(r['after'])} ({', '.join(r['change'].values())})"
+                                    for r in rows), flush=True)
+    else:
+        trained = {r["member"]: r["before"] for r in rows}
+        copied = "; ".join(copy_text({**r, "before_donor": trained[r["donor"]]}) for r in rows if r["donor"] is not None)
+        last = rows[0]["after"] is None
+        print(f"step {step:5d}  val loss " + ", ".join(f"{r['val_loss']:.4f}" for r in rows)
+              + ("  (the end: no copy)" if last else f"  ({copied or 'no copy'})"), flush=True)
     if cfg.out is not None:
         with create(real_folder(cfg.out) / "pbt.jsonl", append=True, text=True) as f:  # never through a link
             f.writelines(json.dumps(r) + "\n" for r in rows)
@@ -217,7 +255,7 @@ def resumed(cfg, world, group, k: int):
             if step_of(folder) > state["step"]:
                 shutil.rmtree(folder)
     world.barrier(label="setup: every member back at the population's step")
-    history = [r for f in files for r in json.loads(f.read_text())["rows"]]
+    history = [r for f in files for r in json.loads(f.read_text())["rows"]]  # from step 0's, the members' starts
     members = [Member(m["index"], m["hparams"], m["parent"], m["val_loss"]) for m in state["members"]]
     return members, state["step"], history
 
@@ -231,10 +269,10 @@ def last_ranked(rows: list[dict]) -> list[dict]:
 def final_line(history: list[dict], population: int) -> str:
     """The last ready point in one line: each member's validation loss and hyper-parameters, the best first."""
     last = last_ranked(history[-population:])
-    return (f"the best member is {last[0]['member']}: val loss {last[0]['val_loss']:.4f} ({hparams_text(last[0])}); "
-            + "; ".join(f"member {r['member']} {r['val_loss']:.4f}" for r in last[1:]))
+    return (f"the best member is {last[0]['member']}: val loss {last[0]['val_loss']:.4f} "
+            f"({hparams_text(last[0]['before'])}); " + "; ".join(f"member {r['member']} {r['val_loss']:.4f}" for r in last[1:]))
 
 
-def hparams_text(row: dict) -> str:
-    """``lr 0.00433, weight_decay 0.1``: the explorable hyper-parameters of a row."""
-    return ", ".join(f"{k} {v:.3g}" for k, v in row.items() if k in EXPLORABLE)
+def hparams_text(hparams: dict) -> str:
+    """``lr 0.00433, weight_decay 0.1``: the explorable hyper-parameters of ``hparams``."""
+    return ", ".join(f"{k} {v:.3g}" for k, v in hparams.items() if k in EXPLORABLE)

@@ -11,7 +11,8 @@ a copy's hyper-parameters are perturbed. train/pbt.py runs them; nothing here se
                 copies one of the top Q in any case. A copy takes the donor's weights, optimizer
                 state and hyper-parameters
     explore     the copied hyper-parameters, each multiplied by 0.8 or 1.2 (a coin), or with
-                probability ``RESAMPLE`` drawn again from its range
+                probability ``RESAMPLE`` drawn again from its range; each change is named ("x0.8",
+                "x1.2", "fresh draw", and ", clipped to [A, B]" where the range cut it)
 
 Every draw comes from ``numpy.random.default_rng([seed, step, member, purpose])``, so the population's
 whole history is a function of the seed (and the losses, which are themselves a function of it).
@@ -33,8 +34,9 @@ DRAW, PAIR, DONOR, EXPLORE = 0, 1, 2, 3  # the purposes of the random draws
 
 @dataclasses.dataclass
 class Member:
-    """One member of the population: its index, its hyper-parameters, the member it last copied
-    (its own index when it never did) and its last validation loss."""
+    """One member of the population: its index, its hyper-parameters, its parent (the member whose
+    weights it last took at a ready point; its own index when it never copied) and its last
+    validation loss."""
     index: int
     hparams: dict
     parent: int
@@ -92,31 +94,37 @@ def exploit(losses: list[float], rule: str, quantile: float, seed: int, step: in
     return copies
 
 
-def explore(hparams: dict, names, ranges: dict, seed: int, step: int, member: int) -> dict:
-    """``hparams`` with each of ``names`` perturbed (x0.8 or x1.2), or with probability RESAMPLE drawn
-    afresh from its range when it has one; clipped to its range."""
-    g, out = rng(seed, step, member, EXPLORE), dict(hparams)
+def explore(hparams: dict, names, ranges: dict, seed: int, step: int, member: int) -> tuple[dict, dict]:
+    """(``hparams`` with each of ``names`` perturbed, x0.8 or x1.2, or with probability RESAMPLE drawn
+    afresh from its range when it has one, then clipped to its range; {name: how it changed}: "x0.8",
+    "x1.2" or "fresh draw", with ", clipped to [A, B]" where the range cut it)."""
+    g, out, how = rng(seed, step, member, EXPLORE), dict(hparams), {}
     for name in names:
         resample, factor = g.random() < RESAMPLE, FACTORS[int(g.integers(2))]
         if resample and name in ranges:
-            out[name] = log_uniform(g, *ranges[name])
+            out[name], how[name] = log_uniform(g, *ranges[name]), "fresh draw"
         else:
-            out[name] = hparams[name] * factor
+            out[name], how[name] = hparams[name] * factor, f"x{factor}"
         if name in ranges:
-            out[name] = float(min(max(out[name], ranges[name][0]), ranges[name][1]))
-    return out
+            lo, hi = ranges[name]
+            kept = float(min(max(out[name], lo), hi))
+            if kept != out[name]:
+                how[name] += f", clipped to [{lo:g}, {hi:g}]"
+            out[name] = kept
+    return out, how
 
 
 def generation(members: list[Member], losses: list[float], *, rule: str, quantile: float, names, ranges: dict,
-               seed: int, step: int) -> tuple[list[Member], dict[int, int]]:
-    """The population after the ready point at ``step``: each copier takes its donor's hyper-parameters
-    (explored) and records it as its parent; the others keep theirs. Returns (members, {member: donor})."""
-    copies = exploit(losses, rule, quantile, seed, step)
-    after = []
+               seed: int, step: int) -> tuple[list[Member], dict[int, int], dict[int, dict]]:
+    """The population after the ready point at ``step``: each copier takes its donor's weights and
+    hyper-parameters (explored), its donor becoming its parent; the others keep theirs. Returns
+    (members, {copier: donor}, {copier: {name: how it changed}})."""
+    copies, changes, after = exploit(losses, rule, quantile, seed, step), {}, []
     for m, loss in zip(members, losses):
         if m.index in copies:
             donor = members[copies[m.index]]
-            after.append(Member(m.index, explore(donor.hparams, names, ranges, seed, step, m.index), donor.index, loss))
+            hparams, changes[m.index] = explore(donor.hparams, names, ranges, seed, step, m.index)
+            after.append(Member(m.index, hparams, donor.index, loss))
         else:
             after.append(Member(m.index, dict(m.hparams), m.parent, loss))
-    return after, copies
+    return after, copies, changes
