@@ -117,7 +117,7 @@ def train_flags(fields: dict) -> list[str]:
 
 
 def spec_of(cfg):
-    from minidist.plan.measure import run_spec_of
+    from minidist.plan.layout import run_spec_of
     return from_gpt_config(cfg), run_spec_of(cfg)
 
 

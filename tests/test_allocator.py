@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-import minidist.train.loop
+import minidist.train.entry
 from minidist.allocator import keep_freed_memory
 
 TINY = ["--steps", "1", "--n-layer", "1", "--n-embd", "8", "--n-head", "2", "--block-size", "8",
@@ -21,8 +21,8 @@ def test_keep_freed_memory_takes_on_glibc():
 @pytest.mark.parametrize("flags,calls", [([], 1), (["--system-allocator"], 0)])
 def test_the_trainer_keeps_freed_memory_unless_told_not_to(monkeypatch, flags, calls):
     made = []
-    monkeypatch.setattr(minidist.train.loop, "keep_freed_memory", lambda: made.append(1))
-    minidist.train.loop.main(TINY + flags)
+    monkeypatch.setattr(minidist.train.entry, "keep_freed_memory", lambda: made.append(1))
+    minidist.train.entry.main(TINY + flags)
     assert len(made) == calls
 
 

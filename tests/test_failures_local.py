@@ -181,7 +181,7 @@ def test_a_sleeping_rank_is_named_by_every_rank_that_waited_not_just_the_neighbo
 
 
 def test_comm_timeout_flag_reaches_init_and_a_bad_value_is_refused_with_the_rest(monkeypatch, capsys):
-    import minidist.train.loop as train_module
+    import minidist.train.entry as train_module
     from minidist.train.build import world_of_one
     from minidist.train.config import ConfigError, TrainConfig, check_config
     from minidist.train.cli import parse_args

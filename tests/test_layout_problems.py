@@ -19,7 +19,7 @@ import pytest
 from minidist.parallel.spec import LayoutSpec, findings, lacks, problems
 from minidist.plan import from_gpt_config, preset
 from minidist.plan.layout import RunSpec, layout_of as planner_layout, layout_problems
-from minidist.plan.measure import run_spec_of
+from minidist.plan.layout import run_spec_of
 from minidist.train.config import ConfigError, TrainConfig, check_config, layout_of
 from minidist.train.support_matrix import AXES, config_for, grid, meaningless
 

@@ -20,7 +20,8 @@ import pytest
 
 from minidist.plan import from_gpt_config
 from minidist.plan.comm import comm_bytes_per_step
-from minidist.plan.measure import measure, run_spec_of
+from minidist.plan.layout import run_spec_of
+from minidist.plan.measure import measure
 from minidist.plan.memory import activation_bytes, model_state_bytes
 from minidist.train.config import TrainConfig
 

@@ -59,7 +59,8 @@ import textwrap
 from minidist.launch_check import check_launch
 from minidist.plan import PROFILES, RunSpec, from_gpt_config, predict, preset
 from minidist.plan.comm import comm_bytes_per_step
-from minidist.plan.measure import measure, run_spec_of
+from minidist.plan.layout import run_spec_of
+from minidist.plan.measure import measure
 from minidist.plan.memory import (activation_bytes, embedding_activation_bytes, head_activation_bytes,
                                   layer_activation_terms, model_state_bytes, optimizer_numel, stage_weights)
 from minidist.plan.models import layers_per_stage

@@ -109,3 +109,14 @@ def layout_problems(model, run: RunSpec) -> list[str]:
         found.append(f"the sequence of {run.seq} is longer than the model's {model.block_size} learned positions: "
                      f"a shorter --seq, or --block-size {run.seq}")
     return found or work_problems(model, run)
+
+
+def run_spec_of(cfg) -> RunSpec:
+    """The planner's RunSpec of a ``TrainConfig`` (its global batch cut over dp and micro-batches):
+    read field by field, so the planner needs nothing of the trainer but the config it is given."""
+    return RunSpec(seq=cfg.block_size, micro_batch_size=cfg.batch_size // (cfg.dp * cfg.micro_batches),
+                   micro_batches=cfg.micro_batches, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep,
+                   zero=cfg.zero, dtype=cfg.dtype, optimizer=cfg.optimizer, sequence_parallel=cfg.sequence_parallel,
+                   recompute="full" if cfg.recompute else "none", schedule=cfg.schedule,
+                   virtual_stages=cfg.virtual_stages, cp_algorithm=cfg.cp_algorithm, offload=cfg.offload,
+                   offload_to="disk" if cfg.offload_dir else "host")

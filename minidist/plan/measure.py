@@ -5,7 +5,7 @@ returns per rank what the planner predicts: the model states held after backward
 arrays), the activations one micro-batch's graph keeps (without a pipeline: with one, the schedule's
 in-flight count is the simulator's, which tests/test_pipeline_engine.py checks against the engine),
 and the bytes sent per mesh axis in the last step (from the trace, ``accounting.sent_bytes``). The
-planner reads the same run through :func:`run_spec_of`; tests/test_plan_validation.py holds the two
+planner reads the same run through ``plan.layout.run_spec_of``; tests/test_plan_validation.py holds the two
 side by side.
 """
 from __future__ import annotations
@@ -20,19 +20,8 @@ from minidist.inspect.write import model_state_bytes as plain_state_bytes
 from minidist.inspect.accounting import activation_bytes, sent_bytes, unique_nbytes
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.step import train_step
-from minidist.plan.layout import RunSpec
 from minidist.train.build import build_parallel
 from minidist.train.config import check_config, runs_zero_optimizer
-
-
-def run_spec_of(cfg) -> RunSpec:
-    """The planner's RunSpec of a ``TrainConfig`` (its global batch cut over dp and micro-batches)."""
-    return RunSpec(seq=cfg.block_size, micro_batch_size=cfg.batch_size // (cfg.dp * cfg.micro_batches),
-                   micro_batches=cfg.micro_batches, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep,
-                   zero=cfg.zero, dtype=cfg.dtype, optimizer=cfg.optimizer, sequence_parallel=cfg.sequence_parallel,
-                   recompute="full" if cfg.recompute else "none", schedule=cfg.schedule,
-                   virtual_stages=cfg.virtual_stages, cp_algorithm=cfg.cp_algorithm, offload=cfg.offload,
-                   offload_to="disk" if cfg.offload_dir else "host")
 
 
 def _held(cfg, model, optimizer, amp) -> dict:

@@ -1,5 +1,6 @@
 """The trainer: ``python -m minidist.train``. One package, read in this order:
 
+    entry.py           the entry point: parse, start MPI, run the mode, say how it ended
     cli.py             the command line: its flags, groups and help, parsed into a config
     config.py          the run's settings as one dataclass, and every check on them
     memory.py          whether the run fits in this machine's memory, from the config alone
@@ -19,6 +20,7 @@
     pbt.py             --mode pbt: the population over sub-groups of the world
     support_matrix.py  every combination of the features, and whether it runs
 """
-from minidist.train.loop import main, train
+from minidist.train.loop import train
+from minidist.train.entry import main
 
 __all__ = ["train", "main"]

@@ -1,4 +1,4 @@
-"""``python -m minidist.train``: see minidist/train/loop.py."""
-from minidist.train.loop import main
+"""``python -m minidist.train``: see minidist/train/entry.py."""
+from minidist.train.entry import main
 
 main()

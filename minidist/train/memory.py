@@ -31,6 +31,7 @@ from minidist.inspect.accounting import offload_formula, zero_formula
 from minidist.optim.state_bytes import ITEMSIZE, optimizer_bytes_per_parameter
 from minidist.parallel.tensor.layout import padded_vocab_size
 from minidist.plan.memory import activation_bytes_per_layer, head_activation_bytes
+from minidist.plan.layout import run_spec_of
 from minidist.plan.models import block_numel, from_gpt_config
 from minidist.plan.report import human
 
@@ -72,7 +73,6 @@ def rank_bytes(cfg) -> dict:
     whole model while building (``build``) and, while training, ``parameters``, ``gradients``,
     ``optimizer`` (masters and moments), ``host`` (offloaded), ``activations`` and ``batch``. Reads
     ``cfg`` only, whose layout must be valid (``minidist.parallel.spec.problems`` empty)."""
-    from minidist.plan.measure import run_spec_of  # the planner's RunSpec of a TrainConfig (it imports the trainer)
     model, run = from_gpt_config(cfg), run_spec_of(cfg)
     itemsize, replicas = ITEMSIZE[cfg.dtype], cfg.dp * cfg.cp
     share = model_elements(model, cfg.tp, cfg.ep) / cfg.pp  # the busiest pp rank holds at least the average

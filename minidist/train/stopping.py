@@ -2,7 +2,7 @@
 
 Left to Python, Ctrl-C under ``mpiexec`` prints a ``KeyboardInterrupt`` traceback from every rank, and
 SIGTERM or SIGHUP kill each rank outright, which MPICH's ``mpiexec`` reports as a "BAD TERMINATION" of
-the application. Instead the entry point (``main`` in train/loop.py) holds :class:`Stopping` around
+the application. Instead the entry point (``main`` in train/entry.py) holds :class:`Stopping` around
 the run: the first stop signal raises :class:`Stopped` in the main thread wherever it is (a wait on a
 peer polls in Python, and a wait for another thread wakes every 0.1 s, minidist/waiting.py; so it is
 interrupted at once, whichever thread the kernel gave the signal to) and later ones are ignored; the
