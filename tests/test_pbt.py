@@ -182,10 +182,24 @@ def test_the_exports_hold_the_best_members_final_model(tmp_path):
     (dict(ckpt_dir=None), 2, "--mode pbt copies a member into another through its checkpoints: give --ckpt-dir"),
     (dict(quantile=0.75), 2, "--quantile"),
     (dict(dp=2), 2, "world size 1 != dp"),  # each member: 1 rank, not the dp 2 asked
+    # was: "world size 0 != dp * tp = 1 * 1 = 1 (start 1 ranks: mpiexec -n 1 ...)", advice that is refused again
+    (dict(population=4), 2, "--population 4 does not divide the world of 2 ranks into equal members: each member "
+                            "gets 2 / 4 = 0.5 ranks, and one of dp 1 x pp 1 x cp 1 x tp 1 needs 1: start mpiexec -n 4"),
+    (dict(population=2, dp=2), 3, "each member gets 3 / 2 = 1.5 ranks, and one of dp 2 x pp 1 x cp 1 x tp 1 needs 2: "
+                                  "start mpiexec -n 4"),
 ])
 def test_bad_population_flags_are_refused(tmp_path, changes, world, words):
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
         check_config(pbt_config(tmp_path, **changes), world)
+
+
+def test_a_second_population_into_a_used_ckpt_dir_is_refused_unless_it_resumes(tmp_path):
+    """Was: every rank died of an IndexError (train/pbt.py) in the first segment."""
+    cfg = pbt_config(tmp_path, steps=2)
+    run_population(cfg)
+    with pytest.raises(ConfigError, match=r"holds a population already \(up to step-000002\.json\): add --resume"):
+        check_config(cfg, 2)
+    check_config(dataclasses.replace(cfg, resume=True), 2)  # continuing it is what --resume is for
 
 
 def test_the_command_line_trains_a_population_and_refuses_a_bad_one_with_exit_2(tmp_path):

@@ -9,13 +9,14 @@ the trainer's own (its other numbers, paths, checkpoints, the parameter-server m
 """
 import dataclasses
 import math
+from pathlib import Path
 
 from minidist.amp import COMPUTE_DTYPES
 from minidist.optim.state_bytes import OPTIMIZERS
 from minidist.parallel.ps.param_server import check_parameter_server
 from minidist.parallel.spec import LayoutSpec, flag, out_of_range, problems
 from minidist.train.folders import output_problems
-from minidist.train.population import EXPLOITS, EXPLORABLE
+from minidist.train.population import EXPLOITS, EXPLORABLE, POPULATION
 from minidist.train.memory import INT64, memory_problems
 
 
@@ -189,8 +190,10 @@ def check_config(cfg, world_size: int, memory_bytes: int | None = None) -> None:
     the numbers in range the parameter servers' (they divide by them); with nothing else wrong, whether
     one rank's run fits in ``memory_bytes`` (None: int64's sizes; train/memory.py)."""
     numbers = range_problems(cfg)
-    member_ranks = world_size // cfg.population if cfg.mode == "pbt" and not numbers else world_size  # each member's
-    found = numbers + problems(layout_of(cfg, None if cfg.mode == "ps" else member_ranks))
+    pbt = cfg.mode == "pbt" and not numbers
+    member_ranks = world_size // cfg.population if pbt else world_size  # each member's
+    split = pbt and (world_size % cfg.population or not member_ranks)  # no world of its own: said per member below
+    found = numbers + problems(layout_of(cfg, None if cfg.mode == "ps" or split else member_ranks))
     found += parameter_server_problems(cfg, world_size) if cfg.mode == "ps" and not numbers else []
     found += population_problems(cfg, world_size) if cfg.mode == "pbt" and not numbers else []
     found += optimizer_problems(cfg) + hugging_face_problems(cfg) + comm_timeout_problems(cfg)
@@ -203,9 +206,14 @@ def check_config(cfg, world_size: int, memory_bytes: int | None = None) -> None:
 
 def population_problems(cfg, world_size: int) -> list[str]:
     """What is wrong with ``--mode pbt`` (train/pbt.py) on ``world_size`` ranks: K members of equal
-    size, hyper-parameters it can explore with valid ranges, and a --ckpt-dir to copy members through."""
-    found = [] if world_size % cfg.population == 0 else [
-        f"--population {cfg.population} does not divide the world of {world_size} ranks into equal members"]
+    size, each the layout's world (said per member: what each gets, and the world that gives each
+    its layout), hyper-parameters it can explore with valid ranges, a --ckpt-dir to copy members
+    through, and that folder not holding another population unless --resume continues it."""
+    k, layout = cfg.population, layout_of(cfg)
+    found = [] if world_size % k == 0 and world_size >= k else [
+        f"--population {k} does not divide the world of {world_size} ranks into equal members: each member gets "
+        f"{world_size} / {k} = {world_size / k:g} ranks, and one of dp {cfg.dp} x pp {cfg.pp} x cp {cfg.cp} x tp "
+        f"{cfg.tp} needs {layout.world}: start mpiexec -n {k * layout.world}"]
     names = [n for n in cfg.explore.split(",") if n]
     found += [f"--explore: {n} is not a hyper-parameter a member can explore ({', '.join(EXPLORABLE)})"
               for n in names if n not in EXPLORABLE] or ([] if names else ["--explore names no hyper-parameter"])
@@ -218,6 +226,11 @@ def population_problems(cfg, world_size: int) -> list[str]:
     if cfg.ckpt_dir is None:
         found.append("--mode pbt copies a member into another through its checkpoints: give --ckpt-dir DIR "
                      "(a folder every rank sees)")
+    elif not cfg.resume:
+        held = sorted((Path(cfg.ckpt_dir) / POPULATION).glob("step-*.json"))
+        if held:
+            found.append(f"--ckpt-dir {cfg.ckpt_dir} holds a population already (up to {held[-1].name}): add --resume "
+                         f"to continue it, or give an empty --ckpt-dir")
     return found
 
 

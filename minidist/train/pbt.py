@@ -55,9 +55,7 @@ from minidist.files import create, real_folder, write_atomically
 from minidist.train.config import check_config
 from minidist.train.divergence import Diverged
 from minidist.train.loop import train
-from minidist.train.population import EXPLORABLE, Member, draw, generation, ranked
-
-POPULATION = "population"  # under --ckpt-dir: step-<n>.json per ready point
+from minidist.train.population import EXPLORABLE, POPULATION, Member, draw, generation, ranked
 
 
 def names_of(cfg) -> list[str]:

@@ -25,6 +25,7 @@ import math
 
 import numpy as np
 
+POPULATION = "population"  # under --ckpt-dir: the population at each ready point, step-<n>.json
 EXPLORABLE = ("lr", "weight_decay", "grad_clip", "min_lr")  # float flags a member may explore
 EXPLOITS = ("truncation", "tournament")
 FACTORS = (0.8, 1.2)
