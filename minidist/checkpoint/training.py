@@ -45,6 +45,8 @@ class TrainingCheckpoints:
         self.root, self.mesh, self.identity, self.quiet = root, mesh, identity, quiet
         self.save_every, self.async_save = save_every, async_save
         self.writer = CheckpointWriter(root, mesh.world, keep)
+        for entry in self.writer.leftovers():  # the folder is this run's alone (train/folders.py holds it)
+            self.say(f"removed {entry}: a save that a stopped or killed run left unfinished")
 
     def say(self, line: str) -> None:
         if self.mesh.rank == 0 and not self.quiet:
@@ -90,6 +92,10 @@ class TrainingCheckpoints:
     def wait(self) -> None:
         """Wait for an asynchronous save in flight (re-raising its error)."""
         self.writer.wait()
+
+    def abandon(self) -> None:
+        """The run stops before its saves are complete: no unfinished save folder is left (writer.py)."""
+        self.writer.abandon()
 
 
 def _trainer_meta(manifest: dict, folder) -> None:

@@ -100,6 +100,26 @@ class CheckpointWriter:
             error, self._error = self._error, None
             raise error
 
+    def leftovers(self) -> list[Path]:
+        """Rank 0: the hidden folders of saves that other sessions left unfinished (a run stopped or
+        killed during a save), removed; every other rank: none. Only for a root this run holds alone
+        (the trainer's --ckpt-dir, held by its lock): another live writer's save would look the same.
+        Sends nothing."""
+        if self.group.rank != 0 or not self.root.is_dir():
+            return []
+        found = sorted(e for e in self.root.iterdir() if e.name.startswith(LEFTOVERS) and f"-{self._session}-" not in e.name)
+        for entry in found:
+            remove_entry(entry)
+        return found
+
+    def abandon(self) -> None:
+        """The run stops (a signal, a failure) with a save perhaps under way: this session's unfinished
+        save folders are removed, by whichever rank gets there (each is idempotent). A background save
+        is not waited for: its peers may be gone, and a stop does not wait on them; should it write on
+        a moment, what it leaves is :meth:`leftovers` to the next run. Sends nothing."""
+        for entry in self.root.glob(f".saving-{self._session}-*") if self.root.is_dir() else ():
+            remove_entry(entry)
+
     def _background(self, *args) -> None:
         try:
             self._write(*args)

@@ -170,7 +170,9 @@ def _train_held(cfg, world, machines, corpus, progress: bool, keep_history: bool
             with watch.stops(ckpts):
                 ckpts.wait()
         write_outputs(cfg, model, optimizer, mesh, amp, quiet)
-    finally:  # diverged, stopped by a signal, failed: no offload file is left behind
+    finally:  # diverged, stopped by a signal, failed: no offload file and no unfinished save is left behind
         if close is not None:
             close()
+        if ckpts is not None:
+            ckpts.abandon()  # (a run that ended has no save in flight: nothing to remove)
     return model, history

@@ -1,0 +1,51 @@
+"""A stop leaves no unfinished save behind, and a run cleans what a killed one left, naming it.
+
+A save writes into a hidden folder ``.saving-<session>-<n>-step-N`` and renames it when complete
+(minidist/checkpoint/writer.py). Was: a stop signal during a save left that folder (3 of 4 tries),
+and it stayed until the next complete save of a later run; a run stopped before then left it for good.
+"""
+import pytest
+
+from minidist.checkpoint.writer import CheckpointWriter
+from minidist.train import train
+from minidist.train.config import TrainConfig
+from minidist.train.stopping import Stopped
+
+TINY = dict(n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4, steps=4, eval_every=100, eval_iters=1,
+            sample_tokens=0, save_every=2)
+
+
+def hidden(folder):
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+def test_a_run_removes_the_unfinished_save_a_killed_run_left_and_says_so(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    (ckpt / ".saving-00000000deadbeef-1-step-000002").mkdir(parents=True)  # what a SIGKILL during a save leaves
+    (ckpt / ".saving-00000000deadbeef-1-step-000002" / "rank00000.safetensors").write_bytes(b"half")
+    (ckpt / ".replaced-00000000deadbeef-2-step-000004").mkdir()
+    train(TrainConfig(**TINY, ckpt_dir=str(ckpt), data_dir=str(tmp_path / "data")), progress=False)
+    said = capsys.readouterr().out
+    assert f"removed {ckpt}/.saving-00000000deadbeef-1-step-000002: a save that a stopped or killed run left " \
+           "unfinished" in said
+    assert f"removed {ckpt}/.replaced-00000000deadbeef-2-step-000004" in said
+    assert [n for n in hidden(ckpt) if not n.endswith(".lock")] == [] and (ckpt / "step-000004").is_dir()
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_stop_during_a_save_leaves_no_unfinished_save(tmp_path, monkeypatch, async_save):
+    """The stop arrives while rank 0 writes its files into the save folder (the signal's handler
+    raises Stopped there, as it does in the trainer's waits)."""
+    real = CheckpointWriter._write_rank_files
+
+    def stopped_half_way(self, staging, rank, step, entries, rank_meta):
+        real(self, staging, rank, step, entries, rank_meta)  # the folder and this rank's files are there
+        raise Stopped(15)
+
+    monkeypatch.setattr(CheckpointWriter, "_write_rank_files", stopped_half_way)
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(Stopped):
+        train(TrainConfig(**TINY, ckpt_dir=str(ckpt), async_save=async_save, data_dir=str(tmp_path / "data")),
+              progress=False)
+    assert [n for n in hidden(ckpt) if not n.endswith(".lock")] == [], hidden(ckpt)
+    assert not list(ckpt.glob("step-*"))  # and nothing half-saved counts as a checkpoint
