@@ -131,8 +131,6 @@ def label_boxes(ax, timeline: Timeline, factor: float = 1.0, words=None, measure
     Measures text and boxes on the figure's renderer: call it once the layout is final (after
     ``tight_layout``); times multiplied by ``factor``; ``measured``: a dict of text sizes to share
     between the axes of one figure."""
-    renderer = ax.figure.canvas.get_renderer()
-    margin = 6 * ax.figure.dpi / 72  # 3 points each side, in pixels
     p = len(timeline.spans)
     chunks = any(s.action.stage >= p for spans in timeline.spans for s in spans)
     measured = {} if measured is None else measured  # (words, points) -> (width, height) in pixels
@@ -141,22 +139,8 @@ def label_boxes(ax, timeline: Timeline, factor: float = 1.0, words=None, measure
             (x0, y0), (x1, y1) = ax.transData.transform([(s.start * factor, r - BOX_HEIGHT / 2),
                                                          (s.end * factor, r + BOX_HEIGHT / 2)])
             full = words(s.action) if words else _label(s.action, p, chunks)
-            text = ax.text((s.start + s.end) / 2 * factor, r, full, ha="center", va="center",  # legible on hatching
-                           bbox=dict(boxstyle="square,pad=0.1", fc="white", alpha=0.6, lw=0))
             shorter = dict.fromkeys((full, full.lstrip("FBW"), str(s.action.microbatch)))  # longest first
-            for label, size in ((label, size) for label in shorter for size in LABEL_POINTS):
-                if (label, size) not in measured:
-                    text.set_text(label)
-                    text.set_fontsize(size)
-                    box = text.get_window_extent(renderer)
-                    measured[label, size] = box.width, box.height
-                width, height = measured[label, size]
-                if width + margin <= abs(x1 - x0) and height <= abs(y1 - y0):
-                    text.set_text(label)
-                    text.set_fontsize(size)
-                    break
-            else:
-                text.remove()
+            _fit(ax, (s.start + s.end) / 2 * factor, r, abs(x1 - x0), abs(y1 - y0), shorter, measured)
 
 
 def _fit(ax, x: float, y: float, width: float, height: float, candidates, measured: dict) -> None:
