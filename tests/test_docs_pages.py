@@ -73,3 +73,73 @@ def test_the_readme_is_a_landing_page_without_run_logs():
         assert not re.search(rf"\b\d{{1,2}} {months}\b|\b{months} \d{{1,2}}\b|\b20\d\d-\d\d-\d\d\b", line), f"a date, line {n}: {line}"
         assert not re.search(r"`[0-9a-f]{7,40}`", line), f"a commit id, line {n}: {line}"
         assert not re.search(r"\bload(?: average)? \d", line), f"a load average, line {n}: {line}"
+
+
+# ---- what fails the site's build, checked without building it (docs/_ext/) --------------------------------
+
+def _ext():
+    import sys
+    ext = str(ROOT / "docs" / "_ext")
+    if ext not in sys.path:
+        sys.path.insert(0, ext)
+
+
+def test_a_lesson_that_fails_or_draws_nothing_fails_the_build_unless_it_may(tmp_path):
+    _ext()
+    from lesson_runs import run_all, run_problems
+    lessons = tmp_path / "tutorials"
+    lessons.mkdir()
+    (lessons / "97_draws.py").write_text("import sys\nprint('drawn')\nopen(sys.argv[2], 'wb').write(b'png')\n")
+    (lessons / "98_fails.py").write_text("print('a check failed')\nraise SystemExit(1)\n")
+    (lessons / "99_gpu.py").write_text("print('needs a GPU: draws nothing')\n")
+    runs = run_all(tmp_path, tmp_path / "runs", jobs=2, timeout=60)
+    assert runs["97_draws"].command == "python tutorials/97_draws.py --png runs/97_draws.png"
+    assert runs["97_draws"].picture == tmp_path / "runs" / "97_draws.png" and runs["97_draws"].output == "drawn\n"
+    assert (runs["98_fails"].returncode, runs["99_gpu"].picture) == (1, None)
+    problems = run_problems(runs, without_picture={})
+    assert len(problems) == 2
+    assert "lesson 98_fails failed" in problems[0] and "exited 1" in problems[0] and "a check failed" in problems[0]
+    assert "lesson 99_gpu drew no picture" in problems[1]
+    assert run_problems(runs, without_picture={"99": "it needs a GPU"}) == [problems[0]]
+
+
+def test_a_link_or_image_that_leads_nowhere_is_found(tmp_path):
+    _ext()
+    from site_links import broken_links
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "pic.png").write_bytes(b"png")
+    (tmp_path / "empty.png").write_bytes(b"")
+    (tmp_path / "index.html").write_text(
+        '<a href="sub/page.html#here">ok</a> <a href="#top" id="top">ok</a> <img src="pic.png"> '
+        '<a href="https://example.org/x">not followed</a> <a href="sub/page.html#gone">no anchor</a> '
+        '<a href="missing.html">no file</a> <img src="empty.png">')
+    (tmp_path / "sub" / "page.html").write_text('<h2 id="here">here</h2><img src="../nothing.png">')
+    broken = broken_links(tmp_path)
+    assert len(broken) == 4, broken
+    assert any("#gone" in b for b in broken) and any("missing.html" in b for b in broken)
+    assert any("an empty image" in b for b in broken) and any("nothing.png" in b for b in broken)
+
+
+def test_a_lessons_plain_docstring_reads_as_the_author_laid_it_out():
+    _ext()
+    from docstring_md import to_markdown
+    title, body = to_markdown('''Lesson 9: a title.
+
+    python tutorials/09_x.py --png x.png    (a command)
+
+Prose over two lines with ``code``, a star * and a data-
+parallel word <here>.
+
+  1. an item that goes on
+     on a second line;
+  2. another.
+
+    name    aligned   columns
+    other   stay      as written
+''')
+    assert title == "Lesson 9: a title."
+    blocks = body.split("\n\n")
+    assert blocks[0] == "```text\npython tutorials/09_x.py --png x.png    (a command)\n```"
+    assert blocks[1] == "Prose over two lines with ``code``, a star \\* and a data-parallel word \\<here\\>."
+    assert blocks[2] == "1. an item that goes on on a second line;\n2. another."
+    assert blocks[3] == "```text\nname    aligned   columns\nother   stay      as written\n```\n"

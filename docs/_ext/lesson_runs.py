@@ -10,6 +10,7 @@ own (not inside Sphinx's) so that what it prints, its ranks' threads, the MPI jo
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -45,12 +46,20 @@ def run_one(script: Path, root: Path, runs: Path, timeout: float) -> LessonRun:
     args = [f"tutorials/{script.name}", "--png", os.path.relpath(png, root)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
     start = time.perf_counter()
+    # in a session of its own, so that a lesson past its time is ended with the MPI jobs it started
+    proc = subprocess.Popen([sys.executable, *args], cwd=root, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        done = subprocess.run([sys.executable, *args], cwd=root, env=env, stdin=subprocess.DEVNULL,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
-        output, code = done.stdout, done.returncode
-    except subprocess.TimeoutExpired as stopped:
-        output, code = (stopped.output or b"").decode(errors="replace") + f"\n(stopped after {timeout:.0f} s)", 124
+        output, _ = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:  # SIGTERM first: python -m minidist.run then ends its MPI job itself
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            output, _ = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+        output, code = (output or "") + f"\n(stopped after {timeout:g} s)", 124
     seconds = time.perf_counter() - start
     (runs / f"{name}.txt").write_text(output, encoding="utf-8")
     return LessonRun(name, "python " + " ".join(args), output, code, seconds,
@@ -69,3 +78,17 @@ def run_all(root: Path, runs: Path, jobs: int, timeout: float, first: tuple[str,
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         done = list(pool.map(lambda s: run_one(s, root, runs, timeout), ordered))
     return {run.name: run for run in sorted(done, key=lambda r: r.name)}
+
+
+def run_problems(runs: dict[str, LessonRun], without_picture: dict[str, str]) -> list[str]:
+    """What fails the build: a lesson that exited non-zero, or drew no picture without being named in
+    ``without_picture`` (its number -> why it may not). One message per lesson, with its last lines."""
+    problems = []
+    for run in runs.values():
+        if run.returncode != 0:
+            tail = "\n    ".join(run.output.rstrip().splitlines()[-15:])
+            problems.append(f"lesson {run.name} failed: `{run.command}` exited {run.returncode}; its last lines:\n    {tail}")
+        elif run.picture is None and run.number not in without_picture:
+            problems.append(f"lesson {run.name} drew no picture into {run.command.split(' --png ')[1]} (a lesson "
+                            f"allowed none is named in docs/conf.py's lessons_without_picture, with why)")
+    return problems

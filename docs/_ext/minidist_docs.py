@@ -42,7 +42,7 @@ def run_everything(app) -> None:
     root, runs = _paths(app)
     pages = {p.stem for p in (Path(app.srcdir) / "lessons").glob("[0-9][0-9]_*.md")}
     lessons = {s.stem for s in lesson_runs.lesson_files(root)}
-    problems = [f"tutorials/{n}.py has no page: add docs/lessons/{n}.md (one line naming it)" for n in sorted(lessons - pages)]
+    problems = [f"tutorials/{n}.py has no page: add docs/lessons/{n}.md (a few lines naming it, as the others do)" for n in sorted(lessons - pages)]
     problems += [f"docs/lessons/{n}.md names no lesson: tutorials/{n}.py does not exist" for n in sorted(pages - lessons)]
     if problems:
         raise ExtensionError("\n".join(problems))
@@ -52,16 +52,10 @@ def run_everything(app) -> None:
         done = lesson_runs.run_all(root, runs, app.config.lesson_jobs, app.config.lesson_timeout,
                                    first=tuple(app.config.lessons_first))
         app.minidist_parts = {"trainer-flags": generated_parts.trainer_flags(), "support-matrix": matrix.result()}
-    without = app.config.lessons_without_picture
     for run in done.values():
-        logger.info(f"  {run.command}: exit {run.returncode}, {run.seconds:.1f} s"
-                    + ("" if run.picture else ", no picture"))
-        tail = "\n    ".join(run.output.rstrip().splitlines()[-15:])
-        if run.returncode != 0:
-            fail(app, f"lesson {run.name} failed: `{run.command}` exited {run.returncode}; its last lines:\n    {tail}")
-        elif run.picture is None and run.number not in without:
-            fail(app, f"lesson {run.name} drew no picture into {run.command.split(' --png ')[1]} (a lesson allowed "
-                      f"none is named in docs/conf.py's lessons_without_picture, with why)")
+        logger.info(f"  {run.command}: exit {run.returncode}, {run.seconds:.1f} s" + ("" if run.picture else ", no picture"))
+    for problem in lesson_runs.run_problems(done, app.config.lessons_without_picture):
+        fail(app, problem)
     app.minidist_runs = done
 
 
