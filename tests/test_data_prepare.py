@@ -175,7 +175,7 @@ def test_the_second_run_is_a_cache_hit_that_touches_nothing(texts, tmp_path, cap
     ("shard-tokens", "--val-fraction 0.1 --shard-tokens 3000 are not the ones it was prepared with (0.1, 2000)"),
     ("damaged", "train_000001.bin: its SHA-256 differs from the manifest"),
     ("deleted", "train_000001.bin: missing"),
-    ("manifest", "manifest.json: not readable JSON (Expecting property name enclosed in double quotes"),
+    ("manifest", "manifest.json: not a data manifest (not JSON: Expecting property name enclosed in double quotes"),
 ])
 def test_a_change_prepares_the_folder_again(change, says, texts, tmp_path, capsys):
     out = tmp_path / "out"
