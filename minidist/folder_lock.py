@@ -21,6 +21,7 @@ import stat
 import time
 
 from minidist.files import NOFOLLOW, PathRefused, real_folder
+from minidist.untrusted import parse_json
 
 LOCK_FILE = ".minidist.lock"
 MAX_HOLDER_BYTES = 4096
@@ -67,9 +68,9 @@ def _holder(fd: int) -> str:
     """Who holds the lock, as the holder wrote it: "pid 123 on host h since ..."; read bounded and
     checked (the file is untrusted)."""
     try:
-        record = json.loads(os.pread(fd, MAX_HOLDER_BYTES, 0).decode())
+        record = parse_json(os.pread(fd, MAX_HOLDER_BYTES, 0))
         return f"pid {int(record['pid'])} on host {str(record['host'])[:255]} since {str(record['since'])[:32]}"
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
+    except (ValueError, KeyError, TypeError):
         return "its holder did not say who it is"
 
 
@@ -84,9 +85,9 @@ def holder_token(folder) -> int | None:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             return None
-        token = json.loads(os.pread(fd, MAX_HOLDER_BYTES, 0).decode())["token"]
+        token = parse_json(os.pread(fd, MAX_HOLDER_BYTES, 0))["token"]
         return token if type(token) is int else None
-    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError):
+    except (OSError, ValueError, KeyError, TypeError):
         return None
     finally:
         os.close(fd)

@@ -10,11 +10,12 @@ message names the file:
                                         FIFO is never opened: a FIFO would block), opened without
                                         blocking, checked again once open; a link is followed, or with
                                         ``follow_links=False`` refused
-    parse_json(data)                    the JSON value of ``data``: UTF-8, strict JSON, arrays and objects
+    parse_json(data)                    the JSON value of ``data``: UTF-8 JSON, its arrays and objects
                                         nested at most :data:`MAX_DEPTH` deep (Python's parser recurses:
                                         past about 1,000 levels it raises RecursionError, here a
                                         ValueError like any other). ValueError saying why not
-    read_json(path, limit, what)        both: the JSON value of file ``path``
+    read_json(path, limit, what)        both: the JSON value of file ``path`` (``json_of(data, path,
+                                        what)``: of bytes already read)
     open_bounded(path)                  the open file, for a reader of lines (a trace, metrics)
     file_sha256(path)                   the SHA-256 of regular file ``path``, to compare with what a
                                         manifest promised (read in blocks: no bound but the file's size)
@@ -110,14 +111,18 @@ def depth(value) -> int:
     return deepest
 
 
-def read_json(path, limit: int, what: str, error=Unreadable, follow_links: bool = True, **hooks):
-    """The JSON value of regular file ``path``: :func:`read_bounded`, then :func:`parse_json` (with
-    ``hooks``); ``error`` naming ``path`` and ``what`` it should be otherwise."""
-    data = read_bounded(path, limit, what, error, follow_links)
+def json_of(data, path, what: str, error=Unreadable, **hooks):
+    """:func:`parse_json` of ``data`` (with ``hooks``), read from ``path``; ``error`` naming ``path``
+    and ``what`` it should be when it is not such JSON."""
     try:
         return parse_json(data, **hooks)
-    except (ValueError, UnicodeDecodeError) as e:
+    except ValueError as e:  # (a UnicodeDecodeError is one)
         raise error(f"{path}: not {what} (not JSON: {e})") from e
+
+
+def read_json(path, limit: int, what: str, error=Unreadable, follow_links: bool = True, **hooks):
+    """The JSON value of regular file ``path``: :func:`read_bounded`, then :func:`json_of`."""
+    return json_of(read_bounded(path, limit, what, error, follow_links), path, what, error, **hooks)
 
 
 def sha256_stream(f) -> str:

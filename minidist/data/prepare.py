@@ -49,13 +49,13 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from minidist.data.encode import (PrepareError, chunks, describe_input, encode_in_order, file_sha256, parse_tokenizer,
-                                  train_bpe)
+from minidist.data.encode import PrepareError, chunks, describe_input, encode_in_order, parse_tokenizer, train_bpe
 from minidist.data.folder import MANIFEST, read_manifest
 from minidist.data.shards import write_shard
 from minidist.data.tokens import DataError
 from minidist.folder_lock import FolderInUse, FolderLock
 from minidist.files import create, folder_problems, real_folder, write_atomically
+from minidist.untrusted import Unreadable, file_sha256
 
 FORMAT, VERSION = "minidist-shards", 1
 SHARD_TOKENS = 10_000_000
@@ -191,13 +191,13 @@ def difference(out: Path, old: dict, inputs: list[dict], spec, val_fraction: flo
     if was["kind"] != "bytes":
         named.append(("tokenizer.json", was.get("sha256")))
     for name, sha256 in named:
+        if not os.path.lexists(out / name):
+            return f"{name}: missing"
         try:
             if file_sha256(out / name) != sha256:
                 return f"{name}: its SHA-256 differs from the manifest"
-        except FileNotFoundError:
-            return f"{name}: missing"
-        except OSError as e:
-            return f"{name}: cannot be read ({e.strerror or e})"
+        except (Unreadable, OSError) as e:  # a FIFO, a folder, a read error
+            return f"{name}: cannot be read ({e})"
     return None
 
 

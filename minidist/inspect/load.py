@@ -28,17 +28,16 @@ trace nor metrics, a file that is not a regular one, a memory report that is not
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from minidist.comm.trace import Trace
 from minidist.comm.trace_events import COMPACT_START, TraceReader
 from minidist.files import kind_of
+from minidist.untrusted import open_bounded, parse_json, read_json
 
 MAX_RANKS = 1024  # trace files a run directory may hold
 MAX_TRACE_BYTES = 128 << 20  # of plain trace lines read over all ranks (about 600,000 events): each file's end
@@ -100,20 +99,6 @@ def _ranked(folder: Path, extension: str) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def open_regular(path: Path):
-    """A binary file object reading ``path``, which must be a regular file; opened without blocking,
-    so a FIFO is refused, not waited on. :class:`RunError` naming ``path`` otherwise."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        raise RunError(f"{path}: cannot be read ({e.strerror})") from e
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise RunError(f"{path} is {kind_of(mode)}, not a file inspect reads")
-    return os.fdopen(fd, "rb")
-
-
 def _lines(f, size: int):
     """(line, ended) for each line of the next ``size`` bytes of ``f``: ``ended`` False for a last
     line without its newline; a line longer than :data:`MAX_LINE_BYTES` comes as None (skipped whole,
@@ -143,7 +128,7 @@ def read_json_lines(path: Path, budget: int, parser, skipped: list[str]) -> list
     the beginning of a file over budget, an incomplete last line (a crash cut it), garbled lines
     (the first reason given)."""
     kept, garbled, first_reason, cut = [], 0, "", False
-    with open_regular(path) as f:
+    with open_bounded(path, RunError) as f:
         size = os.fstat(f.fileno()).st_size
         parse = parser(size > budget)
         if size > budget:
@@ -178,15 +163,6 @@ def read_json_lines(path: Path, budget: int, parser, skipped: list[str]) -> list
     return kept
 
 
-def parse_json(data):
-    """The JSON value in ``data``; ValueError if it is not JSON, nested too deep included (Python's
-    parser recurses: past about 1,000 levels it raises RecursionError, here a ValueError like the rest)."""
-    try:
-        return json.loads(data)
-    except RecursionError as e:
-        raise ValueError("JSON nested too deep") from e
-
-
 def _finite(v) -> bool:
     """Whether JSON value ``v`` is a number that prints and sums: an int (not a bool) or a finite float."""
     return isinstance(v, int) and not isinstance(v, bool) and abs(v) < 2**63 or isinstance(v, float) and math.isfinite(v)
@@ -216,14 +192,7 @@ def read_memory_report(path: Path, columns: list | None) -> tuple[list[dict], li
     and finite numbers, all with the columns ``columns`` (those of the reports read before, if
     any: one table holds them all). :class:`RunError`
     naming the file if it is larger than :data:`MAX_REPORT_BYTES`, not JSON, or not such rows."""
-    with open_regular(path) as f:
-        data = f.read(MAX_REPORT_BYTES + 1)
-    if len(data) > MAX_REPORT_BYTES:
-        raise RunError(f"{path}: larger than {MAX_REPORT_BYTES >> 20} MiB: not a memory report")
-    try:
-        report = parse_json(data)
-    except ValueError as e:
-        raise RunError(f"{path}: not a memory report (not JSON: {e})") from e
+    report = read_json(path, MAX_REPORT_BYTES, "a memory report", RunError)
     rows = report.get("rows") if isinstance(report, dict) else None
     if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("label"), str) for r in rows):
         raise RunError(f"{path}: not a memory report (no \"rows\": a list of objects with a \"label\")")
@@ -240,7 +209,7 @@ def read_memory_report(path: Path, columns: list | None) -> tuple[list[dict], li
 
 def _compact(path: Path) -> bool:
     """Whether trace file ``path`` starts as the compact format does (``Trace.stream``)."""
-    with open_regular(path) as f:
+    with open_bounded(path, RunError) as f:
         return f.read(len(COMPACT_START)) == COMPACT_START
 
 
