@@ -59,6 +59,21 @@ def descendants(pid: int) -> list[Process]:
     return found
 
 
+def has_children(pid: int) -> bool | None:
+    """Whether process ``pid`` has a child now, read from ``/proc/<pid>/task/*/children`` (a few small
+    files: cheap enough to ask every few milliseconds), else from :func:`descendants`; None without
+    /proc (not known)."""
+    if not PROC.is_dir():
+        return None
+    try:
+        for task in (PROC / str(pid) / "task").iterdir():
+            if (task / "children").read_text().strip():
+                return True
+        return False
+    except OSError:  # gone, or a kernel without the children files
+        return bool(descendants(pid))
+
+
 def is_running(process: Process) -> bool:
     """Whether ``process`` (the same pid AND start time) still runs: a zombie (ended, not yet
     reaped) does not."""

@@ -89,10 +89,10 @@ def corpus_record(folder):
 
 
 def hostfile(folder):
-    from minidist.launchers import hostfile_problem
+    from minidist.hosts import hostfile_problem
 
     def check():
-        problem = hostfile_problem(str(folder / "hosts"), "mpiexec")
+        problem = hostfile_problem(str(folder / "hosts"), "hydra")
         if problem is not None:
             raise ValueError(problem)
     return folder / "hosts", check, ValueError
