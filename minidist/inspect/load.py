@@ -46,6 +46,7 @@ MAX_METRICS_BYTES = 32 << 20  # of metrics.jsonl read: its end
 MAX_LINE_BYTES = 1 << 20  # a plain event is about 250 bytes, a compact one 50, a metrics row a few KiB
 MAX_REPORT_BYTES = 16 << 20  # one memory report
 RANK = r"rank(0|[1-9][0-9]{0,8})\."  # rank0.<ext> ... rank999999999.<ext>: one spelling per rank
+MEMBER = re.compile(r"member-(0|[1-9][0-9]{0,8})")  # a population member's folder (train/pbt.py)
 
 
 class RunError(ValueError):
@@ -99,6 +100,32 @@ def _ranked(folder: Path, extension: str) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def population(run_dir) -> list[Path]:
+    """The ``member-<k>`` folders of ``run_dir`` that hold a run (a trace folder or metrics.jsonl), by
+    k: what ``--mode pbt`` leaves in its ``--trace DIR`` or ``--out DIR`` (each member's run in its
+    own folder); [] for any other folder."""
+    found = []
+    with os.scandir(run_dir) as entries:
+        for entry in entries:
+            folder = Path(run_dir) / entry.name
+            if (m := MEMBER.fullmatch(entry.name)) and entry.is_dir(follow_symlinks=False) and (
+                    (folder / "trace").is_dir() or os.path.lexists(folder / "metrics.jsonl")):
+                found.append((int(m.group(1)), folder))
+                if len(found) > MAX_RANKS:
+                    raise RunError(f"{run_dir} holds more than {MAX_RANKS} member folders: inspect lists at most {MAX_RANKS}")
+    return [folder for _, folder in sorted(found)]
+
+
+def member_summary(folder: Path, skipped: list[str]) -> tuple[int, list[dict]]:
+    """(how many ranks traced, the metrics rows) of one member's run ``folder``: what a line of the
+    population's list says, read without its traces' events."""
+    metrics = []
+    if os.path.lexists(folder / "metrics.jsonl"):
+        metrics = read_json_lines(folder / "metrics.jsonl", MAX_METRICS_BYTES, lambda _: metrics_row, skipped,
+                                  ("a metrics file", "row"))
+    return len(_ranked(folder / "trace", "jsonl")), metrics
+
+
 def _lines(f, size: int):
     """(line, ended) for each line of the next ``size`` bytes of ``f``: ``ended`` False for a last
     line without its newline; a line longer than :data:`MAX_LINE_BYTES` comes as None (skipped whole,
@@ -120,13 +147,15 @@ def _lines(f, size: int):
             yield line, line.endswith(b"\n")
 
 
-def read_json_lines(path: Path, budget: int, parser, skipped: list[str]) -> list:
+def read_json_lines(path: Path, budget: int, parser, skipped: list[str], what=("a trace", "event")) -> list:
     """What ``parse(line)`` makes of each line of regular file ``path`` (blank lines aside, and lines
     it makes None of), reading at most its last ``budget`` bytes, where ``parse = parser(from_middle)``
     (``from_middle``: whether the lines read start in the middle of the file). A line ``parse``
     refuses (ValueError) is skipped; what was skipped is appended to ``skipped``, one line per kind:
-    the beginning of a file over budget, an incomplete last line (a crash cut it), garbled lines
-    (the first reason given)."""
+    the beginning of a file over budget, an incomplete last line (a crash cut it: it starts as JSON
+    does, else it is garbled), garbled lines (the first reason given). A file of garbled lines only,
+    nothing read from it, is not what it should be (``what``: the file, an item of it): a
+    :class:`RunError` naming it."""
     kept, garbled, first_reason, cut = [], 0, "", False
     with open_bounded(path, RunError) as f:
         size = os.fstat(f.fileno()).st_size
@@ -151,11 +180,14 @@ def read_json_lines(path: Path, budget: int, parser, skipped: list[str]) -> list
                 if (item := parse(line)) is not None:
                     kept.append(item)
             except ValueError as e:
-                if not ended:
+                if not ended and line is not None and line.lstrip()[:1] in (b"{", b"["):
                     cut = True
                 else:
                     garbled += 1
                     first_reason = first_reason or f"line {number}: {e}"
+    if garbled and not kept:  # random bytes, a binary file: nothing in it reads as a line of one
+        raise RunError(f"{path}: not {what[0]}: no {what[1]} read ({garbled} garbled line{'s' * (garbled > 1)}; "
+                       f"{first_reason})"[:300])
     if garbled:
         skipped.append(f"{path.name}: skipped {garbled} garbled line{'s' * (garbled > 1)} ({first_reason})"[:300])
     if cut:
@@ -235,7 +267,8 @@ def load_run(run_dir) -> Run:
         traces.append(trace)
     metrics = []
     if os.path.lexists(run_dir / "metrics.jsonl"):
-        metrics = read_json_lines(run_dir / "metrics.jsonl", MAX_METRICS_BYTES, lambda _: metrics_row, skipped)
+        metrics = read_json_lines(run_dir / "metrics.jsonl", MAX_METRICS_BYTES, lambda _: metrics_row, skipped,
+                                  ("a metrics file", "row"))
         width = next((len(m["expert_rows"]) for m in metrics if "expert_load" in m), None)
         odd = sum("expert_load" in m and len(m["expert_rows"]) != width for m in metrics)
         if odd:  # the expert table averages expert_rows over the steps: one count of ranks
