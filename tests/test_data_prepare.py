@@ -306,16 +306,24 @@ def test_a_refused_prepare_leaves_no_lock_and_no_folder_of_its_own(tmp_path, cap
     assert (sorted(os.listdir(out)) == [] if existed else not os.path.lexists(out)), os.listdir(out)
 
 
+KILLED_WRITING_A_SHARD = ("import os, signal, sys; os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL); "
+                          "from minidist.data.prepare import main; main(sys.argv[1:])")
+"""prepare, SIGKILLed while it makes its first shard durable (the shard's temporary written, the
+token stream beside it)."""
+
+
 def test_a_rerun_removes_what_a_killed_prepare_left_and_names_it(texts, tmp_path, capsys):
-    """Was: train_000001.bin.tmp30012 (a shard being written when SIGKILL came) and tokens.tmp stayed
+    """Was: train_000000.bin.tmp30012 (the shard being written when SIGKILL came) and tokens.tmp stayed
     in the folder for good; the rerun kept them."""
     out = tmp_path / "out"
-    assert run(capsys, *texts, "--out", out, "--shard-tokens", 2000)[0] == 0
-    left = ["train_000001.bin.tmp30012", "tokens.tmp", "manifest.json.tmp30012"]
-    for name in left:
-        (out / name).write_bytes(b"\0" * 100)
+    killed = subprocess.run([sys.executable, "-c", KILLED_WRITING_A_SHARD, *map(str, texts), "--out", str(out),
+                             "--shard-tokens", "2000", "--workers", "1"], capture_output=True, timeout=120)
+    assert killed.returncode == -9, killed.stderr
+    left = sorted(name for name in os.listdir(out) if name != LOCK)
+    assert left == ["tokens.tmp", f"train_000000.bin.tmp{left[1].split('.tmp')[-1]}"], left
     (out / "notes.txt").write_text("mine")  # not prepare's: kept
-    (out / "manifest.json").unlink()  # a kill before the manifest: the folder is prepared again
+    (out / "manifest.json.tmp30012").write_text("{")  # a manifest being written when the kill came
+    left.insert(0, "manifest.json.tmp30012")
     code, lines, err = run(capsys, *texts, "--out", out, "--shard-tokens", 2000)
     assert code == 0 and err == [], err
     assert lines[0] == f"removed what an interrupted prepare left in {out}: {', '.join(sorted(left))}", lines
