@@ -5,7 +5,9 @@ mpiexec reads a hostfile and its options without many checks of its own: MPICH's
 and answers ``localhost slots=2`` (Open MPI's spelling) with exit 255. So, here:
 
     a machine      an RFC 1123 host name: labels of 1 to 63 letters, digits and hyphens, not starting
-                   or ending with a hyphen, dot-separated, 253 characters at most (an IPv4 address is one)
+                   or ending with a hyphen, dot-separated, 253 characters at most, the last one starting
+                   with a letter (else ssh reads ``0`` or ``0x10`` as an address), or an IPv4 address;
+                   and a name this machine resolves (mpiexec reaches it from here)
     a slot count   a whole number from 1 to :data:`MAX_SLOTS`, written in decimal digits only
     a hostfile     one machine per line (``#`` starts a comment), in the flavour's own format:
                    MPICH's hydra ``host`` or ``host:N`` with hydra's options ``user=NAME``,
@@ -24,8 +26,11 @@ and answers ``localhost slots=2`` (Open MPI's spelling) with exit 255. So, here:
 """
 from __future__ import annotations
 
+import functools
+import ipaddress
 import os
 import re
+import socket
 
 from minidist.untrusted import Unreadable, read_bounded
 
@@ -48,11 +53,35 @@ HOSTFILE_FLAGS = ("-f", "-hostfile", "--hostfile", "-machinefile", "--machinefil
 
 
 def host_problem(name: str) -> str | None:
-    """Why ``name`` is not an RFC 1123 host name, or None."""
-    if not 0 < len(name) <= 253 or not all(LABEL.fullmatch(label) for label in name.split(".")):
+    """Why ``name`` is not a machine mpiexec can reach, or None: not an RFC 1123 host name, a last
+    label that starts with a digit (``0``, ``0x10``, ``1e-300``: ssh reads a number as an address)
+    unless the whole is an IPv4 address, or a name that does not resolve on this machine."""
+    labels = name.split(".")
+    if not 0 < len(name) <= 253 or not all(LABEL.fullmatch(label) for label in labels):
         return (f"{name[:80]!r} is not a host name (RFC 1123: dot-separated labels of 1 to 63 letters, digits "
                 "and hyphens, not starting or ending with a hyphen)")
+    if not labels[-1][0].isalpha() and not _ipv4(name):
+        return f"{name!r} is not a host name (its last label starts with a digit) nor an IPv4 address"
+    if not _resolves(name):
+        return f"{name!r}: no such host (the name does not resolve on this machine)"
     return None
+
+
+def _ipv4(name: str) -> bool:
+    try:
+        ipaddress.IPv4Address(name)
+    except ValueError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=1024)
+def _resolves(name: str) -> bool:
+    try:
+        socket.getaddrinfo(name, None)
+    except (OSError, UnicodeError):  # socket.gaierror is an OSError
+        return False
+    return True
 
 
 def slots_problem(text: str) -> str | None:
@@ -102,6 +131,12 @@ def hostfile_problem(path: str, flavour: str, flag: str = "--hostfile") -> str |
                     f"{problem}")
         machines += 1
     return None if machines else f"{flag} {path}: no machine in it"
+
+
+def names_machines(args: list) -> bool:
+    """Whether launcher arguments ``args`` name machines (a host list or a hostfile): the job's ranks
+    may then run elsewhere."""
+    return any(a.partition("=")[0] in HOST_FLAGS + HOSTFILE_FLAGS for a in args)
 
 
 def launcher_args_problem(args: list, launcher: str, flavour: str) -> str | None:

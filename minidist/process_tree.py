@@ -59,19 +59,37 @@ def descendants(pid: int) -> list[Process]:
     return found
 
 
-def has_children(pid: int) -> bool | None:
-    """Whether process ``pid`` has a child now, read from ``/proc/<pid>/task/*/children`` (a few small
-    files: cheap enough to ask every few milliseconds), else from :func:`descendants`; None without
-    /proc (not known)."""
+def started(pid: int, program: str | None = None) -> bool | None:
+    """Whether process ``pid`` has started a process: a child of it (``program`` None), or a
+    descendant running ``program`` (its ``argv[0]``: a job's rank). Read from the few small files
+    ``/proc/<pid>/task/*/children`` (cheap enough to ask every few milliseconds), else from the whole
+    table (:func:`descendants`); None without /proc (not known)."""
     if not PROC.is_dir():
         return None
+    if not (PROC / str(os.getpid()) / "task" / str(os.getpid()) / "children").exists():  # an older kernel
+        found = [p.pid for p in descendants(pid)]
+        return bool(found) if program is None else any(_argv0(k) == program for k in found)
+    todo = [pid]
+    while todo:
+        kids = _children(todo.pop())
+        if kids and program is None or any(_argv0(k) == program for k in kids):
+            return True
+        todo += kids
+    return False
+
+
+def _children(pid: int) -> list[int]:
     try:
-        for task in (PROC / str(pid) / "task").iterdir():
-            if (task / "children").read_text().strip():
-                return True
-        return False
-    except OSError:  # gone, or a kernel without the children files
-        return bool(descendants(pid))
+        return [int(k) for task in (PROC / str(pid) / "task").iterdir() for k in (task / "children").read_text().split()]
+    except (OSError, ValueError):  # gone meanwhile
+        return []
+
+
+def _argv0(pid: int) -> str | None:
+    try:
+        return (PROC / str(pid) / "cmdline").read_bytes().split(b"\0", 1)[0].decode(errors="replace")
+    except OSError:
+        return None
 
 
 def is_running(process: Process) -> bool:

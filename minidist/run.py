@@ -24,8 +24,9 @@ refused (exit status 2), ranks calling different collectives (exit status 4, a b
 diverged (exit status 5: a NaN or inf loss; its newest checkpoint is from before the divergence, and
 resuming it with the same settings would diverge again, so it is treated like 2, not as a crash to
 retry), and mpiexec refusing the job itself: exit status 255 (MPICH's hydra and Open MPI's code for
-their own errors) before mpiexec started any process (no proxy, no ssh, no rank was ever seen under
-it, :func:`run_job`), which ends the launcher with 2, a configuration refused. A collective that
+their own errors) before any rank started (:func:`run_job`: with every rank on this machine, no rank
+was ever seen; with other machines named, whose ranks it cannot see, mpiexec started no process at
+all, no proxy, no ssh), which ends the launcher with 2, a configuration refused. A collective that
 timed out (3) and a rank that died are retried. SIGTERM,
 SIGHUP and SIGINT (Ctrl-C) stop the launcher: it passes the signal to the whole job (the launcher
 and every rank it started here; mpiexec and srun pass it on to the other machines), kills what is
@@ -59,10 +60,10 @@ import time
 
 from minidist.checkpoint.reader import latest_valid
 from minidist.comm.transport import EXIT_COMM_TIMEOUT, EXIT_CONFIG, EXIT_DIVERGED, EXIT_MISMATCH
-from minidist.hosts import MAX_SLOTS, hostfile_problem, launcher_args_problem
+from minidist.hosts import MAX_SLOTS, hostfile_problem, launcher_args_problem, names_machines
 from minidist.launchers import (LAUNCHERS, SRUN_MISSING, find_mpiexec, job_command, launcher_command,
                                 mpiexec_flavour)
-from minidist.process_tree import descendants, has_children, signal_processes, wait_gone
+from minidist.process_tree import descendants, signal_processes, started, wait_gone
 
 MAX_RANKS = MAX_SLOTS
 """The most ranks the launcher starts on this machine alone (no hosts given: every rank is a process
@@ -169,26 +170,29 @@ def stop_signals():
             signal.signal(s, handler)
 
 
-def run_job(cmd: list, timeout: float | None, grace: float = 5.0) -> tuple[int, bool]:
+def run_job(cmd: list, timeout: float | None, grace: float = 5.0, rank: str | None = None) -> tuple[int, bool]:
     """Run ``cmd`` (mpiexec or srun) in its own process group; return (its exit code, whether it
-    started anything): whether a child process of it (hydra's proxy, ssh, a rank) was ever seen,
-    looked for every :data:`STARTED_POLL` seconds until one is (True where /proc cannot say). Past
-    ``timeout`` seconds the whole job is ended (:func:`end_job` with SIGTERM) and :data:`TIME_LIMIT`
-    returned. On :class:`Stopped` (a signal to the launcher) the job is ended with that signal, then
-    it is raised again."""
+    started the job): a rank (a process running ``rank``, the job's python, when every rank runs on
+    this machine) or else any process of it (hydra's proxy, ssh) was seen, looked for every
+    :data:`STARTED_POLL` seconds until one is (True where /proc cannot say). Past ``timeout``
+    seconds the whole job is ended (:func:`end_job` with SIGTERM) and :data:`TIME_LIMIT` returned.
+    On :class:`Stopped` (a signal to the launcher) the job is ended with that signal, then it is
+    raised again."""
     proc = subprocess.Popen(cmd, start_new_session=True)
-    end = None if timeout is None else time.monotonic() + timeout
-    started = has_children(proc.pid) is None  # without /proc: not known, so a failure is retried as before
+    begin = time.monotonic()
+    end = None if timeout is None else begin + timeout
+    seen = started(proc.pid, rank) is None  # without /proc: not known, so a failure is retried as before
     try:
         while True:
             left = None if end is None else max(0.0, end - time.monotonic())
+            poll = STARTED_POLL * (1 if time.monotonic() - begin < 2 else 10)  # a rank starts within a second
             try:
-                return proc.wait(timeout=left if started else min(STARTED_POLL, left or STARTED_POLL)), started
+                return proc.wait(timeout=left if seen else poll if left is None else min(poll, left)), seen
             except subprocess.TimeoutExpired:
                 if end is not None and time.monotonic() >= end:
                     end_job(proc, signal.SIGTERM, grace)
                     return TIME_LIMIT, True
-                started = bool(has_children(proc.pid))
+                seen = bool(started(proc.pid, rank))
     except Stopped as stop:
         end_job(proc, stop.signum, grace)
         raise
@@ -346,12 +350,13 @@ def supervise(args) -> int:
         cmd = job_command(launcher, n, args.script, resume)
         say(f"attempt {attempt + 1}/{args.max_restarts + 1}: {' '.join(cmd)}")
         start = time.monotonic()
-        code, started = run_job(cmd, args.timeout, args.grace)
+        here = args.hostfile is None and not names_machines(args.launcher_args)  # every rank on this machine
+        code, began = run_job(cmd, args.timeout, args.grace, rank=sys.executable if here else None)
         if code == 0:
             say(f"attempt {attempt + 1} finished in {time.monotonic() - start:.1f}s")
             return 0
-        if code == LAUNCHER_ERROR and not started and args.launcher == "mpiexec":
-            say(f"attempt {attempt + 1}: mpiexec refused the job (exit {code} before it started anything; its own "
+        if code == LAUNCHER_ERROR and not began and args.launcher == "mpiexec":
+            say(f"attempt {attempt + 1}: mpiexec refused the job (exit {code} before any rank started; its own "
                 "message is above): not restarting, a restart would be refused the same way")
             return EXIT_CONFIG
         say(f"attempt {attempt + 1} {describe_exit(code, args.timeout)} after {time.monotonic() - start:.1f}s")

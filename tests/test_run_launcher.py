@@ -197,12 +197,14 @@ def test_a_configuration_error_is_not_retried(tmp_path):
 
 
 @pytest.mark.skipif(mpiexec_flavour(find_mpiexec()) == "openmpi", reason="hydra's exit status for its own errors")
-def test_a_job_mpiexec_refused_before_starting_anything_is_not_retried():
-    """Was: exit 255 read as "a rank died or raised", and the refused job tried --max-restarts times again."""
-    run = launch("-n", 1, "--max-restarts", 3, "--launcher-args", "--no-such-flag", "--", "-c", "pass")
+@pytest.mark.parametrize("args", [["--no-such-flag"], ["-genv", "X"]], ids=["unknown-flag", "no-rank-started"])
+def test_a_job_mpiexec_refused_before_any_rank_started_is_not_retried(args):
+    """Was: exit 255 read as "a rank died or raised", and the refused job tried --max-restarts times
+    again. (-genv X takes -n as X's value, and hydra's proxy then fails to start the program "1".)"""
+    run = launch("-n", 1, "--max-restarts", 3, "--launcher-args", *args, "--", "-c", "pass")
     assert run.returncode == 2, run.stderr
     lines = [line for line in run.stderr.splitlines() if line.startswith("minidist.run:")]
-    assert lines[1:] == ["minidist.run: attempt 1: mpiexec refused the job (exit 255 before it started anything; its "
+    assert lines[1:] == ["minidist.run: attempt 1: mpiexec refused the job (exit 255 before any rank started; its "
                          "own message is above): not restarting, a restart would be refused the same way"], lines
 
 
