@@ -95,14 +95,17 @@ def line_problem(line: str, flavour: str) -> str | None:
     """Why ``line`` (a comment stripped) is not one machine in ``flavour``'s format ("hydra" or
     "openmpi"), or None."""
     first, *options = line.split()
-    host, _, slots = first.partition(":") if flavour == "hydra" else (first, "", "")
-    problem = host_problem(host) or (slots_problem(slots) if ":" in first and flavour == "hydra" else None)
+    host, colon, slots = first.partition(":") if flavour == "hydra" else (first, "", "")
+    problem = host_problem(host) or (slots_problem(slots) if colon else None)
     for option in options:
-        key, eq, value = option.partition("=")
-        if problem is None and (not eq or key not in OPTIONS[flavour] or not value):
+        if problem:
+            break
+        key, _, value = option.partition("=")
+        if not value or key not in OPTIONS[flavour]:
             problem = (f"{option[:40]!r} is not an option {flavour} reads on a hostfile line "
                        f"({', '.join(k + '=' for k in OPTIONS[flavour])})")
-        problem = problem or (slots_problem(value) if OPTIONS[flavour][key] else None)
+        elif OPTIONS[flavour][key]:
+            problem = slots_problem(value)
     return problem
 
 

@@ -82,8 +82,9 @@ TIME_LIMIT = 124
 LAUNCHER_ERROR = 255
 """mpiexec's exit status for an error of its own (a flag or a hostfile it refuses, a host it cannot reach)."""
 STARTED_POLL = 0.005
-"""Seconds between two looks for mpiexec's first child process, until one is seen (hydra's proxy
-lives as long as its ranks: a rank that only starts python and exits lives about 40 ms)."""
+"""Seconds between two looks for the job's first rank (or mpiexec's first process), until one is seen,
+in an attempt's first 2 s (ten times that after): a rank that only starts python and exits lives
+about 40 ms."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 NOT_RETRIED = {  # exit status -> what it means; a restart would end the same way
     EXIT_CONFIG: "the job refused its configuration (bad flags or data)",
