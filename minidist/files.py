@@ -9,7 +9,9 @@ run writes it: a link planted at a file's name, a FIFO, a file where a folder sh
                             checks the open file is a regular one
     write_atomically(p, b)  writes a temporary file beside ``p`` exclusively (O_EXCL), fsyncs it and
                             renames it over ``p``: ``p`` holds its old content or all of ``b``, and a
-                            link at ``p`` is replaced, never written through
+                            link at ``p`` is replaced, never written through; a failed write (a full
+                            disk) names ``p`` (:func:`naming`); ``temporary_of`` tells its temporaries,
+                            which a killed writer leaves, by their names
     reserve(f, n, path)     allocates the file's n bytes on the disk now (posix_fallocate): a full disk
                             is an OSError naming the path here, not a SIGBUS later, when a store
                             through a memory mapping finds no block to write
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -76,11 +79,28 @@ def fsync_folder(path) -> None:
         os.close(fd)
 
 
+TEMPORARY = re.compile(r"(.+)\.tmp[0-9]+")  # write_atomically's <name>.tmp<pid>
+
+
+def temporary_of(name: str) -> str | None:
+    """The name of the file whose temporary (:func:`write_atomically`'s) ``name`` is, or None."""
+    match = TEMPORARY.fullmatch(name)
+    return match.group(1) if match else None
+
+
+def naming(error: OSError, path) -> OSError:
+    """``error`` naming ``path`` if it names no file (a write or fsync's ENOSPC does not:
+    ``[Errno 28] No space left on device: 'path'``)."""
+    if error.filename is not None or error.errno is None:
+        return error
+    return type(error)(error.errno, error.strerror, str(path))
+
+
 def write_atomically(path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that ``path`` holds either its old content or all of ``data``:
     a temporary file beside it, created exclusively (never through a link planted at its name),
     flushed and fsynced, renamed over ``path`` (a link at ``path`` is replaced, not followed), and
-    the folder fsynced."""
+    the folder fsynced. An OSError names ``path``."""
     path = Path(path)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.unlink(missing_ok=True)  # a crashed writer's leftover (or a link: only the link goes)
@@ -91,6 +111,9 @@ def write_atomically(path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise naming(e, path) from e
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -8,8 +8,6 @@ given its flags in its own spelling, then ``-n N python script args``.
 from __future__ import annotations
 
 import functools
-import os
-import re
 import shutil
 import subprocess
 import sys
@@ -17,12 +15,6 @@ import time
 from pathlib import Path
 
 LAUNCHERS = ("mpiexec", "srun")
-HOSTFILE_BYTES = 1 << 20
-"""The largest hostfile read: a line per machine, far more machines than any job here."""
-HOST_LINE = {  # one machine per line, in each flavour's own format (after '#' a comment)
-    "openmpi": re.compile(r"[\w.\-]+(\s+[\w\-]+=\d+)*"),  # host slots=8 max_slots=8
-    "hydra": re.compile(r"[\w.\-]+(:[1-9]\d*)?(\s+\w+=\S+)*"),  # host:8, options after it
-}
 
 
 OPEN_MPI_LINGER_S = 1.0
@@ -71,33 +63,6 @@ def mpiexec_flags(mpiexec: str, allow_root: bool = False, hostfile: str | None =
     openmpi = mpiexec_flavour(mpiexec) == "openmpi"
     hosts = [] if hostfile is None else ["--hostfile" if openmpi else "-f", hostfile]
     return (["--oversubscribe"] + ["--allow-run-as-root"] * allow_root if openmpi else []) + hosts
-
-
-def hostfile_problem(path: str, mpiexec: str) -> str | None:
-    """What is wrong with ``path`` as ``mpiexec``'s hostfile, or None: not a readable regular file,
-    over :data:`HOSTFILE_BYTES`, not UTF-8 text, no machine in it, or a line that is not one machine
-    in the flavour's format (:data:`HOST_LINE`: Open MPI's ``host slots=N``, else hydra's
-    ``host:N``). Read here, so that mpiexec never starts on a file it would refuse."""
-    if not os.path.isfile(path) or not os.access(path, os.R_OK):
-        return f"--hostfile {path}: {'not a readable file' if os.path.exists(path) else 'no such file'}"
-    if os.path.getsize(path) > HOSTFILE_BYTES:
-        return f"--hostfile {path}: over {HOSTFILE_BYTES >> 20} MiB, not a list of machines"
-    try:
-        with open(path, "rb") as f:
-            lines = f.read(HOSTFILE_BYTES).decode("utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        return f"--hostfile {path}: not readable as text ({e.__class__.__name__})"
-    flavour = "openmpi" if mpiexec_flavour(mpiexec) == "openmpi" else "hydra"
-    machines = 0
-    for number, line in enumerate(lines, 1):
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        if not HOST_LINE[flavour].fullmatch(line):
-            example = "host slots=2" if flavour == "openmpi" else "host:2"
-            return f"--hostfile {path}: line {number} is not a machine in {flavour}'s format ('{example}'): {line[:60]!r}"
-        machines += 1
-    return None if machines else f"--hostfile {path}: no machine in it"
 
 
 def launcher_command(launcher: str, hostfile: str | None, extra: list) -> list:

@@ -59,6 +59,39 @@ def descendants(pid: int) -> list[Process]:
     return found
 
 
+def started(pid: int, program: str | None = None) -> bool | None:
+    """Whether process ``pid`` has started a process: a child of it (``program`` None), or a
+    descendant running ``program`` (its ``argv[0]``: a job's rank). Read from the few small files
+    ``/proc/<pid>/task/*/children`` (cheap enough to ask every few milliseconds), else from the whole
+    table (:func:`descendants`); None without /proc (not known)."""
+    if not PROC.is_dir():
+        return None
+    if not (PROC / str(os.getpid()) / "task" / str(os.getpid()) / "children").exists():  # an older kernel
+        found = [p.pid for p in descendants(pid)]
+        return bool(found) if program is None else any(_argv0(k) == program for k in found)
+    todo = [pid]
+    while todo:
+        kids = _children(todo.pop())
+        if kids and program is None or any(_argv0(k) == program for k in kids):
+            return True
+        todo += kids
+    return False
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(k) for task in (PROC / str(pid) / "task").iterdir() for k in (task / "children").read_text().split()]
+    except (OSError, ValueError):  # gone meanwhile
+        return []
+
+
+def _argv0(pid: int) -> str | None:
+    try:
+        return (PROC / str(pid) / "cmdline").read_bytes().split(b"\0", 1)[0].decode(errors="replace")
+    except OSError:
+        return None
+
+
 def is_running(process: Process) -> bool:
     """Whether ``process`` (the same pid AND start time) still runs: a zombie (ended, not yet
     reaped) does not."""

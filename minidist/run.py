@@ -19,11 +19,15 @@ the checkpoint reshards on load; write ``{n}`` in the script's arguments where t
 belongs (``--dp {n}``). On several machines ``--ckpt-dir`` must be a folder every machine sees
 (a shared file system), since the launcher looks for the checkpoint on this one.
 
-Three failures are never retried, since a restart would fail the same way: a configuration the job
-refused (exit status 2), ranks calling different collectives (exit status 4, a bug) and a run that
+Four failures are never retried, since a restart would fail the same way: a configuration the job
+refused (exit status 2), ranks calling different collectives (exit status 4, a bug), a run that
 diverged (exit status 5: a NaN or inf loss; its newest checkpoint is from before the divergence, and
 resuming it with the same settings would diverge again, so it is treated like 2, not as a crash to
-retry). A collective that timed out (3) and a rank that died are retried. SIGTERM,
+retry), and mpiexec refusing the job itself: exit status 255 (MPICH's hydra and Open MPI's code for
+their own errors) before any rank started (:func:`run_job`: with every rank on this machine, no rank
+was ever seen; with other machines named, whose ranks it cannot see, mpiexec started no process at
+all, no proxy, no ssh), which ends the launcher with 2, a configuration refused. A collective that
+timed out (3) and a rank that died are retried. SIGTERM,
 SIGHUP and SIGINT (Ctrl-C) stop the launcher: it passes the signal to the whole job (the launcher
 and every rank it started here; mpiexec and srun pass it on to the other machines), kills what is
 left after ``--grace`` seconds, restarts nothing, and exits with 128 + the signal's number, as a
@@ -32,9 +36,10 @@ shell reports a process the signal ended.
 Bad input is refused before anything starts (exit 2, one message): a job kept on this machine (no
 ``--hostfile``, no ``--launcher-args``, not ``srun``) of more ranks than it can start
 (:data:`MAX_RANKS`, or fewer where its available memory holds fewer: :func:`startable_ranks`), more
-than :data:`MAX_RESTARTS` restarts, a ``--grace`` over :data:`MAX_GRACE`, a hostfile mpiexec would
-refuse (``launchers.hostfile_problem``), srun not found, and a job python could not start
-(:func:`job_problem`: a missing script, a FIFO python would wait on, a module not found).
+than :data:`MAX_RESTARTS` restarts, a ``--grace`` over :data:`MAX_GRACE`, a hostfile or launcher
+arguments that name a machine or a slot count mpiexec would choke on (minidist/hosts.py), srun not
+found, and a job python could not start (:func:`job_problem`: a missing script, a FIFO python would
+wait on, a module not found).
 
     python -m minidist.run -n 4 --max-restarts 2 -- -m minidist.train --dp 4 --ckpt-dir ckpt --save-every 50
     python -m minidist.run -n 8 --hostfile hosts -- -m minidist.train --dp 2 --tp 4 --ckpt-dir /shared/ckpt
@@ -55,12 +60,15 @@ import time
 
 from minidist.checkpoint.reader import latest_valid
 from minidist.comm.transport import EXIT_COMM_TIMEOUT, EXIT_CONFIG, EXIT_DIVERGED, EXIT_MISMATCH
-from minidist.launchers import LAUNCHERS, SRUN_MISSING, find_mpiexec, hostfile_problem, job_command, launcher_command
-from minidist.process_tree import descendants, signal_processes, wait_gone
+from minidist.hosts import MAX_SLOTS, hostfile_problem, launcher_args_problem, names_machines
+from minidist.launchers import (LAUNCHERS, SRUN_MISSING, find_mpiexec, job_command, launcher_command,
+                                mpiexec_flavour)
+from minidist.process_tree import descendants, signal_processes, started, wait_gone
 
-MAX_RANKS = 256
+MAX_RANKS = MAX_SLOTS
 """The most ranks the launcher starts on this machine alone (no hosts given: every rank is a process
-of this machine, and a CPU rank of minidist wants a core's share to make progress)."""
+of this machine, and a CPU rank of minidist wants a core's share to make progress); the same bound
+as each machine of a hostfile's slots (minidist/hosts.py)."""
 LAUNCHER_ARGS = "--launcher-args"
 """Everything after it, up to ``--``, goes to the launcher as it is."""
 RANK_BYTES = 64 << 20
@@ -71,6 +79,12 @@ MAX_RESTARTS = 1000
 """The most restarts ``--max-restarts`` asks for: a job that failed a thousand times will not be cured."""
 TIME_LIMIT = 124
 """What :func:`run_job` returns when the job ran past ``--timeout`` (the code of ``timeout(1)``)."""
+LAUNCHER_ERROR = 255
+"""mpiexec's exit status for an error of its own (a flag or a hostfile it refuses, a host it cannot reach)."""
+STARTED_POLL = 0.005
+"""Seconds between two looks for the job's first rank (or mpiexec's first process), until one is seen,
+in an attempt's first 2 s (ten times that after): a rank that only starts python and exits lives
+about 40 ms."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
 NOT_RETRIED = {  # exit status -> what it means; a restart would end the same way
     EXIT_CONFIG: "the job refused its configuration (bad flags or data)",
@@ -157,17 +171,29 @@ def stop_signals():
             signal.signal(s, handler)
 
 
-def run_job(cmd: list, timeout: float | None, grace: float = 5.0) -> int:
-    """Run ``cmd`` (mpiexec or srun) in its own process group and return its exit code. Past ``timeout``
+def run_job(cmd: list, timeout: float | None, grace: float = 5.0, rank: str | None = None) -> tuple[int, bool]:
+    """Run ``cmd`` (mpiexec or srun) in its own process group; return (its exit code, whether it
+    started the job): a rank (a process running ``rank``, the job's python, when every rank runs on
+    this machine) or else any process of it (hydra's proxy, ssh) was seen, looked for every
+    :data:`STARTED_POLL` seconds until one is (True where /proc cannot say). Past ``timeout``
     seconds the whole job is ended (:func:`end_job` with SIGTERM) and :data:`TIME_LIMIT` returned.
     On :class:`Stopped` (a signal to the launcher) the job is ended with that signal, then it is
     raised again."""
     proc = subprocess.Popen(cmd, start_new_session=True)
+    begin = time.monotonic()
+    end = None if timeout is None else begin + timeout
+    seen = started(proc.pid, rank) is None  # without /proc: not known, so a failure is retried as before
     try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        end_job(proc, signal.SIGTERM, grace)
-        return TIME_LIMIT
+        while True:
+            left = None if end is None else max(0.0, end - time.monotonic())
+            poll = STARTED_POLL * (1 if time.monotonic() - begin < 2 else 10)  # a rank starts within a second
+            try:
+                return proc.wait(timeout=left if seen else poll if left is None else min(poll, left)), seen
+            except subprocess.TimeoutExpired:
+                if end is not None and time.monotonic() >= end:
+                    end_job(proc, signal.SIGTERM, grace)
+                    return TIME_LIMIT, True
+                seen = bool(started(proc.pid, rank))
     except Stopped as stop:
         end_job(proc, stop.signum, grace)
         raise
@@ -277,7 +303,9 @@ def parse_args(argv=None):
                 "sbatch/salloc --nodelist, or --launcher-args --nodelist=...)")
     if args.launcher == "srun" and shutil.which("srun") is None:
         p.error(SRUN_MISSING)
-    problem = hostfile_problem(args.hostfile, find_mpiexec()) if args.hostfile is not None else None
+    flavour = mpiexec_flavour(find_mpiexec()) if args.launcher == "mpiexec" else None
+    problem = (hostfile_problem(args.hostfile, flavour) if args.hostfile is not None else None) or \
+        launcher_args_problem(args.launcher_args, args.launcher, flavour)
     if problem:
         p.error(problem)
     most = startable_ranks()
@@ -323,10 +351,15 @@ def supervise(args) -> int:
         cmd = job_command(launcher, n, args.script, resume)
         say(f"attempt {attempt + 1}/{args.max_restarts + 1}: {' '.join(cmd)}")
         start = time.monotonic()
-        code = run_job(cmd, args.timeout, args.grace)
+        here = args.hostfile is None and not names_machines(args.launcher_args)  # every rank on this machine
+        code, began = run_job(cmd, args.timeout, args.grace, rank=sys.executable if here else None)
         if code == 0:
             say(f"attempt {attempt + 1} finished in {time.monotonic() - start:.1f}s")
             return 0
+        if code == LAUNCHER_ERROR and not began and args.launcher == "mpiexec":
+            say(f"attempt {attempt + 1}: mpiexec refused the job (exit {code} before any rank started; its own "
+                "message is above): not restarting, a restart would be refused the same way")
+            return EXIT_CONFIG
         say(f"attempt {attempt + 1} {describe_exit(code, args.timeout)} after {time.monotonic() - start:.1f}s")
         if code in NOT_RETRIED:
             say(f"not restarting: {NOT_RETRIED[code]}, and a restart would end the same way")

@@ -17,7 +17,7 @@ PACKAGE = ROOT / "minidist"
 # Lowest first. A module may import from its own layer and the layers before it, never after.
 LAYERS = [
     ("machine", ["minidist.device", "minidist.allocator", "minidist.threads", "minidist.process_tree",
-                 "minidist.files", "minidist.folder_lock", "minidist.waiting"]),
+                 "minidist.files", "minidist.untrusted", "minidist.folder_lock", "minidist.waiting"]),
     ("collectives", ["minidist.comm"]),
     ("autograd", ["minidist.autograd"]),
     ("building blocks", ["minidist.nn", "minidist.optim", "minidist.amp", "minidist.data", "minidist.inspect"]),

@@ -2,9 +2,11 @@
 reader (data/folder.py) opens; the same command again is a cache hit that touches nothing, and any
 change (an input, the tokenizer, a damaged or missing shard) prepares the folder again.
 """
+import errno
 import json
 import math
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -175,7 +177,7 @@ def test_the_second_run_is_a_cache_hit_that_touches_nothing(texts, tmp_path, cap
     ("shard-tokens", "--val-fraction 0.1 --shard-tokens 3000 are not the ones it was prepared with (0.1, 2000)"),
     ("damaged", "train_000001.bin: its SHA-256 differs from the manifest"),
     ("deleted", "train_000001.bin: missing"),
-    ("manifest", "manifest.json: not readable JSON (Expecting property name enclosed in double quotes"),
+    ("manifest", "manifest.json: not a data manifest (not JSON: Expecting property name enclosed in double quotes"),
 ])
 def test_a_change_prepares_the_folder_again(change, says, texts, tmp_path, capsys):
     out = tmp_path / "out"
@@ -288,3 +290,68 @@ def test_two_prepares_of_one_folder_at_once_are_refused_one_line(tmp_path, capsy
         held.release()
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1 and "is in use by another run" in err
+
+
+# --- what a refused, killed or failed prepare leaves behind
+
+
+@pytest.mark.parametrize("existed", [False, True], ids=["new-out", "empty-out"])
+def test_a_refused_prepare_leaves_no_lock_and_no_folder_of_its_own(tmp_path, capsys, existed):
+    """Was: the refusal (a text too short) left .minidist.lock, and the folder it had created."""
+    out = tmp_path / "out"
+    if existed:
+        out.mkdir()
+    code, _, err = run(capsys, write(tmp_path / "t.txt", "x"), "--out", out)
+    assert code == 2 and "too few for a training and a validation token" in err[0], err
+    assert (sorted(os.listdir(out)) == [] if existed else not os.path.lexists(out)), os.listdir(out)
+
+
+KILLED_WRITING_A_SHARD = ("import os, signal, sys; os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL); "
+                          "from minidist.data.prepare import main; main(sys.argv[1:])")
+"""prepare, SIGKILLed while it makes its first shard durable (the shard's temporary written, the
+token stream beside it)."""
+
+
+def test_a_rerun_removes_what_a_killed_prepare_left_and_names_it(texts, tmp_path, capsys):
+    """Was: train_000000.bin.tmp30012 (the shard being written when SIGKILL came) and tokens.tmp stayed
+    in the folder for good; the rerun kept them."""
+    out = tmp_path / "out"
+    killed = subprocess.run([sys.executable, "-c", KILLED_WRITING_A_SHARD, *map(str, texts), "--out", str(out),
+                             "--shard-tokens", "2000", "--workers", "1"], capture_output=True, timeout=120)
+    assert killed.returncode == -9, killed.stderr
+    left = sorted(name for name in os.listdir(out) if name != LOCK)
+    assert left == ["tokens.tmp", f"train_000000.bin.tmp{left[1].split('.tmp')[-1]}"], left
+    (out / "notes.txt").write_text("mine")  # not prepare's: kept
+    (out / "manifest.json.tmp30012").write_text("{")  # a manifest being written when the kill came
+    left.insert(0, "manifest.json.tmp30012")
+    code, lines, err = run(capsys, *texts, "--out", out, "--shard-tokens", 2000)
+    assert code == 0 and err == [], err
+    assert lines[0] == f"removed what an interrupted prepare left in {out}: {', '.join(sorted(left))}", lines
+    assert not [name for name in left if (out / name).exists()] and (out / "notes.txt").read_text() == "mine"
+    for name in left:  # and a folder already up to date is cleaned too
+        (out / name).write_bytes(b"")
+    code, lines, _ = run(capsys, *texts, "--out", out, "--shard-tokens", 2000)
+    assert code == 0 and lines[0].startswith("removed what an interrupted prepare left") and "up to date" in lines[1]
+
+
+def test_a_full_disk_names_the_file_it_was_writing(texts, tmp_path, capsys, monkeypatch):
+    """Was: "[Errno 28] No space left on device", no file named."""
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "fsync", full)  # the disk fills while the first shard is made durable
+    out = tmp_path / "out"
+    code, lines, err = run(capsys, *texts, "--out", out)
+    assert code == 1 and lines == [] and len(err) == 1, err
+    assert err[0] == f"minidist.data.prepare: [Errno 28] No space left on device: '{out / 'train_000000.bin'}'", err
+    assert not os.path.lexists(out)  # the folder it made, and the stream, the lock, the shard's temporary in it
+
+
+def test_a_file_size_limit_names_the_token_stream_it_was_writing(texts, tmp_path):
+    """Was: "OSError: 53092 requested and 32768 written" (numpy's words: no file, no reason)."""
+    code = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (8000, 8000)); from minidist.data.prepare import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    done = subprocess.run([sys.executable, "-c", code, *map(str, texts), "--out", str(tmp_path / "out"), "--workers", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert f"[Errno 27] File too large: '{tmp_path / 'out' / 'tokens.tmp'}'" in done.stderr, done.stderr

@@ -302,24 +302,43 @@ def bad(tmp_path, name):
         prepared_folder(root, tokens)
         (root / "manifest.json").unlink()
         os.mkfifo(root / "manifest.json")
-        return root, "manifest.json: not a regular file"
+        return root, "manifest.json is a FIFO, not a regular file"
     if name == "odd":
         nanogpt_folder(root, tokens)
         (root / "val.bin").write_bytes(b"\1" * 101)
         return root, "val.bin: 101 bytes, an odd number"
+    if name in ("deep-manifest", "deep-object-manifest"):  # was: a RecursionError traceback
+        prepared_folder(root, tokens)
+        (root / "manifest.json").write_text("[" * 100_000 if name == "deep-manifest" else '{"a": ' * 100_000)
+        return root, "manifest.json: not a data manifest (not JSON: nested too deep"
+    if name == "changed-shard":  # was: trained to the end, exit 0
+        prepared_folder(root, tokens)
+        shard = root / "train_000000.bin"
+        data = bytearray(shard.read_bytes())
+        data[HEADER_BYTES:HEADER_BYTES + 2] = data[HEADER_BYTES + 2:HEADER_BYTES + 4]  # same size, a token changed
+        shard.write_bytes(bytes(data))
+        return root, "train_000000.bin: its SHA-256 is not its manifest's"
+    if name == "zeroed-hash":  # was: trained to the end, exit 0
+        prepared_folder(root, tokens)
+        manifest = json.loads((root / "manifest.json").read_text())
+        manifest["shards"][-1]["sha256"] = "0" * 64
+        (root / "manifest.json").write_text(json.dumps(manifest))
+        return root, "val_000000.bin: its SHA-256 is not its manifest's"
     raise ValueError(name)
 
 
 @pytest.mark.parametrize("name", ["empty", "mixed", "truncated", "magic", "version", "manifest", "manifest-count",
-                                  "unfinished", "missing-shard", "fifo-manifest", "odd"])
+                                  "unfinished", "missing-shard", "fifo-manifest", "odd", "deep-manifest",
+                                  "deep-object-manifest", "changed-shard", "zeroed-hash"])
 def test_a_bad_folder_is_refused_with_one_message(tmp_path, name):
     root, words = bad(tmp_path, name)
     with pytest.raises(ConfigError, match=re.escape(words)):
         load_data(TrainConfig(data=str(root), vocab_size=VOCAB))
 
 
-def test_a_bad_folder_exits_2_on_every_rank_before_anything_is_sent(tmp_path):
-    root, words = bad(tmp_path, "truncated")
+@pytest.mark.parametrize("name", ["truncated", "changed-shard"])
+def test_a_bad_folder_exits_2_on_every_rank_before_anything_is_sent(tmp_path, name):
+    root, words = bad(tmp_path, name)
     run = run_mpi(2, "-m", "minidist.train", "--steps", 2, "--dp", 2, "--data", root, "--vocab-size", VOCAB, check=False)
     assert run.returncode == 2, run.output
     assert words in run.stderr and run.stderr.count("python -m minidist.train:") == 1 and "Traceback" not in run.stderr

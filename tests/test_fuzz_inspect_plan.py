@@ -5,7 +5,8 @@ built from the command's real flags at extreme values (negative, zero, huge, nan
 repeats, paths to files, folders, links, FIFOs); inspect also gets hostile run folders: a healthy run
 damaged as a crash, a careless copy or an attacker would (a trace cut mid-line, garbled and
 over-long lines, JSON nested past any parser, a memory report without rows, FIFOs and links named
-like its files, events with absurd values). Every case must exit 0 or 2, never with a traceback,
+like its files, events with absurd values, random bytes for a trace or the metrics, the run moved
+into a population's member-0/). Every case must exit 0 or 2, never with a traceback,
 never past its time or memory limit. The default suite runs a few cases of each; ``--slow`` runs
 200 of each and writes the counts (cases, exit statuses, seconds) to ``<tmp>/minidist-fuzz/``.
 """
@@ -15,6 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -69,6 +71,7 @@ DAMAGES = (
     "fifo trace", "link trace", "dangling trace", "folder trace", "no trace folder", "trace folder a file",
     "no rows", "memory not json", "memory deep", "memory odd columns", "fifo memory", "no memory",
     "metrics garbled", "null loss", "fifo metrics", "no metrics", "expert rows", "odd expert rows", "no optimizer",
+    "random trace", "random metrics", "population",
 )
 """What a hostile run folder may have suffered, each applied to a healthy run of 2 ranks and 3 steps."""
 
@@ -164,6 +167,15 @@ def damage(run: Path, what: str) -> None:
         rows = [1, 2] if what == "expert rows" else [1, 2, 3]
         append(metrics, json.dumps({"step": 5, "loss": 1.0, "expert_rows": rows, "expert_load": {"0": [0, 0]}}).encode()
                + b"\n")
+    elif what in ("random trace", "random metrics"):  # not a trace or metrics at all: exit 2 naming the file
+        path = trace if what == "random trace" else metrics
+        if path.is_file() and not path.is_symlink():
+            path.write_bytes(np.random.default_rng(len(what)).integers(0, 256, 3000, dtype=np.uint8).tobytes())
+    elif what == "population" and not (run / "member-0").exists():  # a --mode pbt folder: the run is member-0's
+        (run / "member-0").mkdir()
+        for entry in list(run.iterdir()):
+            if entry.name != "member-0":
+                entry.rename(run / "member-0" / entry.name)
     elif what == "no optimizer" and trace.is_file() and not trace.is_symlink():
         kept = [line for line in trace.read_bytes().splitlines(keepends=True) if b'"optimizer"' not in line]
         trace.write_bytes(b"".join(kept))

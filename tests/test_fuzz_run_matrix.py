@@ -6,7 +6,9 @@ The launcher refuses, before mpiexec starts anything: more ranks than this machi
 (``minidist.run.MAX_RANKS``, or fewer where its available memory holds fewer ranks), more restarts
 than ``MAX_RESTARTS``, and a job python could not start (a missing script, a folder without
 ``__main__.py``, a FIFO python would wait on forever, a module that cannot be found, a python option
-where the script goes). The support matrix refuses arguments (it takes none) and ends quietly when
+where the script goes), and a hostfile line or a ``--launcher-args`` value mpiexec would choke on
+(a slot count outside 1..MAX_SLOTS, a host name outside RFC 1123, ``-n`` given to mpiexec:
+minidist/hosts.py); the fuzz also draws hostile hostfiles and launcher arguments. The support matrix refuses arguments (it takes none) and ends quietly when
 its reader stops early (``| head``) and with one line when stdout is full.
 
 The regressions below each failed before the fix; the fuzz runs ~10 cases per command here and
@@ -14,6 +16,7 @@ The regressions below each failed before the fix; the fuzz runs ~10 cases per co
 """
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -23,6 +26,8 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
+from minidist.hosts import MAX_SLOTS, hostfile_problem, launcher_args_problem
+from minidist.launchers import find_mpiexec, mpiexec_flavour
 from minidist.run import MAX_RESTARTS, build_parser, describe_exit, parse_args
 from minidist.support_matrix import build_parser as matrix_parser
 from tests.fuzz import (NUMBERS, STRINGS, Tally, argument_lists, assert_fails_well, flags_of, fuzz_settings, hostile_paths,
@@ -120,6 +125,74 @@ def test_a_folder_with_main_and_a_module_still_run():
         assert result.rc == 0 and "attempt 1 finished" in result.stderr, result.describe()
 
 
+# --- hostfiles and launcher arguments (minidist/hosts.py)
+
+
+REFUSED_LINES = {  # was: each accepted, and mpiexec spun forever, died of SIGFPE or exited 255
+    "hydra": ["localhost:100000000000000000000", "localhost:0", "localhost:-5", f"localhost:{MAX_SLOTS + 1}",
+              "localhost:1e20", "localhost:+2", "localhost:1:2", "localhost slots=0", "localhost slots=-5",
+              "localhost slots=1e20", "localhost:2 map=x", "local_host:2", "-node:2", "node-:2", "a..b:2",
+              "x" * 64 + ":2", "é:2", "0:2", "0x10:2", "node-1.example.invalid:2"],
+    "openmpi": ["localhost slots=0", "localhost slots=-5", "localhost slots=1e20", "localhost slots=100000000000000000000",
+                f"localhost slots={MAX_SLOTS + 1}", "localhost max_slots=0", "localhost colour=2", "localhost slots",
+                "localhost:2", "bad_host slots=2", "1e-300 slots=2", "node-1.example.invalid"],
+}
+ACCEPTED_LINES = {  # (names this machine resolves: a name that does not is refused too)
+    "hydra": ["localhost:2", "localhost", f"{socket.gethostname()}:8 binding=core", "127.0.0.1:4",
+              f"localhost:{MAX_SLOTS} user=me"],
+    "openmpi": ["localhost slots=2 max_slots=4", socket.gethostname(), f"localhost slots={MAX_SLOTS}",
+                "127.0.0.1 max-slots=2 user=me"],
+}
+FLAVOUR = "openmpi" if mpiexec_flavour(find_mpiexec()) == "openmpi" else "hydra"
+
+
+@pytest.mark.parametrize("flavour", ["hydra", "openmpi"])
+def test_a_hostfile_line_that_is_not_one_machine_is_refused_naming_the_file_and_the_line(flavour, tmp_path):
+    hosts = tmp_path / "hosts"
+    for line in REFUSED_LINES[flavour]:
+        hosts.write_text(f"{ACCEPTED_LINES[flavour][0]}\n# a comment\n{line}  # its own comment\n")
+        problem = hostfile_problem(str(hosts), flavour)
+        assert problem is not None and f"--hostfile {hosts}: line 3 is not a machine" in problem, (line, problem)
+    hosts.write_text("\n".join(ACCEPTED_LINES[flavour]) + "\n")
+    assert hostfile_problem(str(hosts), flavour) is None
+
+
+@pytest.mark.parametrize("line", REFUSED_LINES[FLAVOUR][:6])
+def test_a_hostfile_mpiexec_would_choke_on_is_refused_before_it_starts(line, capsys):
+    """At the command line, in this machine's mpiexec's own format: exit 2, one message."""
+    hosts = ROOT / "hosts-refused"
+    hosts.write_text(line + "\n")
+    refused_by_the_arguments(["-n", 2, "--hostfile", hosts, "--", OK], capsys, f"--hostfile {hosts}: line 1")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["-n", "4"], "the number of ranks is minidist.run's own -n"),
+    (["-np", "100000000000000000000"], "the number of ranks is minidist.run's own -n"),
+    (["-ppn", "0"], "'0' is not a number of slots"),  # was: mpiexec died of SIGFPE, and the job was retried
+    (["-ppn", "1e20"], "'1e20' is not a number of slots"),
+    (["--ppn=-5"], "'-5' is not a number of slots"),
+    (["-hosts", "localhost:0"], "'0' is not a number of slots"),  # was: SIGFPE
+    (["--host", "localhost:2,node_2:2"], "'node_2' is not a host name"),
+    (["--host", "localhost:100000000000000000000"], "is not a number of slots"),
+    (["-hosts", "0"], "'0' is not a host name"),  # was: ssh to 0.0.0.0, exit 255, retried as a failed job
+    (["-hosts", "inf"], "'inf': no such host"),
+    (["-f", "no-such-file"], "-f no-such-file: no such file"),
+    (["-ppn"], "-ppn needs a value"),
+], ids=["n", "np", "ppn-0", "ppn-1e20", "ppn-negative", "hosts-0", "host-name", "host-slots", "host-a-number",
+        "host-unknown", "f-missing", "ppn-alone"])
+def test_launcher_arguments_that_can_be_checked_are(args, words, capsys):
+    refused_by_the_arguments(["-n", 2, "--launcher-args", *args, "--", OK], capsys, "--launcher-args", words)
+
+
+def test_launcher_arguments_left_to_the_launcher_pass_and_srun_has_its_own():
+    for args in (["-ppn", "2"], ["--host", f"localhost:2,{socket.gethostname()}:2"], ["--bind-to", "core"],
+                 ["-genv", "X", "1"]):
+        assert parse_args(["-n", "2", "--launcher-args", *args, "--", str(OK)]).launcher_args == args
+    assert "minidist.run's own -n" in launcher_args_problem(["--ntasks=4"], "srun", None)
+    assert "is not a number of slots" in launcher_args_problem(["--ntasks-per-node", "0"], "srun", None)
+    assert launcher_args_problem(["--mpi=pmix", "-N", "2"], "srun", None) is None
+
+
 # --- the support matrix
 
 
@@ -174,11 +247,32 @@ broken ``-m``/``-c``; never a script that python starts and that fails by itself
 is the job's, relayed)."""
 
 
+HOSTFILES = {}  # a hostile hostfile per refused line, in this machine's mpiexec's format (and one sound one)
+for _i, _line in enumerate(REFUSED_LINES[FLAVOUR] + ACCEPTED_LINES[FLAVOUR][:1]):
+    HOSTFILES[_line] = ROOT / f"hosts-{_i}"
+    HOSTFILES[_line].write_text(_line + "\n")
+HOST_VALUES = tuple(f"{host}:{n}" for host in ("localhost", "bad_host", "-x", "a..b") for n in NUMBERS[:12]) + STRINGS[:6]
+"""What --host may be given: this machine or a name RFC 1123 refuses, with an extreme slot count
+(never another machine's name: mpiexec would try to reach it)."""
+
+
+def hostile_launcher_args():
+    """``--launcher-args`` and a flag minidist/hosts.py checks, with an extreme value: a count, a host
+    list, a path."""
+    # (only flags it checks: an unchecked one's hostile value makes mpiexec fail in its own ways, after it started)
+    flag = st.sampled_from(["-n", "-np", "-ppn", "--ppn", "-hosts", "--host", "-f"])
+    value = st.one_of(st.sampled_from(NUMBERS), st.sampled_from(HOST_VALUES), st.sampled_from(sorted(PATHS.values())),
+                      st.sampled_from([str(p) for p in HOSTFILES.values()]))
+    return st.tuples(flag, value).map(lambda fv: ["--launcher-args", *fv])
+
+
 def launcher_arguments():
-    """Launcher flags with extreme values (mostly after a sound ``-n``), then (mostly) ``--`` and a job."""
-    # not --launcher-args: what follows it goes to mpiexec as it is, and mpiexec's errors are its own
+    """Launcher flags with extreme values (mostly after a sound ``-n``), now and then a hostile
+    hostfile or hostile ``--launcher-args``, then (mostly) ``--`` and a job."""
     flags = argument_lists(flags_of(build_parser(), skip=("--help", "--launcher-args")), PATHS)
-    return st.tuples(st.sampled_from([["-n", "2"], ["-n", "1"], []]), flags, st.sampled_from([["--"], ["--"], []]),
+    hosts = st.one_of(st.just([]), st.just([]), st.sampled_from(sorted(HOSTFILES.values())).map(lambda p: ["--hostfile", str(p)]),
+                      hostile_launcher_args())
+    return st.tuples(st.sampled_from([["-n", "2"], ["-n", "1"], []]), flags, hosts, st.sampled_from([["--"], ["--"], []]),
                      JOBS).map(lambda parts: [word for part in parts for word in part])
 
 

@@ -6,12 +6,15 @@ process of its own under a time and an address-space limit and must end well: ex
 never past its memory. (--fail-at-step is left out: it is a crash on purpose, by SIGKILL.)
 
 Fixed base arguments come first and keep a run that passes validation to one short step (the
-generated corpus is made once, in a folder of the test's own); a flag the fuzz sets comes later and
+generated corpus is made once, in a folder of the test's own; the paths it draws from include
+prepared folders with a changed shard, a zeroed hash and a manifest nested 100,000 deep); a flag the fuzz sets comes later and
 overrides them (argparse keeps the last). A run the limit stops passes only if it visibly trains
 (its parameter line is out: ``--steps 2147483648`` is a long run, not a hang). The short version runs
 in the default suite; the long one (``--slow``) is the 200-case run whose counts go to
 benchmarks/RESULTS.md (written to ``<tmp>/minidist-fuzz/minidist.train.json``).
 """
+import json
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -65,10 +68,35 @@ def setting(tmp_path_factory):
     cwd.mkdir(parents=True)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONUNBUFFERED", "1")
-        yield hostile_paths(root / "paths"), BASE + ["--data-dir", str(root / "data")], cwd
+        yield {**hostile_paths(root / "paths"), **hostile_data(root / "hostile-data")}, \
+            BASE + ["--data-dir", str(root / "data")], cwd
     for tally in TALLIES.values():
         if tally.statuses:
             tally.write()
+
+
+def hostile_data(root):
+    """Prepared folders a careless copy or an attacker leaves (issue 48): a shard changed after
+    prepare (same size), a manifest whose SHA-256 is zeros, a manifest nested 100,000 deep."""
+    from minidist.data.prepare import prepare
+    text = root / "text.txt"
+    root.mkdir()
+    text.write_text("the cat sees the dog. " * 500)
+    made = {}
+    for kind in ("changed_shard", "zeroed_hash", "deep_manifest"):
+        folder = made[kind] = root / kind
+        prepare([str(text)], folder, workers=1)
+        if kind == "changed_shard":
+            data = bytearray((folder / "train_000000.bin").read_bytes())
+            data[-2] ^= 1  # the last token, still a byte
+            (folder / "train_000000.bin").write_bytes(bytes(data))
+        elif kind == "zeroed_hash":
+            manifest = json.loads((folder / "manifest.json").read_text())
+            manifest["shards"][0]["sha256"] = "0" * 64
+            (folder / "manifest.json").write_text(json.dumps(manifest))
+        else:
+            (folder / "manifest.json").write_text("[" * 100_000)
+    return {kind: str(folder) for kind, folder in made.items()}
 
 
 def training(result) -> bool:

@@ -6,13 +6,16 @@ skipped, said on stderr (naming the file), and every complete event is read and 
 file larger than its share is read from its end (the last steps). A metrics line that is not a
 row is skipped the same way, and a diverged run's ``null`` loss prints. A folder that is not a run
 (missing, empty, a file), a memory report that is not one, a FIFO or a device where a file goes, a
-step the trace does not hold: exit 2 with one line naming the file, never a traceback, never a hang.
+step the trace does not hold, a trace or metrics file of which no line reads (random bytes): exit 2
+with one line naming the file, never a traceback, never a hang. A population-based training run's
+folder lists its members, each with the command that shows it.
 """
 import json
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from minidist.comm import Event, Trace
@@ -142,6 +145,46 @@ def test_a_folder_that_is_not_a_run_exits_2_with_one_line(tmp_path, make, why):
     done = inspect_cli(run_dir)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert why in done.stderr and str(run_dir) in done.stderr and len(done.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("newlines", [True, False], ids=["with-line-breaks", "one-line"])
+def test_a_file_of_random_bytes_is_not_a_trace_exit_2_naming_it(tmp_path, newlines):
+    """Was: "skipped 1 incomplete line at the end (cut when the run stopped)", 0 events, exit 0."""
+    healthy_run(tmp_path)
+    junk = np.random.default_rng(0).integers(0, 256, 5000, dtype=np.uint8).tobytes()
+    junk = junk if newlines else junk.replace(b"\n", b"x")
+    (tmp_path / "trace" / "rank1.jsonl").write_bytes(junk)
+    done = inspect_cli(tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
+    assert f"{tmp_path / 'trace' / 'rank1.jsonl'}: not a trace: no event read (" in done.stderr, done.stderr
+    (tmp_path / "metrics.jsonl").write_bytes(junk)
+    (tmp_path / "trace" / "rank1.jsonl").unlink()
+    done = inspect_cli(tmp_path)
+    assert done.returncode == 2 and "metrics.jsonl: not a metrics file: no row read (" in done.stderr, done.stderr
+
+
+def test_a_population_folder_lists_its_members_with_the_command_for_each(tmp_path):
+    """Was: "holds no trace/rank<r>.jsonl and no metrics.jsonl (run the trainer with --trace DIR
+    --out DIR)", exit 2, on the folder such a run had written."""
+    from minidist import run_local
+    from minidist.train.config import TrainConfig
+    from minidist.train.pbt import train_pbt
+    run = tmp_path / "pbt"
+    cfg = TrainConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4, eval_iters=1, eval_every=100,
+                      sample_tokens=0, warmup=1, mode="pbt", population=2, ready_every=2, steps=4,
+                      lr_range=(1e-3, 1e-2), ckpt_dir=str(tmp_path / "ckpt"), out=str(run), trace=str(run),
+                      data_dir=str(tmp_path / "data"))
+    run_local(lambda g: train_pbt(cfg, g), 2)
+    done = inspect_cli(run)
+    assert done.returncode == 0 and not done.stderr, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith(f"{run}: population-based training, 2 members, each its own run"), lines
+    for k in range(2):
+        assert lines[1 + k].startswith(f"  member-{k}: 1 rank traced, steps 0..3: loss "), lines
+        assert lines[1 + k].endswith(f"python -m minidist.inspect {run / f'member-{k}'}"), lines
+    assert lines[3] == f"who copied whom at each ready point: {run / 'pbt.jsonl'}"
+    done = inspect_cli(run / "member-1")  # and the command it gives shows that member's run
+    assert done.returncode == 0 and "1 ranks," in done.stdout and "timeline of last step" in done.stdout, done.stderr
 
 
 def test_a_fifo_where_a_trace_or_the_png_goes_is_refused_not_waited_on(tmp_path):

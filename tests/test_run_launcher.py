@@ -8,8 +8,9 @@
   checkpoint to resume from it restarts from the start WITHOUT --resume (which would refuse);
 - SIGTERM, SIGHUP and SIGINT end the whole job (mpiexec and every rank; SIGKILL after --grace for a
   rank that ignores them) and nothing restarts; the launcher exits 128 + the signal's number;
-- a configuration error (exit 2) and a collective mismatch (exit 4) are not retried; a collective
-  time-out (exit 3) and the launcher's own --timeout are named as what they are;
+- a configuration error (exit 2), a collective mismatch (exit 4) and mpiexec refusing the job before
+  it started anything (exit 255, then 2) are not retried; a collective time-out (exit 3) and the
+  launcher's own --timeout are named as what they are;
 - bad launcher arguments fail at once with a clear message.
 """
 import signal
@@ -193,6 +194,23 @@ def test_a_configuration_error_is_not_retried(tmp_path):
     assert run.returncode == 2, run.stderr
     assert "world size 2 != dp * tp" in run.stderr
     assert "not restarting: the job refused its configuration" in run.stderr and "attempt 2" not in run.stderr
+
+
+@pytest.mark.skipif(mpiexec_flavour(find_mpiexec()) == "openmpi", reason="hydra's exit status for its own errors")
+@pytest.mark.parametrize("args", [["--no-such-flag"], ["-genv", "X"]], ids=["unknown-flag", "no-rank-started"])
+def test_a_job_mpiexec_refused_before_any_rank_started_is_not_retried(args):
+    """Was: exit 255 read as "a rank died or raised", and the refused job tried --max-restarts times
+    again. (-genv X takes -n as X's value, and hydra's proxy then fails to start the program "1".)"""
+    run = launch("-n", 1, "--max-restarts", 3, "--launcher-args", *args, "--", "-c", "pass")
+    assert run.returncode == 2, run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.startswith("minidist.run:")]
+    assert lines[1:] == ["minidist.run: attempt 1: mpiexec refused the job (exit 255 before any rank started; its "
+                         "own message is above): not restarting, a restart would be refused the same way"], lines
+
+
+def test_exit_255_from_a_rank_that_started_is_still_retried():
+    run = launch("-n", 1, "--max-restarts", 1, "--", "-c", "import sys; sys.exit(255)")
+    assert run.returncode == 255 and "attempt 2/2" in run.stderr and "refused the job" not in run.stderr, run.stderr
 
 
 def test_a_collective_mismatch_is_not_retried(tmp_path):

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import stat
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +33,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import load_file, save as safetensors_bytes
 
 from minidist.files import real_folder, write_atomically
+from minidist.untrusted import read_bounded
 from minidist.checkpoint.format import CheckpointError
 from minidist.checkpoint.schema import parse_json
 from minidist.model import GPTConfig
@@ -156,24 +155,15 @@ def _canonical(name: str) -> str:
 
 
 def read_config_json(path: Path) -> dict:
-    """The object in config.json ``path``: a regular file (a link to one is followed: Hugging Face's
-    cache links a snapshot's files to its blobs) opened without blocking (a FIFO is refused, not
-    waited on), at most :data:`MAX_CONFIG_BYTES` read, strict JSON (no NaN, no 1e999) nested no
-    deeper than Python's reader allows. :class:`HFFormatError` naming the file otherwise."""
+    """The object in config.json ``path``, read as every untrusted file is (minidist/untrusted.py): a
+    regular file (a link to one is followed: Hugging Face's cache links a snapshot's files to its
+    blobs) never opened if it is a FIFO or a device, at most :data:`MAX_CONFIG_BYTES` read, strict
+    JSON (no NaN, no 1e999) nested at most 64 deep. :class:`HFFormatError` naming the file otherwise."""
+    data = read_bounded(path, MAX_CONFIG_BYTES, "a GPT-2 config.json", HFFormatError)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except OSError as e:
-        raise HFFormatError(f"{path}: cannot be opened ({e.strerror})") from e
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise HFFormatError(f"{path}: not a regular file")
-        data = f.read(MAX_CONFIG_BYTES + 1)
-    if len(data) > MAX_CONFIG_BYTES:
-        raise HFFormatError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes: not a GPT-2 config.json")
-    try:
-        hf = parse_json(data, path)
+        hf = parse_json(data, path, "a GPT-2 config.json")
     except CheckpointError as e:
-        raise HFFormatError(f"{path}: not JSON ({e.__cause__})") from e
+        raise HFFormatError(str(e)) from e
     if not isinstance(hf, dict):
         raise HFFormatError(f"{path}: not a JSON object")
     return hf

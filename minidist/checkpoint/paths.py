@@ -11,7 +11,6 @@ descend into links).
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import stat
@@ -19,6 +18,7 @@ from pathlib import Path
 
 from minidist.checkpoint.format import CheckpointError
 from minidist.files import folder_problems, kind_of
+from minidist.untrusted import read_bounded, sha256_stream
 
 MAX_JSON_BYTES = 64 << 20  # a manifest or rank JSON larger than this is not one we wrote
 
@@ -68,21 +68,15 @@ def open_regular(path, size: int | None = None):
 
 
 def read_json_bytes(path) -> bytes:
-    """The bytes of JSON file ``path``: a regular file, at most :data:`MAX_JSON_BYTES`."""
-    with open_regular(path) as f:
-        data = f.read(MAX_JSON_BYTES + 1)
-    if len(data) > MAX_JSON_BYTES:
-        raise CheckpointError(f"{path}: larger than {MAX_JSON_BYTES} bytes: not a checkpoint's JSON")
-    return data
+    """The bytes of JSON file ``path``: a regular file (not a link), at most :data:`MAX_JSON_BYTES`
+    (minidist/untrusted.py, the one bounded reader)."""
+    return read_bounded(path, MAX_JSON_BYTES, "a checkpoint's JSON", CheckpointError, follow_links=False)
 
 
 def sha256_file(path, size: int) -> str:
-    """The sha256 of regular file ``path`` of ``size`` bytes, read in 1 MiB blocks."""
-    h = hashlib.sha256()
+    """The sha256 of regular file ``path`` of ``size`` bytes."""
     with open_regular(path, size) as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return sha256_stream(f)
 
 
 def remove_entry(path) -> None:

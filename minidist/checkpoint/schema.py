@@ -18,13 +18,13 @@ field, never a KeyError or TypeError half-way through loading. The rules:
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 
 from minidist.checkpoint.format import FORMAT, VERSION, CheckpointError, manifest_digest, piece_key, rank_file, \
     rank_meta_file, step_of
 from minidist.checkpoint.paths import MAX_JSON_BYTES
+from minidist.untrusted import json_of
 
 DTYPES = {"float16": "F16", "float32": "F32", "float64": "F64", "int8": "I8", "int16": "I16", "int32": "I32",
           "int64": "I64", "uint8": "U8", "uint16": "U16", "uint32": "U32", "uint64": "U64", "bool": "BOOL"}
@@ -36,21 +36,22 @@ RANK_ENTRY_KEYS = {"rank", "file", "bytes", "sha256", "meta_file", "meta_bytes",
 RANK_META_KEYS = {"format", "version", "rank", "step", "file", "bytes", "sha256", "tensors", "rank_meta"}
 
 
-def parse_json(data: bytes, where) -> object:
-    """The JSON value in ``data`` (read from ``where``); CheckpointError if it is not strict JSON, or
-    holds a number no float can (``1e400``: Python would read it as inf, which no checkpoint writes)."""
-    def no_constants(name):
-        raise ValueError(f"{name} is not a number a checkpoint holds")
+def _no_constants(name):
+    raise ValueError(f"{name} is not a number a checkpoint holds")
 
-    def finite(text):
-        value = float(text)
-        if not math.isfinite(value):
-            raise ValueError(f"{text} is not a number a checkpoint holds")
-        return value
-    try:
-        return json.loads(data.decode("utf-8"), parse_constant=no_constants, parse_float=finite)
-    except (ValueError, RecursionError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{where}: unreadable JSON ({e})") from e
+
+def _finite(text):
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is not a number a checkpoint holds")
+    return value
+
+
+def parse_json(data: bytes, where, what: str = "a checkpoint's JSON") -> object:
+    """The JSON value in ``data`` (read from ``where``), read as every untrusted file is
+    (minidist/untrusted.py: nested at most 64 deep); CheckpointError if it is not strict JSON, or
+    holds a number no float can (``1e400``: Python would read it as inf, which no checkpoint writes)."""
+    return json_of(data, where, what, CheckpointError, parse_constant=_no_constants, parse_float=_finite)
 
 
 def is_int(value, low: int = 0, high: float = math.inf) -> bool:

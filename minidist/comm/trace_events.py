@@ -32,6 +32,8 @@ import json
 import math
 from dataclasses import dataclass, fields
 
+from minidist.untrusted import parse_json
+
 KINDS = ("compute", "collective", "p2p", "wait", "data")  # "wait": blocked on a peer (parameter server); "data": a
 # batch read from disk (on the reader thread) and the step's wait for it (train/feed.py)
 
@@ -95,13 +97,6 @@ VALID = {  # what each field of an event read from JSON may hold
 }
 
 
-def _parse(line):
-    try:
-        return json.loads(line)
-    except RecursionError as e:
-        raise ValueError("JSON nested too deep") from e
-
-
 def event_from_dict(d: dict) -> Event:
     """The :class:`Event` whose fields ``d`` names; ValueError saying what is wrong when a field is
     missing or unknown, or holds what it cannot (:data:`VALID`: a time that is not finite...)."""
@@ -118,7 +113,7 @@ def event_from_json(line) -> Event:
     """The :class:`Event` in one line of the plain format (str or bytes); ValueError saying what is
     wrong when it holds none: not JSON (nested too deep included), not an object, or not an event
     (:func:`event_from_dict`)."""
-    d = _parse(line)
+    d = parse_json(line)
     if not isinstance(d, dict):
         raise ValueError(f"a JSON {type(d).__name__}, not an event object")
     return event_from_dict(d)
@@ -181,7 +176,7 @@ class TraceReader:
         self.checked: dict = {}  # id -> the indices of the fields its value was found valid for
 
     def __call__(self, line) -> Event | None:
-        d = _parse(line)
+        d = parse_json(line)
         if isinstance(d, dict) and HEADER in d:
             if d[HEADER] != VERSION or not _whole(d.get("t0")):
                 raise ValueError(f"a trace header of an unknown format ({str(d[HEADER])[:40]!r}) or without t0")

@@ -19,6 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from minidist.data.tokenizer import ByteTokenizer
+from minidist.untrusted import read_json
+
+RECORD_BYTES = 4096  # a cached corpus's record is about 100 bytes
 
 DETERMINERS = ["the", "a", "every", "one", "my", "your", "that"]
 ADJECTIVES = ["small", "big", "red", "green", "quiet", "happy", "old", "young", "brave", "lazy",
@@ -124,7 +127,7 @@ def cache_problem(path):
     if not path.exists():
         return "does not exist"
     try:
-        record = json.loads(record_path(path).read_text())
+        record = read_json(record_path(path), RECORD_BYTES, "a corpus record")  # bounded (minidist/untrusted.py)
         size, digest = int(record["bytes"]), str(record["sha256"])
     except (OSError, ValueError, KeyError, TypeError):
         return f"has no valid record {record_path(path).name}"

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from minidist.data.hf_tokenizer import tokenizer_bytes
 from minidist.data.tokens import DataError
 from minidist.files import kind_of
 from minidist.waiting import until
@@ -66,11 +67,8 @@ def parse_tokenizer(spec: str) -> TokenizerSpec:
         path = path / "tokenizer.json"
     if not path.is_file():
         raise PrepareError(f"--tokenizer {spec}: neither bytes, bpe:VOCAB nor a tokenizer.json file")
-    try:
-        data = path.read_bytes()
-        text = data.decode("utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise PrepareError(f"--tokenizer {path}: cannot be read ({e})") from e
+    data = tokenizer_bytes(path, lambda message: PrepareError(f"--tokenizer {message}"))  # bounded, UTF-8 JSON
+    text = data.decode("utf-8")
     try:
         vocab = _tokenizers(spec).Tokenizer.from_str(text).get_vocab_size()
     except Exception as e:  # the Rust side raises plain Exceptions for a malformed file
@@ -199,12 +197,3 @@ def describe_input(path) -> tuple[dict, int]:
     except OSError as e:
         raise PrepareError(f"{path}: cannot be read ({e.strerror or e})") from None
     return {"path": str(Path(path).resolve()), "bytes": size, "sha256": digest.hexdigest()}, count
-
-
-def file_sha256(path) -> str:
-    """The SHA-256 of the file at ``path`` (opened without blocking: a FIFO reads as empty, not forever)."""
-    digest = hashlib.sha256()
-    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

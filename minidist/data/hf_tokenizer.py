@@ -6,6 +6,19 @@ encoded with it (in memory, at the start of each run) instead of read as bytes.
 """
 import numpy as np
 
+from minidist.untrusted import json_of, read_bounded
+
+MAX_TOKENIZER_BYTES = 64 << 20
+"""The largest tokenizer.json read: GPT-2's is 1.4 MB, the largest vocabularies' about 35 MB."""
+
+
+def tokenizer_bytes(path, error=ValueError) -> bytes:
+    """The bytes of tokenizer.json ``path``, read bounded (minidist/untrusted.py: a regular file of at
+    most :data:`MAX_TOKENIZER_BYTES`, JSON nested at most 64 deep); ``error`` naming the file otherwise."""
+    data = read_bounded(path, MAX_TOKENIZER_BYTES, "a tokenizer.json", error)
+    json_of(data, path, "a tokenizer.json", error)
+    return data
+
 
 class HFTokenizer:
     """The tokenizer saved in ``path`` (a tokenizer.json). ``encode`` gives uint16 ids (uint32 for a
@@ -18,7 +31,9 @@ class HFTokenizer:
             raise ImportError(f"{path} needs the 'tokenizers' package: pip install tokenizers "
                               "(or pip install 'minidist[hf]')") from e
         try:
-            self._tokenizer = Tokenizer.from_file(str(path))
+            self._tokenizer = Tokenizer.from_str(tokenizer_bytes(path).decode("utf-8"))
+        except ValueError:
+            raise
         except Exception as e:  # the Rust side raises plain Exceptions for a malformed file
             raise ValueError(f"{path}: not a tokenizer.json the tokenizers package can read ({e})") from e
         self.vocab_size = self._tokenizer.get_vocab_size()

@@ -38,6 +38,7 @@ the shards that only the old one named are removed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -49,13 +50,13 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from minidist.data.encode import (PrepareError, chunks, describe_input, encode_in_order, file_sha256, parse_tokenizer,
-                                  train_bpe)
-from minidist.data.folder import MANIFEST, read_manifest
+from minidist.data.encode import PrepareError, chunks, describe_input, encode_in_order, parse_tokenizer, train_bpe
+from minidist.data.folder import MANIFEST, SHARD_NAME, read_manifest
 from minidist.data.shards import write_shard
 from minidist.data.tokens import DataError
 from minidist.folder_lock import FolderInUse, FolderLock
-from minidist.files import create, folder_problems, real_folder, write_atomically
+from minidist.files import create, folder_problems, naming, real_folder, temporary_of, write_atomically
+from minidist.untrusted import Unreadable, file_sha256
 
 FORMAT, VERSION = "minidist-shards", 1
 SHARD_TOKENS = 10_000_000
@@ -86,34 +87,42 @@ def prepare(inputs, out, tokenizer: str = "bytes", val_fraction: float = 0.1, sh
                 (not 0 < val_fraction < 1, f"--val-fraction {val_fraction} is not between 0 and 1"),
                 (shard_tokens < 1, f"--shard-tokens {shard_tokens} is not >= 1"),
                 (workers < 1, f"--workers {workers} is not >= 1")]
-    for bad, what in refusals:
-        if bad:
-            raise PrepareError(what)
+    if any(bad for bad, _ in refusals):
+        raise PrepareError(next(what for bad, what in refusals if bad))
     spec = parse_tokenizer(tokenizer)
     problems = folder_problems("--out", out)
     if problems:
         raise PrepareError(problems[0])
     described = [describe_input(path) for path in inputs]
     entries, n_chunks = [entry for entry, _ in described], sum(count for _, count in described)
+    made = not os.path.lexists(out)
     out = real_folder(out)
     try:
         lock = FolderLock(out, "--out")  # one prepare at a time in a folder
     except FolderInUse as e:
         raise PrepareError(str(e)) from None
     try:
-        return _prepare_held(out, entries, n_chunks, spec, val_fraction, shard_tokens, workers, progress, start)
-    finally:
-        lock.release()
+        result = _prepare_held(out, entries, n_chunks, spec, val_fraction, shard_tokens, workers, progress, start)
+    except BaseException:  # refused or failed: no lock of its own left behind, nor the folder it made if empty
+        lock.release(remove=True)
+        if made:
+            with contextlib.suppress(OSError):
+                out.rmdir()
+        raise
+    lock.release()
+    return result
 
 
 def _prepare_held(out, entries, n_chunks, spec, val_fraction, shard_tokens, workers, progress, start) -> Prepared:
-    """:func:`prepare` once it holds ``out``."""
+    """:func:`prepare` once it holds ``out`` (so no other prepare writes there): first what a killed
+    prepare left is removed, then the folder is prepared unless it is up to date."""
+    notes = remove_leftovers(out)
     old, why = previous_manifest(out)
     if old is not None:
         why = difference(out, old, entries, spec, val_fraction, shard_tokens)
         if why is None:
-            return Prepared(old, True, [], time.perf_counter() - start)
-    notes = [] if why is None else [f"{why}: preparing {out} again"]
+            return Prepared(old, True, notes, time.perf_counter() - start)
+    notes += [] if why is None else [f"{why}: preparing {out} again"]
 
     paths = [entry["path"] for entry in entries]
     tokenizer_json, tokenizer_entry = tokenizer_of(spec, paths, progress, notes)
@@ -141,6 +150,19 @@ def _prepare_held(out, entries, n_chunks, spec, val_fraction, shard_tokens, work
             if name not in kept:
                 (out / name).unlink(missing_ok=True)
     return Prepared(manifest, False, notes, time.perf_counter() - start)
+
+
+def remove_leftovers(out: Path) -> list[str]:
+    """Remove what a prepare killed in ``out`` left (its stream ``tokens.tmp``, the temporaries of
+    shards, tokenizer.json and manifest.json being written); a note naming them, if any."""
+    names = []
+    for entry in sorted(os.scandir(out), key=lambda e: e.name):
+        of = temporary_of(entry.name)
+        if (entry.name == TOKENS_TMP or of in (MANIFEST, "tokenizer.json") or of is not None and SHARD_NAME.match(of)) \
+                and not entry.is_dir(follow_symlinks=False):
+            (out / entry.name).unlink(missing_ok=True)  # (a link goes, its target stays)
+            names.append(entry.name)
+    return [f"removed what an interrupted prepare left in {out}: {', '.join(names)}"] if names else []
 
 
 def tokenizer_of(spec, paths: list[str], progress: bool, notes: list[str]) -> tuple[str | None, dict]:
@@ -191,13 +213,13 @@ def difference(out: Path, old: dict, inputs: list[dict], spec, val_fraction: flo
     if was["kind"] != "bytes":
         named.append(("tokenizer.json", was.get("sha256")))
     for name, sha256 in named:
+        if not os.path.lexists(out / name):
+            return f"{name}: missing"
         try:
             if file_sha256(out / name) != sha256:
                 return f"{name}: its SHA-256 differs from the manifest"
-        except FileNotFoundError:
-            return f"{name}: missing"
-        except OSError as e:
-            return f"{name}: cannot be read ({e.strerror or e})"
+        except (Unreadable, OSError) as e:  # a FIFO, a folder, a read error
+            return f"{name}: cannot be read ({e})"
     return None
 
 
@@ -206,12 +228,15 @@ def encode_to(tmp: Path, paths: list[str], tokenizer_json: str | None, workers: 
     """Encode the text files ``paths`` into ``tmp`` as one stream of raw uint16 ids; their number."""
     stream = (chunk for path in paths for _, chunk in chunks(path))
     n = 0
-    with create(tmp) as f, tqdm(total=total_bytes, unit="B", unit_scale=True, desc="encoding", leave=False,
-                                disable=None if progress else True) as bar:
-        for size, ids in encode_in_order(stream, tokenizer_json, workers):
-            ids.astype("<u2", copy=False).tofile(f)
-            n += ids.size
-            bar.update(size)
+    try:
+        with create(tmp) as f, tqdm(total=total_bytes, unit="B", unit_scale=True, desc="encoding", leave=False,
+                                    disable=None if progress else True) as bar:
+            for size, ids in encode_in_order(stream, tokenizer_json, workers):
+                f.write(memoryview(ids.astype("<u2", copy=False)))  # (a failed write says why: its errno)
+                n += ids.size
+                bar.update(size)
+    except OSError as e:
+        raise naming(e, tmp) from e
     return n
 
 
@@ -264,12 +289,9 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
         result = prepare(args.inputs, args.out, args.tokenizer, args.val_fraction, args.shard_tokens, args.workers,
                          progress=True)
-    except PrepareError as e:
+    except (PrepareError, OSError) as e:  # a refusal: 2; a disk or a file that failed (named): 1
         print(f"minidist.data.prepare: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    except OSError as e:
-        print(f"minidist.data.prepare: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
+        raise SystemExit(2 if isinstance(e, PrepareError) else 1) from None
     print("\n".join(result.notes + [summary(args.out, result)]))
     return 0
 

@@ -11,7 +11,8 @@ last step and its peak during it), the metrics of a sample of steps and, for a m
 the load per rank and per expert.
 
 A folder with metrics but no trace (``--out DIR`` without ``--trace DIR``) prints its metrics and
-says how to record a trace. A run a crash stopped is read too: the line each rank was writing when it died is skipped, and
+says how to record a trace. A population-based training run's folder (``--mode pbt``: a run per
+member in ``member-k/``) lists its members, each with its loss and the command that shows it. A run a crash stopped is read too: the line each rank was writing when it died is skipped, and
 every complete event drawn; what was skipped is said on stderr. A folder that is not a run (missing,
 empty, a file that is not what it should be) exits with status 2 and one line naming the file.
 """
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from minidist.files import create
 from minidist.inspect.chrome import merge_chrome_trace
-from minidist.inspect.load import RunError, load_run
+from minidist.inspect.load import RunError, load_run, member_summary, population
 from minidist.inspect.tables import (comm_table, format_comm_table, format_expert_load, format_memory, format_metrics,
                                      format_purposes)
 from minidist.inspect.timeline import draw_run_timeline, step_title, step_window
@@ -67,10 +68,36 @@ def draw(run, step: int, png: Path) -> str:
     return f"timeline of {what}{shown}: {png}"
 
 
+def show_population(run_dir, members: list) -> None:
+    """A population-based training run's folder: one line per member (ranks traced, its loss) and
+    the command that shows that member's run; each member's run is a whole run of its own, so they
+    are listed side by side, not drawn one after another."""
+    print(f"{run_dir}: population-based training, {len(members)} members, each its own run (--mode pbt "
+          f"writes member k's trace and metrics to member-k/); show one with the command beside it:")
+    for folder in members:
+        skipped = []
+        ranks, metrics = member_summary(folder, skipped)
+        for note in skipped:
+            print(f"minidist.inspect: {folder.name}/{note}", file=sys.stderr)
+        loss = (f"steps {metrics[0]['step']}..{metrics[-1]['step']}: loss {_loss(metrics[0].get('loss'))} -> "
+                f"{_loss(metrics[-1].get('loss'))}" if metrics else "no metrics")
+        print(f"  {folder.name}: {ranks} rank{'s' * (ranks != 1)} traced, {loss}    python -m minidist.inspect {folder}")
+    if (Path(run_dir) / "pbt.jsonl").is_file():
+        print(f"who copied whom at each ready point: {Path(run_dir) / 'pbt.jsonl'}")
+
+
 def inspect(args) -> None:
     """Read ``args.run_dir``, say what was skipped, write the merged trace and the timeline, print the
-    tables; for a folder without a trace, its metrics tables and how to record one."""
-    run = load_run(args.run_dir)
+    tables; for a folder without a trace, its metrics tables and how to record one; for a population's
+    folder, its members (:func:`show_population`)."""
+    try:
+        run = load_run(args.run_dir)
+    except FileNotFoundError:
+        members = population(args.run_dir) if Path(args.run_dir).is_dir() else []
+        if not members:
+            raise
+        show_population(args.run_dir, members)
+        return
     for note in run.skipped:
         print(f"minidist.inspect: {note}", file=sys.stderr)
     print(f"{args.run_dir}: {len(run.traces)} ranks, {sum(len(t.events) for t in run.traces):,} events" if run.traces

@@ -28,17 +28,16 @@ trace nor metrics, a file that is not a regular one, a memory report that is not
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from minidist.comm.trace import Trace
 from minidist.comm.trace_events import COMPACT_START, TraceReader
 from minidist.files import kind_of
+from minidist.untrusted import open_bounded, parse_json, read_json
 
 MAX_RANKS = 1024  # trace files a run directory may hold
 MAX_TRACE_BYTES = 128 << 20  # of plain trace lines read over all ranks (about 600,000 events): each file's end
@@ -47,6 +46,7 @@ MAX_METRICS_BYTES = 32 << 20  # of metrics.jsonl read: its end
 MAX_LINE_BYTES = 1 << 20  # a plain event is about 250 bytes, a compact one 50, a metrics row a few KiB
 MAX_REPORT_BYTES = 16 << 20  # one memory report
 RANK = r"rank(0|[1-9][0-9]{0,8})\."  # rank0.<ext> ... rank999999999.<ext>: one spelling per rank
+MEMBER = re.compile(r"member-(0|[1-9][0-9]{0,8})")  # a population member's folder (train/pbt.py)
 
 
 class RunError(ValueError):
@@ -100,18 +100,30 @@ def _ranked(folder: Path, extension: str) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def open_regular(path: Path):
-    """A binary file object reading ``path``, which must be a regular file; opened without blocking,
-    so a FIFO is refused, not waited on. :class:`RunError` naming ``path`` otherwise."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        raise RunError(f"{path}: cannot be read ({e.strerror})") from e
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise RunError(f"{path} is {kind_of(mode)}, not a file inspect reads")
-    return os.fdopen(fd, "rb")
+def population(run_dir) -> list[Path]:
+    """The ``member-<k>`` folders of ``run_dir`` that hold a run (a trace folder or metrics.jsonl), by
+    k: what ``--mode pbt`` leaves in its ``--trace DIR`` or ``--out DIR`` (each member's run in its
+    own folder); [] for any other folder."""
+    found = []
+    with os.scandir(run_dir) as entries:
+        for entry in entries:
+            folder = Path(run_dir) / entry.name
+            if (m := MEMBER.fullmatch(entry.name)) and entry.is_dir(follow_symlinks=False) and (
+                    (folder / "trace").is_dir() or os.path.lexists(folder / "metrics.jsonl")):
+                found.append((int(m.group(1)), folder))
+                if len(found) > MAX_RANKS:
+                    raise RunError(f"{run_dir} holds more than {MAX_RANKS} member folders: inspect lists at most {MAX_RANKS}")
+    return [folder for _, folder in sorted(found)]
+
+
+def member_summary(folder: Path, skipped: list[str]) -> tuple[int, list[dict]]:
+    """(how many ranks traced, the metrics rows) of one member's run ``folder``: what a line of the
+    population's list says, read without its traces' events."""
+    metrics = []
+    if os.path.lexists(folder / "metrics.jsonl"):
+        metrics = read_json_lines(folder / "metrics.jsonl", MAX_METRICS_BYTES, lambda _: metrics_row, skipped,
+                                  ("a metrics file", "row"))
+    return len(_ranked(folder / "trace", "jsonl")), metrics
 
 
 def _lines(f, size: int):
@@ -135,15 +147,17 @@ def _lines(f, size: int):
             yield line, line.endswith(b"\n")
 
 
-def read_json_lines(path: Path, budget: int, parser, skipped: list[str]) -> list:
+def read_json_lines(path: Path, budget: int, parser, skipped: list[str], what=("a trace", "event")) -> list:
     """What ``parse(line)`` makes of each line of regular file ``path`` (blank lines aside, and lines
     it makes None of), reading at most its last ``budget`` bytes, where ``parse = parser(from_middle)``
     (``from_middle``: whether the lines read start in the middle of the file). A line ``parse``
     refuses (ValueError) is skipped; what was skipped is appended to ``skipped``, one line per kind:
-    the beginning of a file over budget, an incomplete last line (a crash cut it), garbled lines
-    (the first reason given)."""
+    the beginning of a file over budget, an incomplete last line (a crash cut it: it starts as JSON
+    does, else it is garbled), garbled lines (the first reason given). A file of garbled lines only,
+    nothing read from it, is not what it should be (``what``: the file, an item of it): a
+    :class:`RunError` naming it."""
     kept, garbled, first_reason, cut = [], 0, "", False
-    with open_regular(path) as f:
+    with open_bounded(path, RunError) as f:
         size = os.fstat(f.fileno()).st_size
         parse = parser(size > budget)
         if size > budget:
@@ -166,25 +180,19 @@ def read_json_lines(path: Path, budget: int, parser, skipped: list[str]) -> list
                 if (item := parse(line)) is not None:
                     kept.append(item)
             except ValueError as e:
-                if not ended:
+                if not ended and line is not None and line.lstrip()[:1] in (b"{", b"["):
                     cut = True
                 else:
                     garbled += 1
                     first_reason = first_reason or f"line {number}: {e}"
+    if garbled and not kept:  # random bytes, a binary file: nothing in it reads as a line of one
+        raise RunError(f"{path}: not {what[0]}: no {what[1]} read ({garbled} garbled line{'s' * (garbled > 1)}; "
+                       f"{first_reason})"[:300])
     if garbled:
         skipped.append(f"{path.name}: skipped {garbled} garbled line{'s' * (garbled > 1)} ({first_reason})"[:300])
     if cut:
         skipped.append(f"{path.name}: skipped 1 incomplete line at the end (cut when the run stopped)")
     return kept
-
-
-def parse_json(data):
-    """The JSON value in ``data``; ValueError if it is not JSON, nested too deep included (Python's
-    parser recurses: past about 1,000 levels it raises RecursionError, here a ValueError like the rest)."""
-    try:
-        return json.loads(data)
-    except RecursionError as e:
-        raise ValueError("JSON nested too deep") from e
 
 
 def _finite(v) -> bool:
@@ -216,14 +224,7 @@ def read_memory_report(path: Path, columns: list | None) -> tuple[list[dict], li
     and finite numbers, all with the columns ``columns`` (those of the reports read before, if
     any: one table holds them all). :class:`RunError`
     naming the file if it is larger than :data:`MAX_REPORT_BYTES`, not JSON, or not such rows."""
-    with open_regular(path) as f:
-        data = f.read(MAX_REPORT_BYTES + 1)
-    if len(data) > MAX_REPORT_BYTES:
-        raise RunError(f"{path}: larger than {MAX_REPORT_BYTES >> 20} MiB: not a memory report")
-    try:
-        report = parse_json(data)
-    except ValueError as e:
-        raise RunError(f"{path}: not a memory report (not JSON: {e})") from e
+    report = read_json(path, MAX_REPORT_BYTES, "a memory report", RunError)
     rows = report.get("rows") if isinstance(report, dict) else None
     if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("label"), str) for r in rows):
         raise RunError(f"{path}: not a memory report (no \"rows\": a list of objects with a \"label\")")
@@ -240,7 +241,7 @@ def read_memory_report(path: Path, columns: list | None) -> tuple[list[dict], li
 
 def _compact(path: Path) -> bool:
     """Whether trace file ``path`` starts as the compact format does (``Trace.stream``)."""
-    with open_regular(path) as f:
+    with open_bounded(path, RunError) as f:
         return f.read(len(COMPACT_START)) == COMPACT_START
 
 
@@ -266,7 +267,8 @@ def load_run(run_dir) -> Run:
         traces.append(trace)
     metrics = []
     if os.path.lexists(run_dir / "metrics.jsonl"):
-        metrics = read_json_lines(run_dir / "metrics.jsonl", MAX_METRICS_BYTES, lambda _: metrics_row, skipped)
+        metrics = read_json_lines(run_dir / "metrics.jsonl", MAX_METRICS_BYTES, lambda _: metrics_row, skipped,
+                                  ("a metrics file", "row"))
         width = next((len(m["expert_rows"]) for m in metrics if "expert_load" in m), None)
         odd = sum("expert_load" in m and len(m["expert_rows"]) != width for m in metrics)
         if odd:  # the expert table averages expert_rows over the steps: one count of ranks

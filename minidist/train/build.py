@@ -16,6 +16,7 @@ from minidist.checkpoint.identity import data_identity
 from minidist.data import ByteTokenizer, HFTokenizer, TokenIds, default_corpus, train_val_split
 from minidist.data.folder import MANIFEST, Corpus, open_corpus, read_manifest
 from minidist.data.meta_pkl import META, read_meta
+from minidist.data.hf_tokenizer import tokenizer_bytes
 from minidist.data.tokens import DataError
 from minidist.device import require_cupy, use_gpu
 from minidist.model import GPT, GPTConfig
@@ -73,7 +74,7 @@ def load_data(cfg):
         raise ConfigError(f"--data {e}") from e
     theirs = Path(cfg.init_from_hf) / "tokenizer.json" if cfg.init_from_hf is not None else None
     if theirs is not None and theirs.is_file() and corpus.kind != "file" and corpus.tokenizer is not None and (
-            corpus.tokenizer == "bytes" or Path(corpus.tokenizer).read_bytes() != theirs.read_bytes()):
+            corpus.tokenizer == "bytes" or tokenizer_bytes(corpus.tokenizer, ConfigError) != tokenizer_bytes(theirs, ConfigError)):
         raise ConfigError(f"--data {path} was tokenized with {corpus.tokenizer}, not with {theirs}: its ids would "
                           "mean other tokens to the --init-from-hf model")
     cfg = dataclasses.replace(cfg, vocab_size=model_vocab_size(cfg, corpus, path))
