@@ -104,7 +104,7 @@ def hostile(tmp_path):
         "cycle": (pickle.dumps({"itos": itos, "x": loop}), None),
         "cut": (pickle.dumps({"itos": itos})[:-3], "not a pickle of plain data"),
         "empty": (b"", "not a pickle of plain data"),
-        "huge": (b"\x80\x04" + b"N" * (META_LIMIT + 1), "over 16 MiB"),
+        "huge": (b"\x80\x04" + b"N" * (META_LIMIT + 1), "larger than 16 MiB: not a character vocabulary"),
     }
 
 

@@ -6,8 +6,8 @@ its donor would, with its new hyper-parameters; the lineage file is a function o
 resumed population continues bitwise; bad flags are refused before anything is sent.
 """
 import dataclasses
-import re
 import json
+import re
 import shutil
 
 import numpy as np
@@ -15,6 +15,7 @@ import pytest
 
 from minidist import run_local
 from minidist.checkpoint.format import step_dir
+from minidist.checkpoint.training import ResumeRefused
 from minidist.train import train
 from minidist.train.config import ConfigError, TrainConfig, check_config
 from minidist.train.pbt import exempt_of, member_config, train_pbt
@@ -200,6 +201,17 @@ def test_a_second_population_into_a_used_ckpt_dir_is_refused_unless_it_resumes(t
     with pytest.raises(ConfigError, match=r"holds a population already \(up to step-000002\.json\): add --resume"):
         check_config(cfg, 2)
     check_config(dataclasses.replace(cfg, resume=True), 2)  # continuing it is what --resume is for
+
+
+@pytest.mark.parametrize("damage", ["[" * 100_000, '{"step": 2, "members": [], "rows": []}', "{", '{"step": "2"}'])
+def test_a_damaged_population_file_is_refused_on_resume_with_one_line(tmp_path, damage):
+    """Was: json.loads of the file as it was, a RecursionError or KeyError traceback on every rank."""
+    cfg = pbt_config(tmp_path, steps=2)
+    run_population(cfg)
+    (tmp_path / "ckpt" / "population" / "step-000002.json").write_text(damage)
+    with pytest.raises(ResumeRefused, match=r"step-000002\.json") as refused:
+        run_population(dataclasses.replace(cfg, resume=True))
+    assert "\n" not in str(refused.value)
 
 
 def test_the_command_line_trains_a_population_and_refuses_a_bad_one_with_exit_2(tmp_path):

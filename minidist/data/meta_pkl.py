@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from minidist.data.tokens import DataError
+from minidist.untrusted import read_bounded
 
 META = "meta.pkl"
 META_LIMIT = 1 << 24  # bytes: a character vocabulary is a few KiB; 16 MiB is no vocabulary
@@ -80,13 +81,7 @@ class CharVocabulary:
 def read_meta(path: Path) -> CharVocabulary:
     """The :class:`CharVocabulary` of nanoGPT's ``meta.pkl`` at ``path``, read with no class allowed
     (module docstring); a :class:`DataError` of one line naming the file otherwise."""
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(META_LIMIT + 1)
-    except OSError as e:
-        raise DataError(f"{path}: not readable ({e.strerror})") from e
-    if len(raw) > META_LIMIT:
-        raise DataError(f"{path}: over {META_LIMIT >> 20} MiB, not a character vocabulary")
+    raw = read_bounded(path, META_LIMIT, "a character vocabulary", error=DataError)  # the one bounded reader
     try:
         meta = _NoClasses(io.BytesIO(raw)).load()
     except _Refused as e:

@@ -52,6 +52,7 @@ from minidist.checkpoint.format import step_dir, step_dirs, step_of
 from minidist.checkpoint.hf import CONFIG, WEIGHTS
 from minidist.checkpoint.training import ResumeRefused
 from minidist.files import create, real_folder, write_atomically
+from minidist.untrusted import read_json
 from minidist.train.config import check_config
 from minidist.train.divergence import Diverged
 from minidist.train.loop import train
@@ -247,15 +248,39 @@ def resumed(cfg, world, group, k: int):
     files = sorted(folder.glob("step-*.json")) if folder.is_dir() else []
     if not files:
         raise ResumeRefused(f"--resume: no population file in {folder} (drop --resume to start from scratch)")
-    state = json.loads(files[-1].read_text())
+    state = read_population(files[-1], cfg.population)
     if group.rank == 0:
         for folder in step_dirs(Path(cfg.ckpt_dir) / f"member-{k}"):
             if step_of(folder) > state["step"]:
                 shutil.rmtree(folder)
     world.barrier(label="setup: every member back at the population's step")
-    history = [r for f in files for r in json.loads(f.read_text())["rows"]]  # from step 0's, the members' starts
+    history = [r for f in files for r in read_population(f, cfg.population)["rows"]]  # from step 0's: the starts
     members = [Member(m["index"], m["hparams"], m["parent"], m["val_loss"]) for m in state["members"]]
     return members, state["step"], history
+
+
+POPULATION_BYTES = 1 << 24  # a population file: a few hundred bytes a member
+
+
+def read_population(path: Path, population: int) -> dict:
+    """The population file ``path`` (``record`` wrote it), read through the one bounded reader and
+    checked for the fields ``--resume`` uses: a step, ``population`` members (index, hyper-parameters,
+    parent, loss) and their rows. :class:`ResumeRefused` of one line naming the file otherwise."""
+    state = read_json(path, POPULATION_BYTES, "a population file", error=ResumeRefused)
+    number = (int, float)
+    members = state.get("members") if isinstance(state, dict) else None
+    fine = (isinstance(state, dict) and type(state.get("step")) is int and state["step"] >= 0
+            and isinstance(members, list) and len(members) == population and isinstance(state.get("rows"), list)
+            and all(isinstance(m, dict) and m.get("index") == i and type(m.get("parent")) is int
+                    and 0 <= m["parent"] < population and isinstance(m.get("hparams"), dict)
+                    and all(isinstance(v, number) and not isinstance(v, bool) for v in m["hparams"].values())
+                    and (m.get("val_loss") is None or isinstance(m["val_loss"], number))
+                    for i, m in enumerate(members))
+            and all(isinstance(r, dict) for r in state["rows"]))
+    if not fine:
+        raise ResumeRefused(f"--resume: {path} is not a population file of {population} members (step, members with "
+                            f"index, hparams, parent and val_loss, rows): remove it to resume from the one before")
+    return state
 
 
 def last_ranked(rows: list[dict]) -> list[dict]:
