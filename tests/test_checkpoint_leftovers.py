@@ -4,6 +4,9 @@ A save writes into a hidden folder ``.saving-<session>-<n>-step-N`` and renames 
 (minidist/checkpoint/writer.py). Was: a stop signal during a save left that folder (3 of 4 tries),
 and it stayed until the next complete save of a later run; a run stopped before then left it for good.
 """
+import json
+import shutil
+
 import pytest
 
 from minidist.checkpoint.writer import CheckpointWriter
@@ -49,3 +52,19 @@ def test_a_stop_during_a_save_leaves_no_unfinished_save(tmp_path, monkeypatch, a
               progress=False)
     assert [n for n in hidden(ckpt) if not n.endswith(".lock")] == [], hidden(ckpt)
     assert not list(ckpt.glob("step-*"))  # and nothing half-saved counts as a checkpoint
+
+
+def test_a_resume_keeps_the_earlier_metrics_and_drops_what_it_cannot_read(tmp_path):
+    """metrics.jsonl is read again on --resume, through the bounded reader: the rows of the steps
+    before the checkpoint stay, a garbled line or one cut by the crash goes (was: a traceback)."""
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    cfg = TrainConfig(**TINY, ckpt_dir=str(ckpt), out=str(out), data_dir=str(tmp_path / "data"))
+    train(cfg, progress=False)
+    rows = (out / "metrics.jsonl").read_text().splitlines()
+    damaged = rows[:1] + ["\x00\xff not json", "[" * 100_000, '{"step": "1"}'] + rows[1:] + ['{"step": 3, "lo']
+    (out / "metrics.jsonl").write_text("\n".join(damaged) + "\n")
+    shutil.rmtree(ckpt / "step-000004")  # resume from step 2
+    train(TrainConfig(**{**cfg.__dict__, "resume": True}), progress=False)
+    again = (out / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in again] == [0, 1, 2, 3]
+    assert again[:2] == rows[:2] and all(json.loads(r)["loss"] == json.loads(o)["loss"] for r, o in zip(again, rows))

@@ -23,6 +23,7 @@ from minidist.parallel.whole_model.generate import generate
 from minidist.parallel.data.sampler import DistributedSampler, micro_batches
 from minidist.train.config import runs_zero_optimizer
 from minidist.parallel.zero.full_state import full_parameters
+from minidist.untrusted import Unreadable, open_bounded, parse_json
 
 
 def open_metrics(out, start: int = 0):
@@ -32,12 +33,32 @@ def open_metrics(out, start: int = 0):
     if out is None:
         return contextlib.nullcontext()
     path = real_folder(out) / "metrics.jsonl"
-    kept = []
-    if start > 0 and path.is_file() and not path.is_symlink():
-        kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < start]
+    kept = earlier_rows(path, start) if start > 0 and path.is_file() and not path.is_symlink() else []
     f = create(path, text=True)  # never through a link planted at the name
-    f.write("".join(line + "\n" for line in kept))
+    f.write("".join(kept))
     return f
+
+
+METRICS_LINE_BYTES = 1 << 20  # one step's metrics are a few hundred bytes
+
+
+def earlier_rows(path, start: int) -> list[str]:
+    """The lines of metrics file ``path`` of steps before ``start``, read through the one bounded
+    reader, a line at a time: a line that is not a step's record (cut by a crash, garbled, over
+    :data:`METRICS_LINE_BYTES`) is dropped, not trusted. None of a file that is not a regular one."""
+    kept = []
+    try:
+        with open_bounded(path, follow_links=False) as f:
+            for line in iter(lambda: f.readline(METRICS_LINE_BYTES), b""):
+                try:
+                    row = parse_json(line)
+                except ValueError:
+                    continue
+                if isinstance(row, dict) and type(row.get("step")) is int and row["step"] < start:
+                    kept.append(line.decode().rstrip("\n") + "\n")
+    except Unreadable:
+        return []  # (create refuses a FIFO or a link at the name itself)
+    return kept
 
 
 TIMINGS = ("tokens_per_s", "data_wait_s")  # the metrics that are measured times: they differ from run to run
