@@ -157,7 +157,10 @@ def all_reduce_link() -> tuple[float, float, str]:
     except (Exception, SystemExit):  # noqa: BLE001 -- no mpiexec, or it failed: the threads are the fallback
         from minidist import run_local
         times = run_local(_all_reduce_times, 2)[0]
-    bandwidth = LARGE / (times[LARGE] - times[SMALL])  # bus bytes: 2 (n-1)/n = 1 on 2 ranks
+    # bus bytes: 2 (n-1)/n = 1 on 2 ranks. On a loaded machine the small call can time longer than the
+    # large one: latency and bandwidth are then not told apart, and the large call's whole time bounds it
+    spent = times[LARGE] - times[SMALL] if times[LARGE] > times[SMALL] else times[LARGE]
+    bandwidth = LARGE / spent
     return bandwidth, times[SMALL], how
 
 

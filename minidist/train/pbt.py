@@ -24,12 +24,10 @@ the step of the same layout run alone with the same hyper-parameters, bitwise. A
               ``--out``/pbt.jsonl, and writes the population (every member, its hyper-parameters and
               parent) to ``--ckpt-dir``/population/step-<n>.json
 
-A row of pbt.jsonl is one member at one ready point: ``step``, ``member``, ``val_loss`` (its loss
-there, which decided), ``before`` (the hyper-parameters it trained with up to it), ``donor`` (the
-member whose weights and hyper-parameters it takes there, or null), ``after`` (what it trains with
-from there; null at the end) and ``change`` ({name: "x0.8" | "x1.2" | "fresh draw"}, empty without
-a copy). The rows of step 0 give each member's start (``change``: "drawn in [A, B]" or "given"). A
-member's ``parent`` (population files) is the member whose weights it last took: one meaning.
+A row of pbt.jsonl is one member at one ready point: ``step``, ``member``, ``val_loss`` (which
+decided), ``before`` and ``after`` (its hyper-parameters up to it and from it; null at the end),
+``donor`` (whom it copies, or null) and ``change`` ({name: "x0.8" | "x1.2" | "fresh draw"}). Step 0's
+rows are the starts. ``parent`` (population files): the member whose weights it last took.
 
 ``--export`` and ``--export-hf`` get the best member's final model (the lowest validation loss at the
 last ready point): each member's last segment writes its own under its checkpoint folder
