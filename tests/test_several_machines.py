@@ -54,19 +54,19 @@ def test_machines_are_numbered_by_their_lowest_rank_and_give_each_rank_its_local
     assert m.spanned([0, 4]) == [0] and m.spanned([1, 2, 5]) == [0, 1, 2]
     assert str(m) == "3 machines: ranks 0-1, 4 on machine 0, ranks 2-3 on machine 1, ranks 5 on machine 2"
     assert one_machine(4).count == 1 and one_machine(4).local_size(3) == 4
-    assert [m.host_size(r) for r in range(6)] == [3, 3, 2, 2, 3, 1] and not m.rehearsed()  # no names: a host each
+    assert [m.host_size(r) for r in range(6)] == [3, 3, 2, 2, 3, 1] and m.rehearsed() == []  # no names: a host each
 
 
 def test_machines_on_one_host_are_said_to_be_rehearsed_and_share_its_cores():
     """A hostfile naming one host twice: MPI's split makes 2 machines, and their host names say that
     both are this host, so the run says it is a rehearsal and its 4 ranks share the host's cores."""
     m = Machines((0, 0, 1, 1), ("vm", "vm"))
-    assert m.rehearsed() and [m.host_size(r) for r in range(4)] == [4] * 4 and m.local_size(0) == 2
+    assert m.rehearsed() == ["vm"] and [m.host_size(r) for r in range(4)] == [4] * 4 and m.local_size(0) == 2
     assert str(m) == "2 machines (rehearsed on one host, vm): ranks 0-1 on machine 0, ranks 2-3 on machine 1"
     two = Machines((0, 0, 1, 1, 2), ("a", "a", "b"))
     assert str(two).startswith("3 machines (some rehearsed on one host: a): ") and two.host_size(4) == 1
     real = Machines((0, 0, 1, 1), ("node1", "node2"))
-    assert not real.rehearsed() and str(real).startswith("2 machines: ") and real.host_size(0) == 2
+    assert real.rehearsed() == [] and str(real).startswith("2 machines: ") and real.host_size(0) == 2
 
 
 @pytest.mark.parametrize("layout, of_rank, said", [

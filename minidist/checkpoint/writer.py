@@ -214,9 +214,7 @@ class CheckpointWriter:
         for d in older:
             if d not in kept:
                 remove_entry(d)
-        for entry in self.root.iterdir():  # not this session's: the other ranks may be writing the next save
-            if entry.name.startswith(LEFTOVERS) and f"-{self._session}-" not in entry.name:
-                remove_entry(entry)
+        self.leftovers()  # not this session's: the other ranks may be writing the next save
 
 
 def _committed(folder) -> bool:

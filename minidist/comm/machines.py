@@ -56,9 +56,10 @@ class Machines:
         host = self.hosts[self.of_rank[rank]]
         return sum(self.hosts[m] == host for m in self.of_rank)
 
-    def rehearsed(self) -> bool:
-        """Whether several machines share one host name: a cluster rehearsed on one computer."""
-        return len(set(self.hosts)) < len(self.hosts)
+    def rehearsed(self) -> list[str]:
+        """The host names that several machines share (a cluster rehearsed on one computer): empty
+        for a real cluster, or when the names were not asked."""
+        return sorted(h for h in set(self.hosts) if self.hosts.count(h) > 1)
 
     def spanned(self, ranks) -> list[int]:
         """The machines that ``ranks`` run on, in order: one for a group inside a machine."""
@@ -68,9 +69,9 @@ class Machines:
         """``2 machines: ranks 0-1 on machine 0, ranks 2-3 on machine 1``; rehearsed on one host:
         ``2 machines (rehearsed on one host, vm): ...``."""
         parts = [f"ranks {_ranges(self.ranks_on(m))} on machine {m}" for m in range(self.count)]
-        shared = sorted({h for h in self.hosts if self.hosts.count(h) > 1})
-        how = f" (rehearsed on one host, {', '.join(shared)})" if len(shared) == 1 and len(set(self.hosts)) == 1 else (
-            f" (some rehearsed on one host: {', '.join(shared)})" if shared else "")
+        shared = self.rehearsed()
+        how = ("" if not shared else f" (rehearsed on one host, {shared[0]})" if len(set(self.hosts)) == 1
+               else f" (some rehearsed on one host: {', '.join(shared)})")
         return f"{self.count} machine{'s' * (self.count > 1)}{how}: " + ", ".join(parts)
 
 

@@ -210,11 +210,12 @@ def start_row(member: Member, names, ranges: dict) -> dict:
                 change=change)
 
 
-def copy_text(row: dict) -> str:
+def copy_text(row: dict, donors: dict) -> str:
     """``member 3 copies 0: lr 0.0131 -> 0.0157 (x1.2)``: a copy at a ready point, each explored
-    hyper-parameter from the donor's value to the copy's, and how it changed."""
+    hyper-parameter from the donor's value (``donors``: its row at that point) to the copy's, and how."""
+    donor = donors[row["donor"]]["before"]
     return f"member {row['member']} copies {row['donor']}: " + ", ".join(
-        f"{name} {row['before_donor'][name]:.3g} -> {row['after'][name]:.3g} ({how})" for name, how in row["change"].items())
+        f"{name} {donor[name]:.3g} -> {row['after'][name]:.3g} ({how})" for name, how in row["change"].items())
 
 
 def record(cfg, world, members: list[Member], rows: list[dict], step: int) -> None:
@@ -227,8 +228,8 @@ def record(cfg, world, members: list[Member], rows: list[dict], step: int) -> No
         print("start: " + "; ".join(f"member {r['member']} {hparams_text(r['after'])} ({', '.join(r['change'].values())})"
                                     for r in rows), flush=True)
     else:
-        trained = {r["member"]: r["before"] for r in rows}
-        copied = "; ".join(copy_text({**r, "before_donor": trained[r["donor"]]}) for r in rows if r["donor"] is not None)
+        by_member = {r["member"]: r for r in rows}
+        copied = "; ".join(copy_text(r, by_member) for r in rows if r["donor"] is not None)
         last = rows[0]["after"] is None
         print(f"step {step:5d}  val loss " + ", ".join(f"{r['val_loss']:.4f}" for r in rows)
               + ("  (the end: no copy)" if last else f"  ({copied or 'no copy'})"), flush=True)
