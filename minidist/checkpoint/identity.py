@@ -23,6 +23,7 @@ Nor what a run prints or writes (evaluation, outputs, checkpoint frequency).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 
@@ -52,9 +53,10 @@ def run_identity(cfg, data: dict, exempt=()) -> dict:
     identity = {name: getattr(cfg, name) for name in fields}
     if getattr(cfg, "vocab_size", 0) not in (0, 256):  # a vocabulary other than bytes' (recorded since it exists)
         identity["vocab_size"] = cfg.vocab_size
-    knobs = {"no_bias": False, **({"beta1": 0.9, "beta2": 0.95} if cfg.optimizer == "adamw" else {})}
-    identity.update({name: getattr(cfg, name) for name, default in knobs.items()  # likewise: once set
-                     if getattr(cfg, name, default) != default})
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)} if dataclasses.is_dataclass(cfg) else {}
+    knobs = ("no_bias",) + (("beta1", "beta2") if cfg.optimizer == "adamw" else ())
+    identity.update({name: getattr(cfg, name) for name in knobs  # likewise: once set apart from the config's default
+                     if hasattr(cfg, name) and getattr(cfg, name) != defaults.get(name)})
     identity.update(data)
     return json.loads(json.dumps(identity))  # as it reads back from the manifest: compared like for like
 
