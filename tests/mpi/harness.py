@@ -38,7 +38,8 @@ def mpiexec_command(mpiexec: str, n: int) -> list:
 
 LAUNCHER_NOTES = re.compile(  # Open MPI's mpiexec (prterun) boxes its notes between lines of dashes,
     r"^-{40,}\n.*?^-{40,}\n"    # e.g. "prterun detected that one or more processes exited with non-zero status"
-    r"|^\[[^\]\n]+\] PMIX ERROR: [^\n]*\n",  # and its PMIx server reports ranks that have already left
+    r"|^\[[^\]\n]+\] PMIX ERROR: [^\n]*\n"  # and its PMIx server reports ranks that have already left,
+    r"|^\[warn\] [^\n]*\n",  # and its event library (libevent) warns of a closed descriptor as ranks leave
     re.M | re.S)
 
 
