@@ -12,10 +12,11 @@ import time
 from pathlib import Path
 
 from minidist.checkpoint import Checkpoint, CheckpointWriter, step_dir
-from minidist.checkpoint.layout import load_training_state, training_meta, training_pieces
+from minidist.checkpoint.layout import load_whole, training_meta, whole_pieces
 from minidist.optim import lr_at
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.data.sampler import DistributedSampler
+from minidist.parallel.state import WholeState
 from minidist.parallel.step import train_step
 from minidist.train.build import build_model, build_optimizer, load_data, world_of_one
 from minidist.train.config import TrainConfig
@@ -39,8 +40,8 @@ def save_and_load(n_layer, n_embd, root):
     model, writer = build_model(cfg, mesh.tp_group), CheckpointWriter(root, world, keep=1)
     optimizer = build_optimizer(model, cfg)
     params = sum(p.data.size for p in model.parameters())
-    save = best(lambda: writer.save(0, training_pieces(model, optimizer, mesh), training_meta(mesh, optimizer)))
-    load = best(lambda: load_training_state(Checkpoint(step_dir(root, 0)), model, optimizer, mesh))
+    save = best(lambda: writer.save(0, whole_pieces(model, optimizer, mesh), training_meta(mesh, optimizer)))
+    load = best(lambda: load_whole(Checkpoint(step_dir(root, 0)), model, optimizer, mesh))
     nbytes = sum(f.stat().st_size for f in step_dir(root, 0).iterdir())
     return dict(n_layer=n_layer, n_embd=n_embd, params=params, bytes=nbytes, save_s=save, load_s=load)
 
@@ -56,10 +57,10 @@ def step_overhead(mode, root, steps=16, every=4):
     sampler = DistributedSampler(load_data(cfg)[0], cfg.batch_size, cfg.block_size, cfg.seed, 0, 1)
     t0 = time.perf_counter()
     for step in range(steps):
-        train_step(model, optimizer, sampler.batch(step), lr_at(step, cfg.lr, cfg.warmup, steps, cfg.min_lr),
-                   cfg.grad_clip)
+        train_step(model, WholeState(model, optimizer), sampler.batch(step), lr_at(step, cfg.lr, cfg.warmup, steps,
+                   cfg.min_lr), cfg.grad_clip)
         if mode != "none" and step % every == every - 1:
-            writer.save(step, training_pieces(model, optimizer, mesh), training_meta(mesh, optimizer),
+            writer.save(step, whole_pieces(model, optimizer, mesh), training_meta(mesh, optimizer),
                         async_=mode == "async")
     writer.wait()
     return (time.perf_counter() - t0) / steps

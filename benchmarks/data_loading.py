@@ -67,8 +67,8 @@ def shards(folder: Path, vocab: int, n: int = 4_000_000) -> Path:
 def model_step(cfg):
     """(step(batch) -> None, the step's batch shape): one process's training step of ``cfg``."""
     mesh = DeviceMesh(world_of_one())
-    model, optimizer, dp, engine, amp = build_parallel(cfg, mesh)
-    return lambda batch: train_step(model, optimizer, batch, 1e-4, 1.0, dp=dp, engine=engine, mesh=mesh, amp=amp)
+    model, state, engine = build_parallel(cfg, mesh)
+    return lambda batch: train_step(model, state, batch, 1e-4, 1.0, engine=engine, mesh=mesh)
 
 
 def loader_vs_step(root: Path, gpt2_steps: int) -> list[dict]:

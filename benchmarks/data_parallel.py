@@ -65,6 +65,7 @@ def worker(buckets_kib, steps: int, warmup: int, out: str):
     from minidist.parallel.data.data_parallel import DataParallel
     from minidist.parallel.mesh import DeviceMesh
     from minidist.parallel.data.sampler import DistributedSampler
+    from minidist.parallel.state import WholeState
     from minidist.parallel.step import train_step
     from minidist.train.build import build_model, build_optimizer, load_data
     from minidist.train.config import TrainConfig
@@ -86,7 +87,7 @@ def worker(buckets_kib, steps: int, warmup: int, out: str):
             world.barrier()
             world.trace.clear()
             start, cpu_start = time.perf_counter(), time.process_time()
-            train_step(model, optimizer, sampler.batch(step), cfg.lr, cfg.grad_clip, dp=dp, mesh=mesh,
+            train_step(model, WholeState(model, optimizer, dp), sampler.batch(step), cfg.lr, cfg.grad_clip, mesh=mesh,
                        trace=world.trace)
             seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
             spans = {e.op: e for e in world.trace.events if e.kind == "compute"}

@@ -180,19 +180,19 @@ def part_traffic(world, reps):
     built = {}
     for key, cfg in variants.items():
         mesh = meshes[key[1] or 1]
-        model, optimizer, dp, _, _ = build_parallel(cfg, mesh)
+        model, state, _ = build_parallel(cfg, mesh)
         sampler = DistributedSampler(TOKENS, cfg.batch_size, cfg.block_size, cfg.seed, mesh.dp_rank, cfg.dp)
-        built[key] = (cfg, mesh, model, optimizer, dp, sampler)
+        built[key] = (cfg, mesh, model, state, sampler)
     times = {key: [] for key in variants}
     sums = {key: None for key in variants}  # this rank's bytes, summed over the timed steps
     for rep in range(reps + 1):  # round 0: warm-up
-        for key, (cfg, mesh, model, optimizer, dp, sampler) in built.items():
+        for key, (cfg, mesh, model, state, sampler) in built.items():
             batch = sampler.batch(rep)
             world.barrier()
             log.clear()
             with world.trace.capture() as events:
                 t0 = time.perf_counter()
-                train_step(model, optimizer, batch, cfg.lr, cfg.grad_clip, dp=dp, mesh=mesh, trace=world.trace)
+                train_step(model, state, batch, cfg.lr, cfg.grad_clip, mesh=mesh, trace=world.trace)
                 seconds = time.perf_counter() - t0
             got = measured_bytes(events, list(log))
             want, rows_in = routing_bytes(model, cfg.n_embd)
@@ -253,12 +253,12 @@ def part_memory(world, reps):
     for ep in eps:
         cfg = config(ep, 2, dp=world.size, zero=1)
         mesh = DeviceMesh(world, dp=world.size, ep=ep)
-        model, optimizer, _, _, _ = build_parallel(cfg, mesh)
+        model, state, _ = build_parallel(cfg, mesh)
         sampler = DistributedSampler(TOKENS, cfg.batch_size, cfg.block_size, cfg.seed, mesh.dp_rank, cfg.dp)
-        train_step(model, optimizer, sampler.batch(0), cfg.lr, cfg.grad_clip, mesh=mesh, trace=world.trace)
+        train_step(model, state, sampler.batch(0), cfg.lr, cfg.grad_clip, mesh=mesh, trace=world.trace)
         experts = [p for p in model.parameters() if p.expert]
         others = [p for p in model.parameters() if not p.expert]
-        expert_shards = [s for s in optimizer.shards if s.unit.params[0][1].expert]
+        expert_shards = [s for s in state.shards if s.unit.params[0][1].expert]
         n_moe = len(moe_layers(model))
         unit = N_EXPERTS // ep * per_expert(cfg.n_embd)  # elements of one layer's experts on this rank
         replicas = mesh.expert_dp_group.size  # dp / ep: the ranks holding the same experts
@@ -270,7 +270,7 @@ def part_memory(world, reps):
                        optimizer=n_moe * shard * len(OPTIMIZERS[cfg.optimizer].slots) * ITEMSIZE)
         for name, value in formula.items():
             assert measured[name] == value, (ep, world.rank, name, measured[name], value)
-        total, want = zero_memory.model_state_bytes(optimizer), zero_memory.formula(optimizer)
+        total, want = zero_memory.model_state_bytes(state), zero_memory.formula(state)
         assert total == want, (ep, world.rank, total, want)
         mine = np.array([measured[n] for n in ("parameters", "gradients", "optimizer", "dense_parameters")]
                         + [sum(total.values())], dtype=np.float64)

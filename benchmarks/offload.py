@@ -104,23 +104,23 @@ def worker(spec: dict) -> dict:
     check_config(cfg, 1)
     world = world_of_one()
     mesh = DeviceMesh(world, dp=1)
-    model, optimizer, dp, engine, amp = build_parallel(cfg, mesh)
+    model, state, engine = build_parallel(cfg, mesh)
     tokens = np.random.default_rng(0).integers(0, 256, size=100_000)
     seconds, losses = [], []
     for step in range(spec["steps"]):
         batch = get_batch(tokens, step, cfg.batch_size, cfg.block_size)  # (B, T+1)
         t0 = time.perf_counter()
-        loss, _ = train_step(model, optimizer, batch, cfg.lr, cfg.grad_clip, dp=dp, engine=engine, mesh=mesh, amp=amp)
+        loss, _ = train_step(model, state, batch, cfg.lr, cfg.grad_clip, engine=engine, mesh=mesh)
         seconds.append(time.perf_counter() - t0)
         losses.append(loss)
     out = dict(seconds=seconds, losses=losses, rss_imports=rss_imports,
                peak_rss=vm_rss("VmHWM"),
-               formula={k: float(v) for k, v in zero_memory.formula(optimizer).items()},
-               measured={k: int(v) for k, v in zero_memory.model_state_bytes(optimizer).items()},
-               moved=dict(optimizer.offload.moved) if optimizer.offload is not None else {},
-               numel=int(sum(s.unit.numel for s in optimizer.shards)),
-               largest_unit_stored=max([sum(a.nbytes for a in s.stored) for s in optimizer.shards] + [0]))
-    optimizer.close()  # offload: its files go
+               formula={k: float(v) for k, v in zero_memory.formula(state).items()},
+               measured={k: int(v) for k, v in zero_memory.model_state_bytes(state).items()},
+               moved=dict(state.offload.moved) if state.offload is not None else {},
+               numel=int(sum(s.unit.numel for s in state.shards)),
+               largest_unit_stored=max([sum(a.nbytes for a in s.stored) for s in state.shards] + [0]))
+    state.close()  # offload: its files go
     return out
 
 

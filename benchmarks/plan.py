@@ -27,7 +27,7 @@ Four parts (``--parts``):
            rounds.
   exact    the quantities the planner counts exactly: model-state bytes per rank, one micro-batch's
            activation bytes (no pipeline) and bytes sent per axis per step, predicted against
-           ``minidist.plan.measure.measure(cfg)`` (the same layouts, on threads, in this process).
+           ``minidist.train.measure.measure(cfg)`` (the same layouts, on threads, in this process).
   scale    no measurement, the planner's output beside published numbers: (a) the ZeRO paper's Figure 1
            (7.5B parameters, N_d = 64, mixed-precision Adam); (b) Llama 3 405B in Meta's layouts (TP 8,
            PP 16, DP 128 or 64, sequence 8192, bf16, ZeRO-1, sequence parallel, interleaved schedule) on
@@ -183,7 +183,7 @@ def part_timing(layouts, reps: int, steps: int, scratch: Path) -> dict:
 # ---- part 2: the exact quantities --------------------------------------------------------------------
 
 def part_exact(layouts) -> dict:
-    from minidist.plan.measure import measure
+    from minidist.train.measure import measure
     rows = {}
     for name in layouts:
         cfg = config(LAYOUTS[name])

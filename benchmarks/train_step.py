@@ -53,6 +53,7 @@ from minidist.data import default_corpus, get_batch, inputs_and_targets, load_to
 from minidist.device import to_device
 from minidist.model import GPT, GPTConfig
 from minidist.optim import AdamW, adamw_update, blocks, clip_grad_norm, decays
+from minidist.parallel.state import WholeState
 from minidist.parallel.step import train_step
 from minidist.train.build import build_model, build_optimizer
 from minidist.train.config import TrainConfig
@@ -96,11 +97,12 @@ class MinidistStep:
     def __init__(self, cfg, tokens, model_overrides=None):
         self.cfg, self.model = cfg, build(cfg, model_overrides)
         self.optimizer = build_optimizer(self.model, cfg)
+        self.state = WholeState(self.model, self.optimizer)
         self.batch = get_batch(tokens, 0, cfg.batch_size, cfg.block_size, cfg.seed)   # (B, T+1), host
         self.device_batch = to_device(self.batch, cfg.device)
 
     def __call__(self):
-        return float(train_step(self.model, self.optimizer, self.device_batch, self.cfg.lr, self.cfg.grad_clip)[0])
+        return float(train_step(self.model, self.state, self.device_batch, self.cfg.lr, self.cfg.grad_clip)[0])
 
     def phases(self):
         """The step's parts, as the trainer runs them on one process, timed: seconds."""

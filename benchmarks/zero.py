@@ -188,7 +188,7 @@ def part_pipeline(world):
             cfg = TrainConfig(dp=2, pp=2, zero=zero_stage, micro_batches=m, schedule="1f1b", n_layer=CONFIG.n_layer,
                               n_head=CONFIG.n_head, n_embd=CONFIG.n_embd, block_size=CONFIG.block_size,
                               batch_size=TIMED_BATCH, lr=1e-3)
-            model, optimizer, _, engine, _ = build_parallel(cfg, mesh)
+            model, optimizer, engine = build_parallel(cfg, mesh)
             n = mesh.dp_group.size
             rows = np.array_split(np.arange(TIMED_BATCH), n)[mesh.dp_rank]
             sent, seconds = [], []

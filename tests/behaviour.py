@@ -36,7 +36,7 @@ TRAIN = dict(steps=4, eval_every=100, eval_iters=1, sample_tokens=0, warmup=1, l
              momentum=0.9, bucket_mb=0.01, loss_scale_window=2)
 
 
-def _cell(dp=1, tp=1, pp=1, cp=1, cp_algorithm="ring", zero=0, sp=False, schedule="1f1b", recompute=False,
+def _cell(dp=1, tp=1, pp=1, cp=1, cp_algorithm="ring", zero=0, sp=False, schedule="1f1b", recompute="none",
           dtype="float32", checkpoint=False, moe="none", offload="none") -> Cell:
     return Cell(dp=dp, tp=tp, pp=pp, cp=cp, cp_algorithm=cp_algorithm, zero=zero, sequence_parallel=sp,
                 schedule=schedule, recompute=recompute, dtype=dtype, checkpoint=checkpoint, moe=moe, offload=offload)
@@ -49,7 +49,7 @@ LAYOUTS = [  # (cell, optimizer)
     (_cell(dp=2), "sgd"),
     (_cell(dp=2, zero=1), "adamw"),
     (_cell(dp=2, zero=2, dtype="bfloat16"), "sgd"),
-    (_cell(dp=2, zero=3, recompute=True), "adamw"),
+    (_cell(dp=2, zero=3, recompute="full"), "adamw"),
     (_cell(tp=2), "adamw"),
     (_cell(tp=2, sp=True, dp=2, zero=2), "sgd"),
     (_cell(pp=2, schedule="gpipe"), "sgd"),

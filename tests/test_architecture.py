@@ -26,7 +26,8 @@ LAYERS = [
     ("one room per idea", ["minidist.parallel.data", "minidist.parallel.tensor", "minidist.parallel.context",
                            "minidist.parallel.expert", "minidist.parallel.zero", "minidist.parallel.pipeline",
                            "minidist.parallel.ps"]),
-    ("composition", ["minidist.parallel.step", "minidist.parallel.spec", "minidist.parallel.whole_model",
+    ("composition", ["minidist.parallel.step", "minidist.parallel.state", "minidist.parallel.spec",
+                     "minidist.parallel.whole_model",
                      "minidist.checkpoint"]),
     ("entry points", ["minidist.train", "minidist.run", "minidist.plan", "minidist.support_matrix", "minidist"]),
 ]

@@ -14,12 +14,13 @@ import pytest
 
 from minidist import run_local
 from minidist.checkpoint import Checkpoint, CheckpointWriter, step_dir
-from minidist.checkpoint.layout import load_training_state, tp_regions, training_meta, training_pieces
+from minidist.checkpoint.layout import load_whole, tp_regions, training_meta, whole_pieces
 from minidist.optim import lr_at
 from minidist.parallel.data.data_parallel import DataParallel
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.pipeline.stages import PipelineStage
 from minidist.parallel.data.sampler import DistributedSampler
+from minidist.parallel.state import WholeState
 from minidist.parallel.step import train_step
 from minidist.train.build import build_model, build_optimizer, load_data
 from minidist.train.config import TrainConfig
@@ -38,15 +39,15 @@ def run(cfg, root, start, stop, load=None, pp=1):
             model = PipelineStage(model, mesh.pp_rank, pp)
         optimizer = build_optimizer(model, cfg)
         if load is not None:
-            load_training_state(Checkpoint(load), model, optimizer, mesh)
+            load_whole(Checkpoint(load), model, optimizer, mesh)
         if stop > start:
             dp = DataParallel(model, mesh.dp_group)
             sampler = DistributedSampler(load_data(cfg)[1].train, cfg.batch_size, cfg.block_size, cfg.seed,
                                          mesh.dp_rank, cfg.dp)
             for step in range(start, stop):
-                train_step(model, optimizer, sampler.batch(step), lr_at(step, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr),
-                           cfg.grad_clip, dp=dp, mesh=mesh)
-        CheckpointWriter(root, group).save(stop, training_pieces(model, optimizer, mesh), training_meta(mesh, optimizer))
+                train_step(model, WholeState(model, optimizer, dp), sampler.batch(step),
+                           lr_at(step, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr), cfg.grad_clip, mesh=mesh)
+        CheckpointWriter(root, group).save(stop, whole_pieces(model, optimizer, mesh), training_meta(mesh, optimizer))
     run_local(rank_fn, cfg.dp * cfg.tp * pp)
     return Checkpoint(step_dir(root, stop))
 

@@ -223,10 +223,11 @@ def test_a_sample_of_the_grid_trains_like_one_process(cell, data_dir, tmp_path):
     check_cell(cell, data_dir, tmp_path)
 
 
-ADAMW_CELLS = [Cell(dp, tp, pp, 1, "ring", zero, sp, schedule, recompute, "float32", ckpt) for dp, tp, pp, zero, sp, schedule,
-               recompute, ckpt in [(2, 2, 1, 1, True, "1f1b", False, False), (2, 1, 2, 2, False, "1f1b", False, True),
-                                   (2, 2, 2, 3, True, "interleaved", False, True), (2, 1, 1, 3, False, "1f1b", True, False),
-                                   (1, 2, 2, 0, False, "gpipe", True, False), (2, 2, 2, 2, True, "1f1b", True, False)]]
+ADAMW_CELLS = [Cell(dp=dp, tp=tp, pp=pp, zero=zero, sequence_parallel=sp, schedule=schedule, recompute=recompute,
+                    checkpoint=ckpt) for dp, tp, pp, zero, sp, schedule, recompute, ckpt in [
+                   (2, 2, 1, 1, True, "1f1b", "none", False), (2, 1, 2, 2, False, "1f1b", "none", True),
+                   (2, 2, 2, 3, True, "interleaved", "none", True), (2, 1, 1, 3, False, "1f1b", "full", False),
+                   (1, 2, 2, 0, False, "gpipe", "full", False), (2, 2, 2, 2, True, "1f1b", "full", False)]]
 
 
 @pytest.mark.parametrize("cell", ADAMW_CELLS, ids=str)
@@ -274,8 +275,8 @@ def test_the_offloading_cells_train_like_one_process(cell, data_dir, tmp_path):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_a_mixed_precision_layout_run_twice_is_bitwise_identical(dtype, data_dir, tmp_path):
-    cell = Cell(dp=2, tp=2, pp=2, cp=1, cp_algorithm="ring", zero=3, sequence_parallel=True, schedule="interleaved", recompute=False,
-                dtype=dtype, checkpoint=False)
+    cell = Cell(dp=2, tp=2, pp=2, cp=1, cp_algorithm="ring", zero=3, sequence_parallel=True, schedule="interleaved",
+                dtype=dtype)
     (rows_a, weights_a), (rows_b, weights_b) = (train_cell(cell, data_dir, tmp_path / name) for name in "ab")
     assert rows_a.keys() == rows_b.keys()
     for step in rows_a:

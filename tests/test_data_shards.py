@@ -136,7 +136,7 @@ LAYOUTS = {
     "cp2 ring": pytest.param(dict(cp=2), marks=SLOW),
     "cp2 zigzag": dict(cp=2, cp_algorithm="zigzag"),
     "cp2 ulysses": pytest.param(dict(cp=2, cp_algorithm="ulysses"), marks=SLOW),
-    "pp2 cp2 zigzag recompute": dict(pp=2, cp=2, cp_algorithm="zigzag", micro_batches=2, recompute=True),
+    "pp2 cp2 zigzag recompute": dict(pp=2, cp=2, cp_algorithm="zigzag", micro_batches=2, recompute="full"),
     "dp2 zero3": dict(dp=2, zero=3),
     "dp2 cp2": pytest.param(dict(dp=2, cp=2), marks=SLOW),
 }

@@ -83,12 +83,12 @@ def test_data_parallel_on_device_arrays_trains_bitwise_like_numpy(cupy, data_dir
 
 
 @pytest.mark.parametrize("changes", [
-    dict(tp=2), dict(tp=2, sequence_parallel=True), dict(dp=2, recompute=True),
+    dict(tp=2), dict(tp=2, sequence_parallel=True), dict(dp=2, recompute="full"),
     dict(pp=2, schedule="1f1b", micro_batches=2), dict(dp=2, pp=2, zero=1, micro_batches=2),
     dict(dp=2, pp=2, zero=2, schedule="zb-h1", micro_batches=4), dict(pp=2, schedule="zbv", virtual_stages=2, n_layer=4),
     dict(dp=2, zero=1), dict(dp=2, zero=2, micro_batches=2), dict(dp=2, zero=3), dict(dp=2, tp=2, zero=3),
     dict(dp=2, pp=2, zero=3, micro_batches=2), dict(dp=2, tp=2, zero=2, sequence_parallel=True),
-    dict(dp=2, zero=3, recompute=True), dict(dp=2, zero=3, dtype="bfloat16"),
+    dict(dp=2, zero=3, recompute="full"), dict(dp=2, zero=3, dtype="bfloat16"),
     dict(dp=2, pp=2, zero=2, micro_batches=2, dtype="bfloat16"),
     dict(cp=2), dict(cp=2, cp_algorithm="zigzag", tp=2, sequence_parallel=True),
     dict(cp=2, cp_algorithm="ulysses", dp=2, zero=3), dict(cp=2, cp_algorithm="zigzag", pp=2, micro_batches=2),

@@ -22,6 +22,7 @@ from minidist.optim import SGD
 from minidist.parallel.data.data_parallel import DataParallel
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.pipeline import PipelineEngine, PipelineStage, split_micro_batches
+from minidist.parallel.state import WholeState
 from minidist.parallel.step import train_step
 from minidist.train.build import build_model, build_optimizer, build_parallel
 from minidist.train.config import TrainConfig
@@ -79,7 +80,7 @@ def test_data_and_tensor_parallel_step():
         batch = np.random.default_rng(mesh.dp_rank).integers(0, 256, (4, 17))  # (B/dp, T+1)
         out = io.StringIO()
         with world.trace.capture() as events, explaining(mesh, model, file=out, batch_shape=batch.shape):
-            train_step(model, optimizer, batch, 1e-3, 1.0, dp=dp, mesh=mesh, trace=world.trace)
+            train_step(model, WholeState(model, optimizer, dp), batch, 1e-3, 1.0, mesh=mesh, trace=world.trace)
         return out.getvalue(), events
     (text, events), *others = minidist.run_local(rank_main, 4)
     assert all(t == "" for t, _ in others)  # only rank 0 prints
@@ -146,8 +147,8 @@ def test_holdings_under_zero_3_are_the_elements_each_rank_keeps(tmp_path):
 
     def rank_main(world):
         mesh = DeviceMesh(world, dp=2, tp=2)
-        model, optimizer, *_ = build_parallel(cfg, mesh)
-        return holdings(model, 2, shards=optimizer.shards)
+        model, state, _ = build_parallel(cfg, mesh)
+        return holdings(model, 2, shards=state.shards)
     ranks = minidist.run_local(rank_main, 4)
     held = {}  # (name, full shape on this tp rank) -> element ranges of every dp rank
     for lines in ranks[0], ranks[2]:  # tp rank 0 of dp replicas 0 and 1

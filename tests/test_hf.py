@@ -168,8 +168,8 @@ def test_import_then_export_is_lossless_in_every_layout(folder, text, tmp_path, 
     def fn(group):
         c = with_hf_model(cfg)
         mesh = DeviceMesh(group, dp=c.dp, pp=c.pp, tp=c.tp)
-        model, optimizer, _, _, amp = build_parallel(c, mesh)
-        write_outputs(c, model, optimizer, mesh, amp)
+        model, state, _ = build_parallel(c, mesh)
+        write_outputs(c, model, state, mesh)
 
     run_local(fn, world_size=cfg.dp * cfg.pp * cfg.tp)
     original, written = load_file(folder + "/model.safetensors"), load_file(str(tmp_path / "model.safetensors"))

@@ -21,6 +21,7 @@ from minidist.inspect.tables import format_purposes
 from minidist.inspect.__main__ import main as inspect_main
 from minidist.parallel.data.data_parallel import DataParallel
 from minidist.parallel.mesh import DeviceMesh
+from minidist.parallel.state import WholeState
 from minidist.parallel.step import train_step
 from minidist.train.build import build_model, build_optimizer
 from minidist.train.config import TrainConfig
@@ -143,7 +144,8 @@ def train_and_write(run_dir):
         optimizer = build_optimizer(model, CFG)
         rng = np.random.default_rng(mesh.dp_rank)
         for _ in range(STEPS):
-            train_step(model, optimizer, rng.integers(0, 256, (4, 17)), 1e-3, 1.0, dp=dp, mesh=mesh, trace=world.trace)
+            train_step(model, WholeState(model, optimizer, dp), rng.integers(0, 256, (4, 17)), 1e-3, 1.0, mesh=mesh,
+                       trace=world.trace)
         write_trace(run_dir, world.trace)
         write_memory_report(run_dir, world.rank, [dict(label="after step", **model_state_bytes(model, optimizer))])
         return sum(p.grad.nbytes for p in model.parameters())
@@ -188,7 +190,7 @@ def test_module_spans_nest_inside_forward_and_backward_and_change_no_number():
         optimizer, trace = SGD(model.named_parameters(), lr=0.1, momentum=0.9), Trace(enabled=on)
         with trace.capture() if watched else contextlib.nullcontext():
             for _ in range(2):
-                train_step(model, optimizer, batch, 0.1, 1.0, trace=trace, n_micro=2)
+                train_step(model, WholeState(model, optimizer), batch, 0.1, 1.0, trace=trace, n_micro=2)
         weights.append(model.state_dict())
         traces.append(trace)
         assert "forward" not in model.transformer.h[0].__dict__  # the wrappers are gone after the pass
@@ -230,8 +232,8 @@ def test_inspect_titles_the_last_step_and_tables_peak_memory(tmp_path, capsys):
         optimizer = build_optimizer(model, CFG)
         with world.trace.capture():  # watched, as --trace's stream watches it: module spans are recorded
             for _ in range(STEPS):
-                train_step(model, optimizer, np.random.default_rng(0).integers(0, 256, (4, 17)), 1e-3, 1.0, dp=dp,
-                           mesh=mesh, trace=world.trace)
+                train_step(model, WholeState(model, optimizer, dp), np.random.default_rng(0).integers(0, 256, (4, 17)),
+                           1e-3, 1.0, mesh=mesh, trace=world.trace)
         held = model_state_bytes(model, optimizer)
         write_trace(tmp_path, world.trace)
         write_memory_report(tmp_path, world.rank, [dict(label="after last step", **held,

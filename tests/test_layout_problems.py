@@ -16,11 +16,12 @@ import random
 
 import pytest
 
-from minidist.parallel.spec import LayoutSpec, findings, lacks, problems
+from minidist.parallel.layout import Layout
+from minidist.parallel.spec import Needs, findings, lacks, problems
 from minidist.plan import from_gpt_config, preset
-from minidist.plan.layout import RunSpec, layout_of as planner_layout, layout_problems
+from minidist.plan.layout import RunSpec, layout_problems, needs_of as planner_needs
 from minidist.plan.layout import run_spec_of
-from minidist.train.config import ConfigError, TrainConfig, check_config, layout_of
+from minidist.train.config import ConfigError, TrainConfig, check_config, needs_of
 from minidist.train.support_matrix import AXES, config_for, grid, meaningless
 
 CELLS = grid()
@@ -29,7 +30,7 @@ CELLS = grid()
 def trainer(cfg) -> list[str]:
     """The trainer's verdict on ``cfg`` on as many ranks as its layout needs: its refusal's lines."""
     try:
-        check_config(cfg, cfg.dp * cfg.tp * cfg.pp * cfg.cp)
+        check_config(cfg, cfg.world)
     except ConfigError as e:
         return str(e).split("\n  - ")[1:]
     return []
@@ -67,7 +68,7 @@ def disagreement(cell) -> str | None:
     said, why = trainer(cfg), meaningless(cell)
     if planner(cfg) != said:
         return f"{cell}: the trainer says {said}, the planner {planner(cfg)}"
-    if said != problems(layout_of(cfg, cell.world)):
+    if said != problems(cfg, needs_of(cfg), cell.world):
         return f"{cell}: the trainer adds to the layout's problems: {said}"
     if why is None and said:
         return f"{cell}: meaningful, but refused: {said}"  # refusals are debts
@@ -143,7 +144,7 @@ def test_the_trainer_and_the_planner_refuse_an_edge_layout_in_the_same_words(nam
     cfg = TrainConfig(**{**SIZES, **changes})
     said = trainer(cfg)
     assert any(message in line for line in said), said
-    assert planner(cfg) == said == problems(layout_of(cfg, cfg.dp * cfg.tp * cfg.pp * cfg.cp))
+    assert planner(cfg) == said == problems(cfg, needs_of(cfg), cfg.world)
 
 
 def test_every_problem_comes_at_once():
@@ -175,10 +176,10 @@ def test_the_planners_own_shapes_go_through_the_same_rules():
     llama = preset("llama3-8b")  # 32 heads, 8 kv heads, MLP width 14336
     for tp in (8, 16, 32):
         run = RunSpec(seq=8192, tp=tp)
-        assert layout_problems(llama, run) == problems(planner_layout(llama, run)) == []
+        assert layout_problems(llama, run) == problems(run, planner_needs(llama, run)) == []
     run = RunSpec(seq=8192, tp=3)
     said = layout_problems(llama, run)
-    assert said == problems(planner_layout(llama, run))
+    assert said == problems(run, planner_needs(llama, run))
     assert said == ["n_head 32 is not divisible by tp 3 (each tp rank holds whole heads)",
                     "the 8 kv heads are not divisible by tp 3, nor tp by them (each tp rank holds whole kv heads, or a "
                     "copy of one)",
@@ -192,15 +193,14 @@ def test_the_planners_own_shapes_go_through_the_same_rules():
 def test_every_schedule_runs_over_nccl():
     """The pipeline posts each round of sends and receives as one group (batch_isend_irecv), so the
     interleaved and ZB-V schedules no longer deadlock on NCCL's in-order point-to-point: nothing refuses them."""
-    base = LayoutSpec(n_layer=4, n_head=4, n_embd=16, seq=16, batch_size=8, pp=2, virtual_stages=2, micro_batches=2,
-                      device="cuda", backend="nccl")
+    base, needs = Layout(pp=2, virtual_stages=2, micro_batches=2, device="cuda", backend="nccl"), Needs(4, 4, 16, 16, 8)
     for schedule in ("interleaved", "zbv"):
-        assert findings(dataclasses.replace(base, schedule=schedule)) == []
-    assert problems(dataclasses.replace(base, schedule="1f1b", virtual_stages=1)) == []
+        assert findings(dataclasses.replace(base, schedule=schedule), needs) == []
+    assert problems(dataclasses.replace(base, schedule="1f1b", virtual_stages=1), needs) == []
 
 
 def test_a_meaningless_problem_says_what_the_layout_lacks_in_the_matrix_words():
-    spec = LayoutSpec(n_layer=4, n_head=4, n_embd=16, seq=16, batch_size=8, sequence_parallel=True)
-    assert lacks(spec) == ["sequence parallelism splits the sequence over the tp ranks: with tp 1 there is nothing "
+    spec, needs = Layout(sequence_parallel=True), Needs(n_layer=4, n_head=4, n_embd=16, seq=16, batch_size=8)
+    assert lacks(spec, needs) == ["sequence parallelism splits the sequence over the tp ranks: with tp 1 there is nothing "
                            "to split"]
-    assert lacks(dataclasses.replace(spec, sequence_parallel=False, tp=3)) == []  # refused, but it lacks nothing
+    assert lacks(dataclasses.replace(spec, sequence_parallel=False, tp=3), needs) == []  # refused, but it lacks nothing

@@ -4,13 +4,14 @@ import numpy as np
 import pytest
 
 import minidist
-from minidist.parallel.mesh import DeviceMesh, MeshShape
+from minidist.parallel.layout import Layout
+from minidist.parallel.mesh import DeviceMesh
 
 
 @pytest.mark.parametrize("dp,pp,tp,cp", [(1, 1, 1, 1), (2, 1, 1, 1), (1, 1, 4, 1), (2, 2, 2, 1), (2, 1, 3, 1),
                                          (1, 4, 2, 1), (1, 1, 1, 4), (2, 1, 2, 2), (1, 2, 1, 3), (2, 2, 1, 2)])
 def test_axis_groups_hold_the_ranks_that_share_the_other_coordinates(dp, pp, tp, cp):
-    shape = MeshShape(dp, pp, tp, cp)
+    shape = Layout(dp=dp, pp=pp, tp=tp, cp=cp)
 
     def fn(world):
         mesh = DeviceMesh(world, dp, pp, tp, cp)
@@ -32,10 +33,10 @@ def test_axis_groups_hold_the_ranks_that_share_the_other_coordinates(dp, pp, tp,
 
 
 def test_tp_ranks_are_adjacent_and_names_are_readable():
-    assert [MeshShape(2, 2, 2).coords(r) for r in range(4)] == [(0, 0, 0, 0), (0, 0, 0, 1), (0, 1, 0, 0), (0, 1, 0, 1)]
+    assert [Layout(dp=2, pp=2, tp=2).coords(r) for r in range(4)] == [(0, 0, 0, 0), (0, 0, 0, 1), (0, 1, 0, 0), (0, 1, 0, 1)]
     names = minidist.run_local(lambda w: DeviceMesh(w, 2, 2, 2).name, 8)
     assert names[5] == "DP(1)-PP(0)-TP(1)-Rank(5)"
-    assert [MeshShape(1, 1, 2, 2).coords(r) for r in range(4)] == [(0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (0, 0, 1, 1)]
+    assert [Layout(dp=1, pp=1, tp=2, cp=2).coords(r) for r in range(4)] == [(0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (0, 0, 1, 1)]
     assert minidist.run_local(lambda w: DeviceMesh(w, 1, 1, 2, 2).name, 4)[2] == "DP(0)-PP(0)-CP(1)-TP(0)-Rank(2)"
 
 

@@ -23,7 +23,7 @@ LAYOUTS = {
     "tp2 sp": dict(tp=2, sequence_parallel=True),
     "pp2 zbv": dict(pp=2, schedule="zbv", virtual_stages=2, micro_batches=2),
     "cp2 ulysses": dict(cp=2, cp_algorithm="ulysses"),
-    "dp2 tp2 zero3 recompute": dict(dp=2, tp=2, zero=3, recompute=True),
+    "dp2 tp2 zero3 recompute": dict(dp=2, tp=2, zero=3, recompute="full"),
     "dp2 ep2 moe": dict(dp=2, ep=2, n_experts=4, moe_every=2),
     "pp2 tp2 interleaved": dict(pp=2, tp=2, schedule="interleaved", virtual_stages=2, micro_batches=2),
 }

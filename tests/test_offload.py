@@ -142,7 +142,7 @@ LAYOUTS = [
     dict(dp=2, tp=2, zero=1, sequence_parallel=True, offload="optimizer"),
     dict(dp=2, pp=2, zero=2, schedule="zb-h1", micro_batches=4, dtype="bfloat16", offload="optimizer", disk=True),
     dict(dp=2, pp=2, zero=3, micro_batches=2, offload="optimizer,params", disk=True),
-    dict(dp=2, tp=2, zero=3, dtype="float16", offload="optimizer,params", recompute=True),
+    dict(dp=2, tp=2, zero=3, dtype="float16", offload="optimizer,params", recompute="full"),
     dict(pp=2, schedule="zbv", virtual_stages=2, zero=2, offload="optimizer", dtype="float16"),
     dict(dp=2, cp=2, cp_algorithm="zigzag", zero=3, offload="optimizer,params"),
     dict(dp=2, ep=2, n_experts=4, moe_every=2, zero=2, offload="optimizer", disk=True),

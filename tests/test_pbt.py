@@ -16,7 +16,7 @@ import pytest
 from minidist import run_local
 from minidist.checkpoint.format import step_dir
 from minidist.checkpoint.training import ResumeRefused
-from minidist.train import train
+from minidist.train.life import Run
 from minidist.train.config import ConfigError, TrainConfig, check_config
 from minidist.train.pbt import exempt_of, member_config, train_pbt
 from minidist.train.population import FACTORS, Member, draw, exploit, explore, generation, ranked
@@ -99,6 +99,12 @@ def test_a_generation_gives_each_copier_its_donors_explored_hyperparameters_and_
 
 # --- the loop
 
+def first_steps(cfg, world, steps: int) -> list[dict]:
+    """The records of ``cfg``'s first ``steps`` steps, run alone on ``world``."""
+    with Run(cfg, world, progress=False) as run:
+        return run.advance(steps)
+
+
 @pytest.mark.parametrize("layout", [dict(), dict(dp=2, zero=2),
                                     pytest.param(dict(tp=2, sequence_parallel=True), marks=pytest.mark.slow),
                                     pytest.param(dict(pp=2, micro_batches=2), marks=pytest.mark.slow),
@@ -110,8 +116,7 @@ def test_a_members_first_segment_is_its_layout_run_alone_with_its_hyperparameter
     members = draw(2, cfg.seed, {"lr": cfg.lr}, {"lr": cfg.lr_range})
     for k, member in enumerate(members):
         alone = dataclasses.replace(cfg, mode="collective", lr=member.hparams["lr"], ckpt_dir=None, out=None)
-        rows = run_local(lambda g: train(alone, progress=False, world=g, stop_at=cfg.ready_every)[1],
-                         cfg.dp * cfg.tp * cfg.pp)[0]
+        rows = run_local(lambda g: first_steps(alone, g, cfg.ready_every), cfg.dp * cfg.tp * cfg.pp)[0]
         ours = metrics(tmp_path / "out" / f"member-{k}" / "metrics.jsonl")[:cfg.ready_every]
         assert without_timings(ours) == without_timings(rows), k  # bitwise: the same floats
 
@@ -125,7 +130,8 @@ def test_a_copy_continues_as_its_donor_would_with_its_new_hyperparameters(tmp_pa
     # the donor's checkpoint of step 3, continued alone with the copier's new learning rate
     again = dataclasses.replace(donor, ckpt_dir=str(tmp_path / "again"), out=None, lr=copier["after"]["lr"], resume=True)
     shutil.copytree(step_dir(tmp_path / "ckpt" / f"member-{copier['donor']}", 3), step_dir(again.ckpt_dir, 3))
-    rows = train(again, progress=False, stop_at=6, explored=exempt_of(cfg), quiet=True)[1]
+    with Run(again, progress=False, explored=exempt_of(cfg), quiet=True) as alone:
+        rows = alone.advance(6)
     ours = metrics(tmp_path / "out" / f"member-{copier['member']}" / "metrics.jsonl")[3:6]
     assert without_timings(ours) == without_timings(rows)
 

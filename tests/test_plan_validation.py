@@ -1,5 +1,5 @@
 """The planner against minidist's own runs: what it predicts for a layout of minidist's GPT is what the
-run holds and sends, measured (minidist/plan/measure.py: the live arrays and the trace).
+run holds and sends, measured (minidist/train/measure.py: the live arrays and the trace).
 
 - model states per rank (parameters, gradients, float32 masters, optimizer states; host and disk
   under offload): equal to the byte, on every rank, for every ZeRO stage and layout below;
@@ -21,7 +21,7 @@ import pytest
 from minidist.plan import from_gpt_config
 from minidist.plan.comm import comm_bytes_per_step
 from minidist.plan.layout import run_spec_of
-from minidist.plan.measure import measure
+from minidist.train.measure import measure
 from minidist.plan.memory import activation_bytes, model_state_bytes
 from minidist.train.config import TrainConfig
 
@@ -33,7 +33,7 @@ LAYOUTS = {
     "dp2 zero2 2 micro-batches": dict(dp=2, zero=2, micro_batches=2),
     "dp2 zero3 float16": dict(dp=2, zero=3, dtype="float16"),
     "dp2 tp2 sp zero3 float16": dict(dp=2, tp=2, sequence_parallel=True, zero=3, dtype="float16"),
-    "tp2 recompute": dict(tp=2, recompute=True),
+    "tp2 recompute": dict(tp=2, recompute="full"),
     "dp2 pp2 1f1b zero1 float16": dict(dp=2, pp=2, micro_batches=2, zero=1, dtype="float16"),
     "pp2 interleaved zero2": dict(pp=2, micro_batches=2, schedule="interleaved", virtual_stages=2, zero=2),
     "pp2 zbv zero3 float16": dict(pp=2, micro_batches=2, schedule="zbv", virtual_stages=2, zero=3, dtype="float16"),
@@ -41,12 +41,12 @@ LAYOUTS = {
     "dp2 cp2 ring zero3": dict(dp=2, cp=2, zero=3),
     "cp2 zigzag float16": dict(cp=2, cp_algorithm="zigzag", dtype="float16"),
     "cp2 ulysses tp2": dict(cp=2, cp_algorithm="ulysses", tp=2),
-    "cp2 ring recompute": dict(cp=2, recompute=True),
-    "cp2 ulysses recompute float16": dict(cp=2, cp_algorithm="ulysses", recompute=True, dtype="float16"),
+    "cp2 ring recompute": dict(cp=2, recompute="full"),
+    "cp2 ulysses recompute float16": dict(cp=2, cp_algorithm="ulysses", recompute="full", dtype="float16"),
     "dp2 ep2 moe zero1": dict(dp=2, ep=2, n_experts=4, zero=1),
     "dp2 tp2 moe sp zero2": dict(dp=2, tp=2, n_experts=4, moe_every=2, sequence_parallel=True, zero=2),
-    "dp2 ep2 moe recompute": dict(dp=2, ep=2, n_experts=4, recompute=True),
-    "tp2 moe sp recompute": dict(tp=2, n_experts=4, sequence_parallel=True, recompute=True),
+    "dp2 ep2 moe recompute": dict(dp=2, ep=2, n_experts=4, recompute="full"),
+    "tp2 moe sp recompute": dict(tp=2, n_experts=4, sequence_parallel=True, recompute="full"),
     "dp2 zero2 offload host": dict(dp=2, zero=2, offload="optimizer"),
     "dp2 zero3 offload params disk float16": dict(dp=2, zero=3, offload="optimizer,params", dtype="float16"),
     "dp2 zero0 offload": dict(dp=2, offload="optimizer"),

@@ -20,10 +20,9 @@ import pytest
 
 from minidist import run_local
 from minidist.checkpoint import Checkpoint, CheckpointWriter, Flat, step_dir
-from minidist.checkpoint.layout import load_training_state, training_meta, training_pieces, zero_regions
+from minidist.checkpoint.layout import training_meta, zero_regions
 from minidist.checkpoint.training import ResumeRefused
 from minidist.parallel.mesh import DeviceMesh
-from minidist.parallel.step import loss_scaler
 from minidist.train import train
 from minidist.train.build import build_parallel
 from minidist.train.config import ConfigError, TrainConfig, check_config
@@ -43,11 +42,11 @@ def resave(cfg, load, root):
     scaler too), save it again as step 0 under ``root``."""
     def rank_fn(group):
         mesh = DeviceMesh(group, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp)
-        model, optimizer, _, _, amp = build_parallel(cfg, mesh)
-        scaler, ckpt = loss_scaler(optimizer, amp), Checkpoint(load)
-        load_training_state(ckpt, model, optimizer, mesh, amp, scaler)
-        meta = {**training_meta(mesh, optimizer, scaler), "data_position": 0, "run": ckpt.meta["run"]}
-        CheckpointWriter(root, group).save(0, training_pieces(model, optimizer, mesh, amp), meta)
+        _, state, _ = build_parallel(cfg, mesh)
+        ckpt = Checkpoint(load)
+        state.load(ckpt, mesh)
+        meta = {**training_meta(mesh, state, state.scaler), "data_position": 0, "run": ckpt.meta["run"]}
+        CheckpointWriter(root, group).save(0, state.pieces(mesh), meta)
     run_local(rank_fn, cfg.dp * cfg.pp * cfg.cp * cfg.tp)
     return Checkpoint(step_dir(root, 0))
 
@@ -78,8 +77,8 @@ def test_a_zero_shard_is_flat_ranges_of_the_global_tensors(data_dir):
 
     def rank_fn(group):
         mesh = DeviceMesh(group, dp=4)
-        model, optimizer, *_ = build_parallel(cfg, mesh)
-        unit = next(s.unit for s in optimizer.shards if s.unit.name == "transformer.h.0")
+        model, state, _ = build_parallel(cfg, mesh)
+        unit = next(s.unit for s in state.shards if s.unit.name == "transformer.h.0")
         return (unit.lo, unit.hi), [(name, a, b, flat) for name, _, _, a, b, flat
                                     in zero_regions(unit, model.config, mesh)]
     bounds, stretches = run_local(rank_fn, 4)[1]

@@ -127,8 +127,8 @@ def test_any_positive_bucket_size_trains_the_same(bucket_mb, buckets):
     cfg = TrainConfig(**TINY, dp=2, bucket_mb=bucket_mb, keep=2 ** 31)
 
     def count(group):
-        model, _, dp, _, _ = build_parallel(cfg, DeviceMesh(group, dp=2))
-        return len(dp.buckets), len(list(model.parameters()))
+        model, state, _ = build_parallel(cfg, DeviceMesh(group, dp=2))
+        return len(state.dp.buckets), len(list(model.parameters()))
 
     n_buckets, n_params = run_local(count, world_size=2)[0]
     assert n_buckets == (n_params if buckets == "one per parameter" else buckets)

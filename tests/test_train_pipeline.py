@@ -65,7 +65,7 @@ def test_every_schedule_with_data_and_tensor_parallelism_trains_like_one_process
             dict(pp=2, schedule="gpipe", micro_batches=4), dict(pp=4, micro_batches=2),
             dict(pp=2, schedule="interleaved", virtual_stages=2, micro_batches=4),
             dict(dp=2, pp=2, micro_batches=2), dict(tp=2, pp=2, sequence_parallel=True, micro_batches=4),
-            dict(pp=2, recompute=True, micro_batches=2)]):
+            dict(pp=2, recompute="full", micro_batches=2)]):
         cfg = dataclasses.replace(base, **changes)
         assert_matches(losses_and_export(cfg, cfg.dp * cfg.pp * cfg.tp, tmp_path / f"{i}.npz"), reference)
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from minidist.data import get_batch, inputs_and_targets
+from minidist.parallel.state import WholeState
 from minidist.parallel.step import train_step
 from minidist.train.build import build_model, build_optimizer
 from minidist.train.config import TrainConfig
@@ -29,7 +30,7 @@ def test_three_adamw_steps_match_pytorch_in_float64():
     tokens = np.random.default_rng(0).integers(0, 256, 10_000)
     for step in range(3):
         batch = get_batch(tokens, step, cfg.batch_size, cfg.block_size)
-        loss, _ = train_step(model, optimizer, batch, cfg.lr, cfg.grad_clip)
+        loss, _ = train_step(model, WholeState(model, optimizer), batch, cfg.lr, cfg.grad_clip)
         idx, targets = (torch.from_numpy(a.copy()) for a in inputs_and_targets(batch))
         reference.zero_grad()
         ref_loss = twin(idx, targets)[1]

@@ -27,9 +27,9 @@ MPI_LAYOUTS = [f"--dp 4 --zero {stage} --optimizer {opt}" for stage in (1, 2, 3)
 
 
 def test_the_flags_map_onto_the_config():
-    assert parse_args([]).zero == 0 and parse_args([]).recompute is False  # not bool("False")
+    assert parse_args([]).zero == 0 and parse_args([]).recompute == "none"
     cfg = parse_args(["--zero", "3", "--recompute"])
-    assert (cfg.zero, cfg.recompute) == (3, True)
+    assert (cfg.zero, cfg.recompute) == (3, "full")
     with pytest.raises(SystemExit):
         parse_args(["--zero", "4"])
 
@@ -42,7 +42,7 @@ def test_a_zero_stage_outside_0_to_3_is_refused_with_a_clear_message():
 @pytest.mark.parametrize("changes, world_size", [
     (dict(dp=2, pp=2, zero=1), 4), (dict(dp=2, pp=2, zero=2, micro_batches=2), 4),
     (dict(dp=2, pp=2, zero=3, micro_batches=2), 4), (dict(dp=2, tp=2, zero=2, sequence_parallel=True), 4),
-    (dict(dp=2, tp=2, zero=3, sequence_parallel=True), 4), (dict(dp=2, zero=3, recompute=True), 2)])
+    (dict(dp=2, tp=2, zero=3, sequence_parallel=True), 4), (dict(dp=2, zero=3, recompute="full"), 2)])
 def test_every_zero_stage_composes_with_pipelines_sequence_parallelism_and_recompute(changes, world_size):
     check_config(dataclasses.replace(TrainConfig(**TINY), **changes), world_size)  # once refused: now run
 
@@ -69,8 +69,8 @@ def test_every_zero_stage_and_recompute_train_like_one_process(data_dir, tmp_pat
     base = TrainConfig(**TINY, data_dir=data_dir, optimizer=optimizer)
     reference = losses_and_export(base, 1, tmp_path / "one.npz")
     for i, changes in enumerate([dict(dp=2, zero=1), dict(dp=2, zero=2, micro_batches=2), dict(dp=4, zero=3),
-                                 dict(dp=2, tp=2, zero=3), dict(dp=2, recompute=True),
-                                 dict(dp=2, zero=2, recompute=True)]):
+                                 dict(dp=2, tp=2, zero=3), dict(dp=2, recompute="full"),
+                                 dict(dp=2, zero=2, recompute="full")]):
         cfg = dataclasses.replace(base, **changes)
         assert_matches(losses_and_export(cfg, cfg.dp * cfg.tp, tmp_path / f"{i}.npz"), reference)
 
@@ -139,7 +139,7 @@ def test_zero_2_and_3_under_a_pipeline_send_one_reduce_scatter_and_one_all_gathe
 
         def run(group):
             mesh = DeviceMesh(group, dp=2, pp=2)
-            model, optimizer, dp, engine, amp = build_parallel(cfg, mesh)
+            model, optimizer, engine = build_parallel(cfg, mesh)
             batch = np.random.default_rng(0).integers(0, 256, size=(4, cfg.block_size + 1))
             train_step(model, optimizer, batch, 1e-3, 0.0, engine=engine, mesh=mesh, n_micro=micro_batches)
             mesh.dp_group.trace.clear()

@@ -160,7 +160,7 @@ LESSONS = [
         r"\nTry:\n  1\. --local 4",
         r"Offload: device bytes fall from 246\.4 to 82\.1 KiB \(ZeRO-2\) and from 219\.0 to 27\.4 KiB \(ZeRO-3\) per rank; "
         r"offloaded runs equal the runs without, bitwise\.\nAll checks passed\."]),
-    # the planner runs its small layouts on threads itself (minidist.plan.measure): one process only
+    # the planner runs its small layouts on threads itself (minidist.train.measure): one process only
     ("14_scale.py", None, [], [
         r"  pp rank 0: 17,504 elements a tp rank x \(2 \+ 2\) B float16; its ZeRO-1 shard, 1/2 = 8,752, x \(4 \+ 8\)",
         (r"     \d \(\d,\d,0,\d\) +(35,008 +35,008 +35,008 +70,016|34,112 +34,112 +34,112 +68,224) +\| +\1\n", 8),

@@ -54,6 +54,7 @@ from minidist.model import GPT, GPTConfig
 from minidist.optim import SGD
 from minidist.parallel.data.data_parallel import DataParallel
 from minidist.parallel.data.sampler import dp_rows, micro_batches
+from minidist.parallel.state import WholeState
 from minidist.parallel.step import forward_backward, train_step
 
 CONFIG = GPTConfig(block_size=32, n_layer=2, n_head=4, n_embd=64)
@@ -324,7 +325,7 @@ def one_process_weights():
     model = GPT(CONFIG, seed=0, dtype="float64")
     optimizer = SGD(model.named_parameters(), lr=LR, momentum=MOMENTUM)
     for step in range(STEPS):
-        train_step(model, optimizer, global_batch(step), LR, grad_clip=0)
+        train_step(model, WholeState(model, optimizer), global_batch(step), LR, grad_clip=0)
     return model.state_dict()
 
 
@@ -333,7 +334,7 @@ def train_and_check(group, model, dp):
     every replica vs rank 0's, bit for bit."""
     optimizer = SGD(model.named_parameters(), lr=LR, momentum=MOMENTUM)
     for step in range(STEPS):
-        train_step(model, optimizer, my_rows(group, step), LR, grad_clip=0, dp=dp)
+        train_step(model, WholeState(model, optimizer, dp), my_rows(group, step), LR, grad_clip=0)  # dp: its buckets
     state = model.state_dict()
     check(group, f"weights after {STEPS} SGD-momentum steps", worst_error(state, one_process_weights()))
     mine = np.concatenate([v.ravel() for v in state.values()])  # (P,)

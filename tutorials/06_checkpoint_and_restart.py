@@ -43,7 +43,7 @@ import safetensors.numpy
 import minidist
 from minidist.checkpoint import Checkpoint, CheckpointWriter, export_safetensors, latest_valid, step_dir
 from minidist.checkpoint.identity import run_identity
-from minidist.checkpoint.layout import load_training_state, training_meta, training_pieces
+from minidist.checkpoint.layout import load_whole, training_meta, whole_pieces
 from minidist.checkpoint.regions import intersect
 from minidist.checkpoint.training import ResumeRefused, TrainingCheckpoints
 from minidist.launch_check import check_launch
@@ -51,6 +51,7 @@ from minidist.optim import lr_at
 from minidist.parallel.data.data_parallel import DataParallel
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.data.sampler import DistributedSampler
+from minidist.parallel.state import WholeState
 from minidist.parallel.step import train_step
 from minidist.parallel.tensor.layout import regions, unshard
 from minidist.train.build import build_model, build_optimizer, load_data
@@ -68,16 +69,16 @@ def run(cfg, root, start, stop, load=None):
         model = build_model(cfg, mesh.tp_group)
         optimizer = build_optimizer(model, cfg)
         if load is not None:
-            load_training_state(Checkpoint(load), model, optimizer, mesh)  # this rank's boxes, from any layout
+            load_whole(Checkpoint(load), model, optimizer, mesh)  # this rank's boxes, from any layout
         dp = DataParallel(model, mesh.dp_group)
         corpus = load_data(cfg)[1]
         sampler = DistributedSampler(corpus.train, cfg.batch_size, cfg.block_size, cfg.seed, mesh.dp_rank, cfg.dp)
         for step in range(start, stop):
-            train_step(model, optimizer, sampler.batch(step), lr_at(step, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr),
-                       cfg.grad_clip, dp=dp, mesh=mesh)
+            train_step(model, WholeState(model, optimizer, dp), sampler.batch(step),
+                       lr_at(step, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr), cfg.grad_clip, mesh=mesh)
         writer = CheckpointWriter(root, group)
         meta = {**training_meta(mesh, optimizer), "data_position": stop, "run": run_identity(cfg, corpus.identity)}
-        writer.save(stop, training_pieces(model, optimizer, mesh), meta)
+        writer.save(stop, whole_pieces(model, optimizer, mesh), meta)
     minidist.run_local(rank_fn, cfg.dp * cfg.tp)
     return Checkpoint(step_dir(root, stop))
 
@@ -89,7 +90,7 @@ def resume_refusal(cfg, root):
         model = build_model(cfg, mesh.tp_group)
         ckpts = TrainingCheckpoints(root, mesh, run_identity(cfg, load_data(cfg)[1].identity))
         try:
-            ckpts.resume(model, build_optimizer(model, cfg))
+            ckpts.resume(WholeState(model, build_optimizer(model, cfg)))
         except ResumeRefused as e:
             return str(e)
     return minidist.run_local(rank_fn, 1)[0]
@@ -122,7 +123,7 @@ def load_at_tp3(ckpt):
     def rank_fn(group):
         mesh = DeviceMesh(group, tp=3)
         model = build_model(cfg, mesh.tp_group)
-        load_training_state(ckpt, model, build_optimizer(model, cfg), mesh)
+        load_whole(ckpt, model, build_optimizer(model, cfg), mesh)
         worst = 0.0
         for name, p in model.named_parameters():
             full = unshard(name, list(group.all_gather(np.ascontiguousarray(p.data)[None])), model.config.vocab_size)

@@ -49,6 +49,7 @@ from minidist.model import GPT, GPTConfig
 from minidist.nn import Parameter
 from minidist.optim import SGD
 from minidist.parallel.mesh import DeviceMesh
+from minidist.parallel.state import WholeState
 from minidist.parallel.step import train_step
 from minidist.parallel.pipeline import (PipelineEngine, PipelineStage, build_schedule, compute_spans,
                                         executed_timeline, format_timeline, gather_spans, placement_of,
@@ -157,7 +158,7 @@ def reference(config):
     """The same SGD steps in one process on the whole batch: the trainer's own step."""
     model = GPT(config, seed=1, dtype="float64")
     optimizer = SGD(model.named_parameters(), lr=0.1, momentum=0.9)
-    return [train_step(model, optimizer, get_batch(TOKENS, step, BATCH, 16), lr=0.1, grad_clip=0.0)[0]
+    return [train_step(model, WholeState(model, optimizer), get_batch(TOKENS, step, BATCH, 16), lr=0.1, grad_clip=0.0)[0]
             for step in range(STEPS)]
 
 

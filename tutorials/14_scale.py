@@ -22,7 +22,7 @@ The lesson prints:
   1. the plan for a small GPT (4 blocks, 59,584 parameters) on dp 2 x pp 2 x tp 2, ZeRO-1, float16
      (so the mixed-precision bytes show: 2 + 2 + 4 + 8 per parameter), 1F1B over 2 micro-batches,
      made before anything runs: bytes per rank by component, and bytes sent per step and axis;
-  2. the same run trained 2 steps on 8 threads (``minidist.plan.measure.measure``): every rank's live
+  2. the same run trained 2 steps on 8 threads (``minidist.train.measure.measure``): every rank's live
      arrays and trace next to the plan, equal to the byte (model states, bytes per axis);
   3. a run without a pipeline, dp 2 x cp 2 x tp 2 with sequence parallelism and ring attention, whose
      activations (one micro-batch's autograd graph) the plan predicts term by term, to the byte too;
@@ -60,7 +60,7 @@ from minidist.launch_check import check_launch
 from minidist.plan import PROFILES, RunSpec, from_gpt_config, predict, preset
 from minidist.plan.comm import comm_bytes_per_step
 from minidist.plan.layout import run_spec_of
-from minidist.plan.measure import measure
+from minidist.train.measure import measure
 from minidist.plan.memory import (activation_bytes, embedding_activation_bytes, head_activation_bytes,
                                   layer_activation_terms, model_state_bytes, optimizer_numel, stage_weights)
 from minidist.plan.models import layers_per_stage

@@ -225,14 +225,15 @@ def train(world, recompute, dp, tp):
     """STEPS SGD steps of CONFIG on the (dp, tp) mesh of ``world``: (losses, full weights, all-reduces
     of the tp group in the last step)."""
     cfg = TrainConfig(**{k: getattr(CONFIG, k) for k in ("n_layer", "n_head", "n_embd", "block_size")},
-                      batch_size=BATCH, dtype=DTYPE, optimizer="sgd", lr=LR, dp=dp, tp=tp, recompute=recompute)
+                      batch_size=BATCH, dtype=DTYPE, optimizer="sgd", lr=LR, dp=dp, tp=tp,
+                      recompute="full" if recompute else "none")
     mesh = DeviceMesh(world, dp=dp, pp=1, tp=tp)
-    model, optimizer, ddp, engine, amp = build_parallel(cfg, mesh)
+    model, state, _ = build_parallel(cfg, mesh)  # state: the optimizer and DDP's buckets (parallel/state.py)
     rows = TOKENS[np.array_split(np.arange(BATCH), dp)[mesh.dp_rank]]  # (B/dp, T+1) this replica's rows
     losses = []
     for _ in range(STEPS):
         with world.trace.capture() as events:
-            loss, _ = train_step(model, optimizer, rows, LR, 1.0, dp=ddp, mesh=mesh, trace=world.trace)
+            loss, _ = train_step(model, state, rows, LR, 1.0, mesh=mesh, trace=world.trace)
         losses.append(loss)
     tp_all_reduces = sum(e.op == "all_reduce" and e.group == mesh.tp_group.name for e in events)
     return losses, consolidated_state_dict(model, mesh), tp_all_reduces

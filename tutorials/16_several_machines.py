@@ -75,13 +75,13 @@ def draw(path: str):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
-    from minidist.parallel.mesh import MeshShape
+    from minidist.parallel.layout import Layout
 
     fig, rows = plt.subplots(len(LAYOUTS), 1, figsize=(8, 2.3 * len(LAYOUTS)))
     colour = {"tp": "tab:blue", "pp": "tab:green", "dp": "tab:orange"}
     for ax, layout in zip(rows, LAYOUTS):
         lines = minidist.run_local(lambda g: DeviceMesh(g, **layout, machines=TWO_OF_TWO).machine_lines(), 4)[0]
-        shape = MeshShape(**layout)
+        shape = Layout(**layout)
         for machine in range(TWO_OF_TWO.count):
             ax.add_patch(plt.Rectangle((machine * 2 - 0.36, -1.35), 1.72, 1.75, fill=False, lw=1.5))
             ax.text(machine * 2 + 0.5, 0.3, f"machine {machine}", ha="center", va="top", fontsize=9)

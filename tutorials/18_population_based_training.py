@@ -35,7 +35,7 @@ import numpy as np
 
 import minidist
 from minidist.launch_check import check_launch
-from minidist.train import train
+from minidist.train.life import Run
 from minidist.train.config import TrainConfig
 from minidist.train.pbt import train_pbt
 from minidist.train.population import draw, ranked
@@ -65,13 +65,20 @@ def part2(cfg):
     return history
 
 
+def first_steps(cfg, world, steps: int) -> list[dict]:
+    """The records of ``cfg``'s first ``steps`` steps, run alone on ``world``: one run's life
+    (minidist/train/life.py), advanced only so far."""
+    with Run(cfg, world, progress=False) as run:
+        return run.advance(steps)
+
+
 def part3(cfg, members, root: Path):
     print("\n=== 3. a member's steps are its layout's steps alone, with its learning rate ===")
     k = 1
     alone = dataclasses.replace(cfg, mode="collective", lr=members[k].hparams["lr"], ckpt_dir=None, out=None,
                                 export=None)
     with contextlib.redirect_stdout(io.StringIO()):
-        rows = minidist.run_local(lambda g: train(alone, progress=False, world=g, stop_at=cfg.ready_every)[1], RANKS)[0]
+        rows = minidist.run_local(lambda g: first_steps(alone, g, cfg.ready_every), RANKS)[0]
     ours = [json.loads(line) for line in open(root / "out" / f"member-{k}" / "metrics.jsonl")][:cfg.ready_every]
     same = all(a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"] for a, b in zip(ours, rows))
     print(f"  member {k}'s first {cfg.ready_every} steps against dp {RANKS} alone at lr {members[k].hparams['lr']:.2e}: "

@@ -31,7 +31,6 @@ from minidist.checkpoint.regions import Flat, Piece
 from minidist.parallel.compose.grad_ownership import counted_in_norm, replica_group
 from minidist.parallel.tensor.layout import full_shape, regions as tp_regions  # where a tp shard's rows sit
 from minidist.parallel.zero.full_state import masters_to_model
-from minidist.parallel.zero.optimizer import ZeroOptimizer
 
 
 def _stored_name(name: str, p) -> str:
@@ -78,12 +77,10 @@ def zero_regions(unit, config, mesh):
                 yield stored, p, global_shape, lo - unit.lo, hi - unit.lo, Flat(box, lo - first, hi - first)
 
 
-def training_pieces(model, optimizer, mesh, amp=None) -> list:
+def whole_pieces(model, optimizer, mesh, amp=None) -> list:
     """This rank's pieces of the model and of the optimizer state (SGD/AdamW over
-    ``model.named_parameters()`` or mixed precision's masters, ``amp``; or a :class:`ZeroOptimizer`'s
-    flat shards, float32 masters under mixed precision), each tensor written once over the whole mesh."""
-    if isinstance(optimizer, ZeroOptimizer):
-        return _zero_pieces(model, optimizer, mesh)
+    ``model.named_parameters()`` or mixed precision's masters, ``amp``), each tensor written once over
+    the whole mesh: by rank 0 of its replicas, each tp shard's box by its tp rank."""
     pieces = []
     for stored, name, p, shape in _held(model, mesh, amp):
         if replica_group(p, mesh.dp_cp_group, mesh.expert_dp_group).rank != 0 or not _written_here(p, mesh):
@@ -96,16 +93,16 @@ def training_pieces(model, optimizer, mesh, amp=None) -> list:
     return pieces
 
 
-def _zero_pieces(model, optimizer, mesh) -> list:
-    """Every dp x cp rank's own flat pieces: its shard of the parameters (``shard.param``, which ZeRO-3
-    keeps alone) and of each optimizer slot. Stage 0 (offload without ZeRO) shards nothing: each
-    unit's first replica writes it whole."""
+def zero_pieces(zero, mesh) -> list:
+    """Every dp x cp rank's own flat pieces of a ZeroOptimizer ``zero``: its shard of the parameters
+    (``shard.param``, which ZeRO-3 keeps alone; float32 masters under mixed precision) and of each
+    optimizer slot. Stage 0 (offload without ZeRO) shards nothing: each unit's first replica writes it whole."""
     pieces = []
-    for s in optimizer.shards:
-        if not optimizer.partitions.optimizer_states and s.group.rank != 0:
+    for s in zero.shards:
+        if not zero.partitions.optimizer_states and s.group.rank != 0:
             continue
         arrays = [("", s.param.data)] + [(f"{slot}/", state) for slot, state in s.state.items()]
-        for stored, p, shape, a, b, flat in zero_regions(s.unit, model.config, mesh):
+        for stored, p, shape, a, b, flat in zero_regions(s.unit, zero.model.config, mesh):
             if _written_here(p, mesh):
                 pieces += [Piece(prefix + stored, to_numpy(array[a:b]), shape, flat) for prefix, array in arrays]
     return pieces
@@ -121,23 +118,30 @@ def training_meta(mesh, optimizer, scaler=None) -> dict:
     return meta
 
 
-def load_training_state(ckpt, model, optimizer, mesh, amp=None, scaler=None) -> None:
+def load_whole(ckpt, model, optimizer, mesh, amp=None, scaler=None) -> None:
     """Fill ``model``'s parameters and ``optimizer``'s state, in place, with this rank's regions of
     the checkpoint ``ckpt`` (a :class:`~minidist.checkpoint.reader.Checkpoint` written by ANY
-    layout); padding rows become zeros. Reads files only, sends nothing.
-
-    A :class:`ZeroOptimizer` reads its flat shards; in stages 1 and 2 the full parameters are read
-    as well (every dp rank computes with all of them), in stage 3 the shards are all it keeps. Under
-    mixed precision the float32 masters are read (``amp``'s, or ZeRO's shards), the model gets them
-    rounded to its dtype exactly as after an update, and ``scaler`` its saved state."""
-    zero = isinstance(optimizer, ZeroOptimizer)
-    if not (zero and optimizer.stage == 3):
-        _load_boxes(ckpt, model, {} if zero else optimizer.state, mesh, None if zero else amp)
-    if zero:
-        _load_zero(ckpt, model, optimizer, mesh)
-        masters_to_model(optimizer)
-    elif amp is not None:
+    layout); padding rows become zeros. Under mixed precision ``amp``'s float32 masters are read and
+    the model gets them rounded to its dtype exactly as after an update, and ``scaler`` its saved
+    state. Reads files only, sends nothing."""
+    _load_boxes(ckpt, model, optimizer.state, mesh, amp)
+    if amp is not None:
         amp.cast_to_model()
+    _load_meta(ckpt, optimizer, scaler)
+
+
+def load_zero(ckpt, zero, mesh) -> None:
+    """The same for a ZeroOptimizer ``zero``: its flat shards; in stages 0-2 the full parameters as
+    well (every dp rank computes with all of them), in stage 3 the shards are all it keeps; the model's
+    values then from the masters (zero/full_state.py). Reads files only, sends nothing."""
+    if zero.stage != 3:
+        _load_boxes(ckpt, zero.model, {}, mesh)
+    _load_zero(ckpt, zero.model, zero, mesh)
+    masters_to_model(zero)
+    _load_meta(ckpt, zero, zero.scaler)
+
+
+def _load_meta(ckpt, optimizer, scaler) -> None:
     if scaler is not None:
         scaler.load_state_dict(ckpt.meta["loss_scaler"])
     optimizer.step_count = ckpt.meta["optimizer_step"]

@@ -1,10 +1,12 @@
 """The trainer's side of checkpointing: resume, save every N steps, and a crash on purpose to test both.
 
     ckpts = TrainingCheckpoints(root, mesh, run_identity(cfg, train_tokens), save_every=50, keep=2)
-    start, meta = ckpts.resume(model, optimizer)  # the step to continue from; ResumeRefused if none
+    start, meta = ckpts.resume(state)  # the step to continue from; ResumeRefused if none
     for step in range(start, steps):
         ...one training step...
-        ckpts.after_step(step, model, optimizer, {"seed": seed})
+        ckpts.after_step(step, state, {"seed": seed})
+
+``state`` is the run's model state (parallel/state.py): it says which pieces it saves and loads.
     ckpts.wait()
 
 A checkpoint of step s holds the state AFTER s steps (``data_position`` s: the next batch to read),
@@ -23,7 +25,7 @@ import signal
 
 from minidist.checkpoint.format import MANIFEST, step_dir
 from minidist.checkpoint.identity import identity_differences
-from minidist.checkpoint.layout import load_training_state, training_meta, training_pieces
+from minidist.checkpoint.layout import training_meta
 from minidist.checkpoint.reader import latest_checkpoint
 from minidist.checkpoint.schema import check_training_meta
 from minidist.checkpoint.writer import CheckpointWriter
@@ -52,9 +54,10 @@ class TrainingCheckpoints:
         if self.mesh.rank == 0 and not self.quiet:
             print(line, flush=True)
 
-    def resume(self, model, optimizer, amp=None, scaler=None) -> tuple[int, dict]:
-        """Load the newest valid checkpoint into ``model`` and ``optimizer`` (resharding it to this
-        layout; under mixed precision ``amp``'s masters, or ZeRO's, and the loss ``scaler``). Returns (the step to continue from, the checkpoint's meta). Newer checkpoints that
+    def resume(self, state) -> tuple[int, dict]:
+        """Load the newest valid checkpoint into ``state`` (the model state, parallel/state.py: its
+        parameters or masters, optimizer slots and loss scaler, resharded to this layout). Returns (the
+        step to continue from, the checkpoint's meta). Newer checkpoints that
         fail verification are skipped, each with a line saying why. :class:`ResumeRefused` when no
         valid checkpoint is left, or when the newest is another run's (each differing field named)."""
         ckpt = latest_checkpoint(self.root, log=self.say, accept=_trainer_meta)  # every file verified once
@@ -67,23 +70,23 @@ class TrainingCheckpoints:
             raise ResumeRefused(f"--resume: {found} is a checkpoint of another run; it differs in\n    "
                                 + "\n    ".join(differences) + "\n  (resume with the same settings, or use a new "
                                 "--ckpt-dir)")
-        load_training_state(ckpt, model, optimizer, self.mesh, amp, scaler)
+        state.load(ckpt, self.mesh)
         saved = ckpt.meta["layout"]
         cp = f"cp {saved['cp']} x " if saved.get("cp", 1) > 1 else ""
         self.say(f"resumed from {found} (step {ckpt.meta['data_position']}, saved by dp {saved['dp']} x "
                  f"pp {saved['pp']} x {cp}tp {saved['tp']} = {ckpt.world_size} ranks)")
         return ckpt.meta["data_position"], ckpt.meta
 
-    def after_step(self, step: int, model, optimizer, meta: dict, amp=None, scaler=None) -> str | None:
-        """Save checkpoint ``step + 1`` (the state after step ``step``) when it is due; ``meta`` adds
-        the trainer's fields to the layout, optimizer step, data position and run identity (under
-        mixed precision: ``amp``'s float32 masters, or ZeRO's, and the loss ``scaler``'s state).
+    def after_step(self, step: int, state, meta: dict) -> str | None:
+        """Save checkpoint ``step + 1`` (``state`` after step ``step``: its pieces, parallel/state.py)
+        when it is due; ``meta`` adds the trainer's fields to the layout, optimizer step, data position
+        and run identity (under mixed precision the loss scaler's state too).
         Returns the line that says so (saved; or, with ``async_save``, being written), None when no
         save was due."""
         if not (self.save_every and (step + 1) % self.save_every == 0):
             return None
-        self.writer.save(step + 1, training_pieces(model, optimizer, self.mesh, amp),
-                         {**training_meta(self.mesh, optimizer, scaler), "data_position": step + 1, **meta,
+        self.writer.save(step + 1, state.pieces(self.mesh),
+                         {**training_meta(self.mesh, state, state.scaler), "data_position": step + 1, **meta,
                           "run": self.identity},
                          async_=self.async_save)
         where = step_dir(self.root, step + 1)

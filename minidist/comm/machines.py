@@ -61,6 +61,13 @@ class Machines:
         for a real cluster, or when the names were not asked."""
         return sorted(h for h in set(self.hosts) if self.hosts.count(h) > 1)
 
+    def of_ranks(self, ranks) -> "Machines":
+        """The machines of a group of ``ranks`` (a population member's), its ranks numbered from 0 in
+        the order given, its machines in the order of their lowest rank: asked of nothing, sent nothing."""
+        mine = [self.of_rank[r] for r in ranks]
+        order = list(dict.fromkeys(mine))
+        return Machines(tuple(order.index(m) for m in mine), tuple(self.hosts[m] for m in order) if self.hosts else ())
+
     def spanned(self, ranks) -> list[int]:
         """The machines that ``ranks`` run on, in order: one for a group inside a machine."""
         return sorted({self.of_rank[r] for r in ranks})

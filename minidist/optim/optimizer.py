@@ -65,7 +65,7 @@ class Optimizer:
         """Lay each group of parameters (a list of names: a data-parallel bucket's, in its order) end
         to end in flat buffers: the parameters' values and every state slot become views of one flat
         array per group, so :meth:`step_flat` updates a group with one call per run of parameters
-        that share a weight-decay rate. Each element sees the same operations with the same scalars
+        that are decayed alike (matrices, or vectors: :func:`decays`). Each element sees the same operations with the same scalars
         as in :meth:`step`: bitwise the per-tensor update."""
         self.flat_groups = []
         for names in groups:
@@ -79,11 +79,11 @@ class Optimizer:
                 p.data = values[lo:hi].reshape(p.data.shape)
                 for slot in self.slots:
                     self.state[slot][name] = state[slot][lo:hi].reshape(p.data.shape)
-                rate = self.weight_decay_for(name)
-                if runs and runs[-1][2] == rate and runs[-1][1] == lo:
-                    runs[-1] = (runs[-1][0], hi, rate)  # the same rate: one run
+                decayed = decays(p.data.shape)
+                if runs and runs[-1][2] == decayed and runs[-1][1] == lo:
+                    runs[-1] = (runs[-1][0], hi, decayed)  # decayed alike: one run
                 else:
-                    runs.append((lo, hi, rate))
+                    runs.append((lo, hi, decayed))
                 lo = hi
             self.flat_groups.append((values, state, runs))
 
@@ -92,8 +92,14 @@ class Optimizer:
         gradient (n,) in the same order (a data-parallel bucket's buffer, or its unscaled copy)."""
         self.step_count += 1
         for (values, state, runs), grad in zip(self.flat_groups, grads):
-            for lo, hi, rate in runs:
+            for lo, hi, decayed in runs:
+                rate = self.weight_decay if decayed else 0.0  # weight_decay_for's rule, per run
                 self.apply(values[lo:hi], grad[lo:hi], {slot: a[lo:hi] for slot, a in state.items()}, rate)
+
+    def set_weight_decay(self, rate: float) -> None:
+        """The decoupled weight-decay rate from the next step on (a population member's explore): the
+        same as an optimizer built with it, for per-tensor, flat and masked updates alike."""
+        self.weight_decay = rate
 
     def zero_grad(self):
         """Drop every parameter's gradient, so the next backward starts from nothing."""

@@ -36,57 +36,8 @@ No global state: build a mesh and pass it around.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
-
 from minidist.comm.machines import Machines, one_machine
-
-
-class Coords(NamedTuple):
-    """A rank's place on each axis, in mesh order."""
-    dp: int
-    pp: int
-    cp: int
-    tp: int
-
-
-@dataclass(frozen=True)
-class MeshShape:
-    """The sizes of the four axes (``world`` is their product) and of expert parallelism, which
-    cuts dp (``ep`` divides it)."""
-    dp: int = 1
-    pp: int = 1
-    tp: int = 1
-    cp: int = 1
-    ep: int = 1
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.pp * self.cp * self.tp
-
-    def coords(self, rank: int) -> Coords:
-        """(dp_rank, pp_rank, cp_rank, tp_rank) of a global ``rank``."""
-        return Coords(rank // (self.pp * self.cp * self.tp), (rank // (self.cp * self.tp)) % self.pp,
-                      (rank // self.tp) % self.cp, rank % self.tp)
-
-    def rank_of(self, dp_rank: int, pp_rank: int, tp_rank: int, cp_rank: int = 0) -> int:
-        """The global rank at these coordinates."""
-        return ((dp_rank * self.pp + pp_rank) * self.cp + cp_rank) * self.tp + tp_rank
-
-    def groups(self, axis: str) -> list[list[int]]:
-        """Every group of ``axis`` (``"tp"``, ``"cp"``, ``"pp"``, ``"dp"`` or ``"ep"``), each as its
-        ranks in group order: the ranks that differ only in that coordinate (ep: in the dp rank,
-        inside one block of ep dp ranks)."""
-        groups: dict[tuple, list[int]] = {}
-        for rank in range(self.world):
-            d, p, c, t = self.coords(rank)
-            key = {"tp": (d, p, c), "cp": (d, p, t), "pp": (d, c, t), "dp": (p, c, t), "ep": (d // self.ep, p, c, t)}[axis]
-            groups.setdefault(key, []).append(rank)
-        return list(groups.values())
-
-    def sized_axes(self) -> list[str]:
-        """The axes of more than one rank, fastest first (tp, cp, pp, dp, then ep, which cuts dp)."""
-        return [a for a in ("tp", "cp", "pp", "dp", "ep") if getattr(self, a) > 1]
+from minidist.parallel.layout import Layout
 
 
 class DeviceMesh:
@@ -101,7 +52,7 @@ class DeviceMesh:
 
     def __init__(self, world, dp: int = 1, pp: int = 1, tp: int = 1, cp: int = 1, ep: int = 1,
                  machines: Machines | None = None):
-        self.shape = s = MeshShape(dp, pp, tp, cp, ep)
+        self.shape = s = Layout(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep)  # the mesh's axes of a layout
         if world.size != s.world:
             raise ValueError(f"world size {world.size} != dp*pp*cp*tp = {dp}*{pp}*{cp}*{tp} = {s.world}")
         if dp % ep:
@@ -110,18 +61,27 @@ class DeviceMesh:
         self.machines = machines if machines is not None else one_machine(world.size)
         self.rank = world.rank
         self.dp_rank, self.pp_rank, self.cp_rank, self.tp_rank = d, p, c, t = s.coords(world.rank)
-        self.tp_group = world.split((d * pp + p) * cp + c, key=t, name=f"tp[dp{d},pp{p}{_cp(c, cp)}]")
-        self.cp_group = world.split((d * pp + p) * tp + t, key=c, name=f"cp[dp{d},pp{p},tp{t}]")
-        self.pp_group = world.split((d * cp + c) * tp + t, key=p, name=f"pp[dp{d}{_cp(c, cp)},tp{t}]")
-        self.dp_group = world.split((p * cp + c) * tp + t, key=d, name=f"dp[pp{p}{_cp(c, cp)},tp{t}]")
-        self.dp_cp_group = self.dp_group if cp == 1 else world.split(p * tp + t, key=d * cp + c,
-                                                                     name=f"dp_cp[pp{p},tp{t}]")
+        self.tp_group = self._split("tp", f"tp[dp{d},pp{p}{_cp(c, cp)}]")
+        self.cp_group = self._split("cp", f"cp[dp{d},pp{p},tp{t}]")
+        self.pp_group = self._split("pp", f"pp[dp{d}{_cp(c, cp)},tp{t}]")
+        self.dp_group = self._split("dp", f"dp[pp{p}{_cp(c, cp)},tp{t}]")
+        self.dp_cp_group = self.dp_group if cp == 1 else self._split("dp_cp", f"dp_cp[pp{p},tp{t}]")
         self.ep_rank, block = d % ep, d // ep
-        self.ep_group = None if ep == 1 else world.split(
-            ((block * pp + p) * cp + c) * tp + t, key=d % ep,
-            name=f"ep[dp{block * ep}-{block * ep + ep - 1},pp{p}{_cp(c, cp)},tp{t}]")
-        self.expert_dp_group = self.dp_cp_group if ep == 1 else world.split(
-            (p * tp + t) * ep + d % ep, key=block * cp + c, name=f"edp[pp{p},tp{t},ep{d % ep}]")
+        self.ep_group = None if ep == 1 else self._split(
+            "ep", f"ep[dp{block * ep}-{block * ep + ep - 1},pp{p}{_cp(c, cp)},tp{t}]")
+        self.expert_dp_group = self.dp_cp_group if ep == 1 else self._split("edp", f"edp[pp{p},tp{t},ep{d % ep}]")
+
+    @classmethod
+    def of(cls, world, layout: Layout, machines: Machines | None = None) -> "DeviceMesh":
+        """The mesh of ``layout`` (a :class:`~minidist.parallel.layout.Layout`, or anything holding one:
+        a trainer's config) over ``world``."""
+        return cls(world, dp=layout.dp, pp=layout.pp, tp=layout.tp, cp=layout.cp, ep=layout.ep, machines=machines)
+
+    def _split(self, axis: str, name: str):
+        """This rank's group of ``axis``: one ``split`` of the world (collective), its members those
+        of ``Layout.groups`` (the one place they are computed), in their order."""
+        index, members = next((i, g) for i, g in enumerate(self.shape.groups(axis)) if self.rank in g)
+        return self.world.split(index, key=members.index(self.rank), name=name)
 
     @property
     def name(self) -> str:

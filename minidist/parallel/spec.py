@@ -1,12 +1,11 @@
-"""What is wrong with a layout: :class:`LayoutSpec` and :func:`problems`, the one place each layout rule lives.
+"""What is wrong with a layout: :func:`problems`, the one place each layout rule lives.
 
 The trainer (``minidist.train.config.check_config``), the planner (``minidist.plan.layout.layout_problems``)
 and the support matrix (``minidist.train.support_matrix.meaningless``) all ask :func:`problems`, so
-they cannot disagree: what one refuses the others refuse, in the same words. A layout is the mesh
-(dp x pp x cp x tp, with ep inside dp), how each axis cuts (the cp algorithm, sequence parallelism,
-the schedule and its virtual stages, the micro-batches), ZeRO and offload, the device and backend;
-with it what the rules need of the model (blocks, heads, width, experts) and the batch (tokens per
-sequence, sequences per step).
+they cannot disagree: what one refuses the others refuse, in the same words. A layout is one
+:class:`~minidist.parallel.layout.Layout` (the mesh, how each axis cuts, ZeRO and offload, recompute,
+the precision, the device and backend); :class:`Needs` is what the rules need of the model (blocks,
+heads, width, experts) and the batch (tokens per sequence, sequences per step).
 
 Every problem is one line a user reads, naming the flags (the trainer's and the planner's share
 them) and what to do instead, and all of them come at once: names and numbers first, then, when the
@@ -17,18 +16,21 @@ gives their general reason, which the support matrix counts as a meaningless cel
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
+from types import SimpleNamespace
 
 from minidist.device import DEVICES
 from minidist.optim.state_bytes import ITEMSIZE
 from minidist.parallel.context.context_parallel import ALGORITHMS, tokens_multiple
+from minidist.parallel.layout import LAYOUT_FIELDS, RECOMPUTE, Layout
 from minidist.parallel.pipeline.schedules import SCHEDULES
 from minidist.parallel.zero.offload import CHOICES as OFFLOADS
 
 BACKENDS = ("ring", "mpi", "nccl")
 NAMES = {"cp_algorithm": ALGORITHMS, "schedule": SCHEDULES, "offload": OFFLOADS, "dtype": tuple(ITEMSIZE),
-         "device": DEVICES, "backend": BACKENDS}  # the values each named choice may take
+         "device": DEVICES, "backend": BACKENDS, "recompute": RECOMPUTE}  # the values each named choice may take
 DEFAULT_SCHEDULE, DEFAULT_CP_ALGORITHM = "1f1b", "ring"  # what a layout without pp (cp) runs: the same run
 RANGES = {  # the interval each number may take ("[" and "]" include the bound; nan is in none)
     "dp": "[1, inf)", "tp": "[1, inf)", "pp": "[1, inf)", "cp": "[1, inf)", "ep": "[1, inf)",
@@ -39,42 +41,28 @@ RANGES = {  # the interval each number may take ("[" and "]" include the bound; 
 
 
 @dataclass(frozen=True)
-class LayoutSpec:
-    """A layout and what its rules need of the model and the batch. ``seq``: tokens per sequence
-    (the trainer's --block-size, the planner's --seq); ``batch_size``: sequences per step over all
-    dp ranks. ``kv_heads`` / ``mlp_width`` None: GPT-2's (n_head; 4 n_embd), which tp cuts wherever
-    it cuts the heads. ``world_size`` None: as many ranks as the layout needs."""
+class Needs:
+    """What the layout rules need of the model and the batch. ``seq``: tokens per sequence (the
+    trainer's --block-size, the planner's --seq); ``batch_size``: sequences per step over all dp ranks.
+    ``kv_heads`` / ``mlp_width`` None: GPT-2's (n_head; 4 n_embd), which tp cuts wherever it cuts the
+    heads."""
     n_layer: int
     n_head: int
     n_embd: int
     seq: int
     batch_size: int
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    cp_algorithm: str = DEFAULT_CP_ALGORITHM
-    ep: int = 1
-    zero: int = 0
-    sequence_parallel: bool = False
-    schedule: str = DEFAULT_SCHEDULE
-    virtual_stages: int = 1
-    micro_batches: int = 1
-    offload: str = "none"
     kv_heads: int | None = None
     mlp_width: int | None = None
     n_experts: int = 0
     top_k: int = 2
     moe_every: int = 1
-    dtype: str = "float32"
-    device: str = "cpu"
-    backend: str = "ring"
-    world_size: int | None = None
 
-    @property
-    def world(self) -> int:
-        """The ranks the layout needs: dp x pp x cp x tp."""
-        return self.dp * self.pp * self.cp * self.tp
+
+def _spec(layout: Layout, needs: Needs, world_size: int | None) -> SimpleNamespace:
+    """One namespace the rules below read: the layout's fields and ``world``, what they need of the
+    model and batch, and the world they are given (None: as many ranks as the layout needs)."""
+    return SimpleNamespace(**{name: getattr(layout, name) for name in LAYOUT_FIELDS}, world=layout.world,
+                           **dataclasses.asdict(needs), world_size=world_size)
 
 
 @dataclass(frozen=True)
@@ -85,21 +73,29 @@ class Problem:
     lacks: str | None = None
 
 
-def problems(spec: LayoutSpec) -> list[str]:
-    """Everything wrong with ``spec``, one line each, all at once (empty: it can run). Reads only
-    ``spec``, so every rank reaches the same verdict before anything is sent; sends nothing."""
-    return [p.text for p in findings(spec)]
+def problems(layout: Layout, needs: Needs, world_size: int | None = None) -> list[str]:
+    """Everything wrong with ``layout`` (a :class:`~minidist.parallel.layout.Layout`, or anything that
+    is one: a trainer's config, a planner's run) for a model and batch of ``needs`` on ``world_size``
+    ranks (None: the layout's own), one line each, all at once (empty: it can run). Reads only its
+    arguments, so every rank reaches the same verdict before anything is sent; sends nothing."""
+    return [p.text for p in findings(layout, needs, world_size)]
 
 
-def lacks(spec: LayoutSpec) -> list[str]:
-    """Of :func:`problems`, why ``spec`` names something its layout does not have, in general words
-    (empty: it names nothing it lacks)."""
-    return [p.lacks for p in findings(spec) if p.lacks is not None]
+def lacks(layout: Layout, needs: Needs) -> list[str]:
+    """Of :func:`problems`, why ``layout`` names something it does not have, in general words (empty:
+    it names nothing it lacks)."""
+    return [p.lacks for p in findings(layout, needs) if p.lacks is not None]
 
 
-def findings(spec: LayoutSpec) -> list[Problem]:
+def numbers_out_of_range(layout: Layout, needs: Needs) -> list[str]:
+    """Of :func:`problems`, the numbers outside their intervals in :data:`RANGES` (arithmetic only)."""
+    return [p.text for p in range_problems(_spec(layout, needs, None))]
+
+
+def findings(layout: Layout, needs: Needs, world_size: int | None = None) -> list[Problem]:
     """The :class:`Problem` objects behind :func:`problems`: names, numbers, then (numbers in range)
     the arithmetic of each axis."""
+    spec = _spec(layout, needs, world_size)
     numbers = range_problems(spec)
     found = name_problems(spec) + numbers + backend_problems(spec)
     if numbers:
@@ -145,19 +141,19 @@ def out_of_range(name: str, value, interval: str) -> list[str]:
     return [f"{flag(name)} must be {in_words(interval)}{finite}, got {value}"]
 
 
-def range_problems(spec: LayoutSpec) -> list[Problem]:
-    """Every number of ``spec`` outside its interval in :data:`RANGES`."""
+def range_problems(spec) -> list[Problem]:
+    """Every number of ``spec`` (a layout with its needs, :func:`_spec`) outside its interval in :data:`RANGES`."""
     return [Problem(text) for name, interval in RANGES.items() if not in_interval(getattr(spec, name), interval)
             for text in out_of_range(name, getattr(spec, name), interval)]
 
 
-def name_problems(spec: LayoutSpec) -> list[Problem]:
+def name_problems(spec) -> list[Problem]:
     """A cp algorithm, schedule, offload, dtype, device or backend minidist does not have."""
     return [Problem(f"{flag(name)} must be one of {', '.join(choices)}, got {getattr(spec, name)!r}")
             for name, choices in NAMES.items() if getattr(spec, name) not in choices]
 
 
-def backend_problems(spec: LayoutSpec) -> list[Problem]:
+def backend_problems(spec) -> list[Problem]:
     """What --device and --backend cannot run."""
     found = []
     if spec.backend == "nccl" and spec.device != "cuda":
@@ -169,7 +165,7 @@ def backend_problems(spec: LayoutSpec) -> list[Problem]:
     return found
 
 
-def mesh_problems(spec: LayoutSpec) -> list[Problem]:
+def mesh_problems(spec) -> list[Problem]:
     """The world against the mesh, the heads and widths tp cuts, the rows of every micro-batch."""
     found = []
     if spec.world_size is not None and spec.world_size != spec.world:
@@ -193,7 +189,7 @@ def mesh_problems(spec: LayoutSpec) -> list[Problem]:
     return found
 
 
-def sequence_parallel_problems(spec: LayoutSpec) -> list[Problem]:
+def sequence_parallel_problems(spec) -> list[Problem]:
     """Sequence parallelism splits the sequence over the tp ranks: it needs tp > 1 and a sequence
     that splits."""
     if not spec.sequence_parallel:
@@ -208,7 +204,7 @@ def sequence_parallel_problems(spec: LayoutSpec) -> list[Problem]:
     return []
 
 
-def context_parallel_problems(spec: LayoutSpec) -> list[Problem]:
+def context_parallel_problems(spec) -> list[Problem]:
     """What --cp and --cp-algorithm cannot run: the sequence must cut into equal parts (2 cp chunks
     for zig-zag; under sequence parallelism each cp rank's part again into tp), and Ulysses gives
     each cp rank whole heads of its tp rank's n_head / tp."""
@@ -238,7 +234,7 @@ def context_parallel_problems(spec: LayoutSpec) -> list[Problem]:
     return found
 
 
-def expert_problems(spec: LayoutSpec) -> list[Problem]:
+def expert_problems(spec) -> list[Problem]:
     """What the mixture of experts (--n-experts, --top-k, --moe-every) and expert parallelism (--ep)
     cannot run: ep cuts the dp axis and the experts, tp cuts the router's experts (every tp rank
     computes E/tp of the router's logits)."""
@@ -263,7 +259,7 @@ def expert_problems(spec: LayoutSpec) -> list[Problem]:
     return found
 
 
-def pipeline_problems(spec: LayoutSpec) -> list[Problem]:
+def pipeline_problems(spec) -> list[Problem]:
     """What --pp, --schedule, --virtual-stages and --micro-batches cannot run."""
     if spec.schedule not in SCHEDULES:
         return []
@@ -286,7 +282,7 @@ def pipeline_problems(spec: LayoutSpec) -> list[Problem]:
     return found
 
 
-def offload_problems(spec: LayoutSpec) -> list[Problem]:
+def offload_problems(spec) -> list[Problem]:
     """Offloading parameters moves ZeRO-3's parameter shards: stages 0-2 have none between uses."""
     if spec.offload != "optimizer,params" or spec.zero == 3:
         return []

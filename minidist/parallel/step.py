@@ -11,9 +11,9 @@ gradient pipeline (compose/gradients.py).
     apply_gradients                                 reduce -> complete -> unscale and found-inf -> clip
                                                     -> update -> publish (compose/gradients.py)
 
-There is one path for every layout: what differs is where the gradients live, a
-:class:`~minidist.parallel.compose.gradients.WholeGradients` (DDP buckets, SGD / AdamW, mixed
-precision's masters) or a :class:`~minidist.parallel.zero.optimizer.ZeroOptimizer` (flat shards).
+There is one path for every layout: what differs is where the gradients live, the model's state
+(parallel/state.py): whole tensors (DDP buckets, SGD / AdamW, mixed precision's masters) or ZeRO's
+flat shards.
 The reported loss is the mean over micro-batches and dp ranks.
 """
 from __future__ import annotations
@@ -26,10 +26,9 @@ from minidist.comm import Trace
 from minidist.data import inputs_and_targets
 from minidist.device import get_array_module
 from minidist.inspect.spans import ModuleSpans
-from minidist.parallel.compose.gradients import WholeGradients, apply_gradients
+from minidist.parallel.compose.gradients import apply_gradients
 from minidist.parallel.compose.loss_scaling import backward_micro_batch, seed_aux_losses
 from minidist.parallel.data.sampler import micro_batches
-from minidist.parallel.zero.optimizer import ZeroOptimizer
 
 
 def forward_backward(model, batches, no_sync=contextlib.nullcontext, trace=None, loss_scale: float = 1.0):
@@ -54,47 +53,32 @@ def forward_backward(model, batches, no_sync=contextlib.nullcontext, trace=None,
     return float(np.mean(losses))
 
 
-def loss_scaler(optimizer, amp=None):
-    """The run's mixed-precision loss scaler: a ZeroOptimizer's own, ``amp``'s (a MixedPrecision
-    beside plain SGD / AdamW), or None in full precision."""
-    return optimizer.scaler if isinstance(optimizer, ZeroOptimizer) else amp.scaler if amp else None
-
-
-def gradients_of(model, optimizer, dp=None, amp=None):
-    """Where this step's gradients live, for the pipeline: a ZeroOptimizer itself, or the model's whole
-    tensors (with its DataParallel ``dp``, its ``optimizer`` and mixed precision's ``amp``)."""
-    return optimizer if isinstance(optimizer, ZeroOptimizer) else WholeGradients(model, optimizer, dp, amp)
-
-
-def train_step(model, optimizer, batch, lr, grad_clip, *, dp=None, engine=None, mesh=None, n_micro=1, trace=None,
-               amp=None):
+def train_step(model, state, batch, lr, grad_clip, *, engine=None, mesh=None, n_micro=1, trace=None):
     """One step on this rank's (b, T+1) rows, in the order of the module docstring. Returns
     (loss, grad norm); the norm is measured before clipping, and ``grad_clip <= 0`` measures
     without clipping.
 
-    ``optimizer``: SGD / AdamW over the model's parameters (or ``amp``'s masters), or a
-    :class:`ZeroOptimizer` (which then holds the gradients and, under mixed precision, the masters
-    and the loss scaler: pass no ``dp`` and no ``amp``). ``dp``: a DataParallel averaging the
-    gradients over its group. ``engine``: a PipelineEngine running the micro-batches through the
-    pipeline stages. ``mesh``: the loss is averaged over its dp group, the norm spans the whole
-    model (tp shards, pp stages) and sequence-parallel sums go over its tp group. Without
-    ``dp``/``mesh``: one process, plain arrays. ``amp``: a MixedPrecision whose float32 masters
-    ``optimizer`` updates. Under mixed precision backward runs on the scaled loss, and a step whose
-    gradients overflowed on any rank is skipped on every rank (grad norm None)."""
+    ``state``: the model's state (parallel/state.py), which the gradient pipeline drives: a
+    :class:`~minidist.parallel.state.WholeState` (SGD / AdamW over the parameters or mixed precision's
+    masters, gradients averaged by its DataParallel) or a ZeRO optimizer (flat shards, which then hold
+    the gradients, the masters and the loss scaler). ``engine``: a PipelineEngine running the
+    micro-batches through the pipeline stages. ``mesh``: the loss is averaged over its dp group, the
+    norm spans the whole model (tp shards, pp stages) and sequence-parallel sums go over its tp group.
+    Without ``mesh``: one process, plain arrays. Under mixed precision backward runs on the scaled
+    loss, and a step whose gradients overflowed on any rank is skipped on every rank (grad norm None)."""
     trace = trace or Trace(enabled=False)
-    grads = gradients_of(model, optimizer, dp, amp)
-    scaler = loss_scaler(optimizer, amp)
+    scaler = state.scaler
     loss_scale = scaler.scale if scaler else 1.0
-    grads.zero_grad()
+    state.zero_grad()
     batches = micro_batches(batch, n_micro)
     seed_aux_losses(model, len(batches), loss_scale)
     if engine is not None:
         loss = engine.forward_backward(batches, loss_scale)
     else:
-        loss = forward_backward(model, batches, dp.no_sync if dp else contextlib.nullcontext, trace, loss_scale)
+        loss = forward_backward(model, batches, state.between_micro_batches, trace, loss_scale)
     if mesh:  # one number, sent in the model's memory (NCCL takes GPU buffers only)
         xp = get_array_module(next(iter(model.parameters())).data)
         loss = float(mesh.dp_group.all_reduce(xp.array([loss]), op="avg", label="metric: mean loss over dp")[0])
-    grad_norm = apply_gradients(grads, lr, grad_clip if grad_clip > 0 else float("inf"), scaler, mesh=mesh,
+    grad_norm = apply_gradients(state, lr, grad_clip if grad_clip > 0 else float("inf"), scaler, mesh=mesh,
                                 tied_group=engine.embedding_group if engine is not None else None, trace=trace)
     return loss, grad_norm

@@ -8,7 +8,9 @@
     hardware.py   H100 and A100 profiles; calibrate.py measures this machine ("local")
     timing.py     seconds per step: FLOPs, bytes, the overlap rules, the pipeline's simulator; MFU
     predict.py    all of it as one dict; search.py every layout of N devices that fits, ranked
-    measure.py    the same quantities measured on a minidist run, to hold the two side by side
+
+The same quantities measured on a minidist run, to hold the two side by side, are the trainer's
+(minidist/train/measure.py): the planner imports nothing of the trainer.
 """
 from minidist.plan.hardware import PROFILES, Hardware
 from minidist.plan.layout import RunSpec, layout_problems

@@ -23,7 +23,8 @@ import sys
 from minidist.parallel.zero.offload import CHOICES as OFFLOAD_CHOICES
 from minidist.parallel.pipeline import SCHEDULES
 from minidist.plan.hardware import GIB, PROFILES
-from minidist.plan.layout import ITEMSIZE, RECOMPUTE, RunSpec, layout_problems, number_problems
+from minidist.parallel.layout import RECOMPUTE
+from minidist.plan.layout import ITEMSIZE, RunSpec, layout_problems, number_problems
 from minidist.plan.limits import flag_problems
 from minidist.plan.models import PRESETS, ModelSpec, parameter_count, preset, with_shape
 from minidist.plan.predict import hardware_profile, predict

@@ -21,7 +21,8 @@ import math
 from tqdm import tqdm
 
 from minidist.plan.hardware import GIB, Hardware
-from minidist.plan.layout import RECOMPUTE, RunSpec, layout_problems
+from minidist.parallel.layout import RECOMPUTE
+from minidist.plan.layout import RunSpec, layout_problems
 from minidist.plan.limits import MAX_PARTITION_STEPS, MAX_SCHEDULE_ACTIONS, partition_steps, schedule_actions
 from minidist.plan.models import ModelSpec
 from minidist.plan.memory import per_rank_bytes

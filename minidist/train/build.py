@@ -30,8 +30,8 @@ from minidist.parallel.zero.offload import Offload
 from minidist.parallel.pipeline import PipelineEngine, PipelineStage, placement_of
 from minidist.nn.recompute import recompute_blocks
 from minidist.parallel.tensor.apply import tensor_parallel
-from minidist.parallel.zero.optimizer import ZeroOptimizer
-from minidist.train.config import ConfigError, TrainConfig, bucket_bytes, runs_zero_optimizer
+from minidist.parallel.state import ShardedState, WholeState
+from minidist.train.config import ConfigError, TrainConfig, bucket_bytes
 
 def world_of_one(timeout: float = 60.0) -> ProcessGroup:
     """A one-rank world without MPI: what ``train`` runs on when it is given no world. Its trace
@@ -259,39 +259,39 @@ def build_loss_scaler(cfg, world):
 
 
 def build_parallel(cfg, mesh):
-    """This rank's part of the run: (model, optimizer, dp, engine, amp). Collective over ``mesh``.
+    """This rank's part of the run: (model, state, engine). Collective over ``mesh``.
 
     ``model``: the GPT, its tensor-parallel shard over ``mesh.tp_group``, and with ``cfg.pp > 1`` the
     PipelineStage of this pp rank (blocks recomputed in backward with ``cfg.recompute``).
-    ``optimizer``: with ``cfg.zero`` (or ``cfg.offload``) a ZeroOptimizer over ``mesh.dp_cp_group`` (the dp
-    group, and under context parallelism the cp ranks too: they hold the same parameters), which then
-    syncs the gradients itself (``dp`` None), under mixed precision holds the sharded float32 masters
-    and the loss scaler (``amp`` None), and with offload keeps its shards on the host or in
-    ``cfg.offload_dir`` (minidist/parallel/zero/offload.py); else SGD / AdamW and ``dp`` a DataParallel, and with ``--dtype
-    float16 / bfloat16`` ``amp`` the MixedPrecision whose float32 masters the optimizer updates.
-    ``engine``: the PipelineEngine running ``cfg.schedule`` (None without pipeline parallelism)."""
+    ``state``: the model's state (parallel/state.py), chosen here and nowhere else: with ``cfg.zero``
+    (or ``cfg.offload``) ZeRO's shards over ``mesh.dp_cp_group`` (the dp group, and under context
+    parallelism the cp ranks too: they hold the same parameters), which sync the gradients, hold the
+    sharded float32 masters and the loss scaler under mixed precision, and with offload keep their
+    state on the host or in ``cfg.offload_dir`` (parallel/zero/offload.py); else whole tensors: SGD /
+    AdamW, a DataParallel, and with ``--dtype float16 / bfloat16`` the MixedPrecision whose float32
+    masters the optimizer updates. ``engine``: the PipelineEngine running ``cfg.schedule`` (None
+    without pipeline parallelism)."""
     model = build_model(cfg, mesh.tp_group, mesh.cp_group, mesh.ep_group, announce=mesh.rank == 0)
-    if cfg.recompute:
+    if cfg.recompute == "full":
         recompute_blocks(model)
     if cfg.pp > 1:
         model = PipelineStage(model, mesh.pp_rank, cfg.pp, cfg.virtual_stages, placement=placement_of(cfg.schedule))
     scaler = build_loss_scaler(cfg, mesh.world)
     mixed = cfg.dtype if scaler is not None else None
-    dp = amp = None
-    if runs_zero_optimizer(cfg):
+    if cfg.zero_optimizer:
         offload = (Offload(cfg.offload, cfg.offload_dir, mesh.rank, gpu=cfg.device == "cuda")
                    if cfg.offload != "none" else None)
         replicas = ReplicaGroups(mesh.dp_cp_group, replicas=cfg.dp, experts=mesh.expert_dp_group)
-        optimizer = ZeroOptimizer(model, replicas, cfg.zero, cfg.optimizer, mixed_precision=mixed, scaler=scaler,
-                                  offload=offload, reshard_after_forward=cfg.pp == 1, **optimizer_settings(cfg))
+        state = ShardedState(model, replicas, cfg.zero, cfg.optimizer, mixed_precision=mixed, scaler=scaler,
+                             offload=offload, reshard_after_forward=cfg.pp == 1, **optimizer_settings(cfg))
     else:
         dp = DataParallel(model, mesh.dp_cp_group, bucket_bytes=bucket_bytes(cfg.bucket_mb), replicas=cfg.dp,
                           expert_group=mesh.expert_dp_group)
         amp = MixedPrecision(model, cfg.dtype, scaler) if mixed else None
         optimizer = build_optimizer(model, cfg, amp.master_parameters() if amp else None)
         flatten_on_buckets(optimizer, dp)  # one update per bucket (compose/gradients.py)
+        state = WholeState(model, optimizer, dp, amp)
     engine = None
     if cfg.pp > 1:
-        engine = PipelineEngine(model, mesh, cfg.schedule, cfg.micro_batches, cfg.virtual_stages,
-                                no_sync=dp.no_sync if dp else optimizer.no_sync)
-    return model, optimizer, dp, engine, amp
+        engine = PipelineEngine(model, mesh, cfg.schedule, cfg.micro_batches, cfg.virtual_stages, no_sync=state.no_sync)
+    return model, state, engine

@@ -38,7 +38,9 @@ def parse_args(argv=None, quiet: bool = False) -> TrainConfig:
 
 CHOICES = {"mode": ["collective", "ps", "pbt"], "dtype": list(ITEMSIZE), "optimizer": list(OPTIMIZERS),
            "schedule": list(SCHEDULES), "cp_algorithm": list(ALGORITHMS), "zero": [0, 1, 2, 3],
-           "offload": list(OFFLOAD_CHOICES), "device": list(DEVICES), "backend": list(BACKENDS)}
+           "offload": list(OFFLOAD_CHOICES), "device": list(DEVICES), "backend": list(BACKENDS),
+           "recompute": ["none", "full"]}
+BARE = {"recompute": "full"}  # a flag that alone means this value (--recompute: recompute every block)
 METAVARS = {int: "N", float: "X", "data": "PATH", "export": "PATH", "loss_scale": "S",
             "offload": '{none,optimizer,"optimizer,params"}'}  # else DIR; a choice: its choices
 
@@ -150,6 +152,10 @@ def argument_parser() -> argparse.ArgumentParser:
                 text += " (default: %(default)s)"
             if isinstance(default, bool):
                 group.add_argument(flag(name), action="store_true", help=text)
+                continue
+            if name in BARE:  # --recompute, or --recompute none | full
+                group.add_argument(flag(name), nargs="?", const=BARE[name], default=default, choices=CHOICES[name],
+                                   help=text)
                 continue
             if name in PAIRS:  # two numbers: --lr-range A B
                 group.add_argument(flag(name), type=float, nargs=2, default=None, help=text, metavar=("A", "B"))

@@ -4,7 +4,7 @@ A bad configuration is found from the config and the world size alone, so every 
 same verdict before any communication, and ``python -m minidist.train`` prints one clear message
 listing every problem (:class:`ConfigError`) instead of hanging halfway through a collective. The
 layout's rules are not here: :func:`check_config` asks :func:`minidist.parallel.spec.problems` (which
-the planner and the support matrix ask too) about :func:`layout_of` its config, and adds only what is
+the planner and the support matrix ask too) about its config, which is a layout, and adds only what is
 the trainer's own (its other numbers, paths, checkpoints, the parameter-server mode, Hugging Face).
 """
 import dataclasses
@@ -14,20 +14,21 @@ from pathlib import Path
 from minidist.amp import COMPUTE_DTYPES
 from minidist.optim.state_bytes import OPTIMIZERS
 from minidist.parallel.ps.param_server import check_parameter_server
-from minidist.parallel.spec import LayoutSpec, flag, out_of_range, problems
+from minidist.parallel.layout import Layout
+from minidist.parallel.spec import Needs, flag, out_of_range, problems
 from minidist.train.folders import output_problems
 from minidist.train.population import EXPLOITS, EXPLORABLE, POPULATION
 from minidist.train.memory import INT64, memory_problems
 
 
-@dataclasses.dataclass
-class TrainConfig:
-    """Everything a run depends on. The defaults train visibly in about a minute on one CPU core."""
+@dataclasses.dataclass(frozen=True)
+class TrainConfig(Layout):
+    """Everything a run depends on: its layout (a :class:`~minidist.parallel.layout.Layout`, the fields
+    it inherits: dp, tp, pp, cp, ep, the cuts, ZeRO, offload, recompute, dtype, device, backend) and the
+    rest, below. The defaults train visibly in about a minute on one CPU core."""
     steps: int = 800
     batch_size: int = 16
     seed: int = 0
-    dtype: str = "float32"
-    device: str = "cpu"
     loss_scale: str = "dynamic"
     loss_scale_window: int = 2000
     # optimizer and schedule
@@ -60,9 +61,8 @@ class TrainConfig:
     eval_iters: int = 8
     sample_tokens: int = 200
     out: str | None = None
-    # parallelism (world size = dp * pp * cp * tp; --mode ps: servers + workers) and what it writes
+    # the run's modes (the layout's world size = dp * pp * cp * tp; --mode ps: servers + workers) and what it writes
     mode: str = "collective"
-    backend: str = "ring"
     comm_timeout: float = 300.0
     system_allocator: bool = False
     servers: int = 1
@@ -75,20 +75,7 @@ class TrainConfig:
     quantile: float = 0.25
     lr_range: tuple | None = None
     weight_decay_range: tuple | None = None
-    dp: int = 1
-    pp: int = 1
-    tp: int = 1
-    cp: int = 1
-    cp_algorithm: str = "ring"
-    ep: int = 1
-    sequence_parallel: bool = False
-    micro_batches: int = 1
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    zero: int = 0
-    offload: str = "none"
     offload_dir: str | None = None
-    recompute: bool = False
     bucket_mb: float = 1.0
     export: str | None = None
     export_hf: str | None = None
@@ -109,16 +96,10 @@ class TrainConfig:
         so ``--lr 0`` (evaluate or convert a model without moving it) keeps a learning rate of 0."""
         if self.min_lr is None:
             lower = isinstance(self.lr, (int, float)) and 0 <= self.lr < MIN_LR
-            self.min_lr = self.lr if lower else MIN_LR
+            object.__setattr__(self, "min_lr", self.lr if lower else MIN_LR)  # frozen: set once, here
 
 
 MIN_LR = 3e-4  # where the cosine decay ends when --min-lr is not given (and --lr is not lower)
-
-
-def runs_zero_optimizer(cfg) -> bool:
-    """Whether ``cfg`` trains with ZeRO's optimizer (minidist/parallel/zero/optimizer.py): a ZeRO stage, or
-    offload, which moves ZeRO's shards (with ``--zero 0`` every rank offloads the whole state)."""
-    return cfg.zero > 0 or cfg.offload != "none"
 
 
 class ConfigError(ValueError):
@@ -165,16 +146,10 @@ def bucket_bytes(bucket_mb: float) -> int:
     return max(1, math.ceil(min(bucket_mb, 2.0 ** 40) * 2 ** 20))
 
 
-def layout_of(cfg, world_size: int | None = None) -> LayoutSpec:
-    """The layout of ``cfg`` as the layout rules read it (:mod:`minidist.parallel.spec`): its mesh,
-    cuts, ZeRO and offload, device and backend, model and batch, on ``world_size`` ranks (None: the
-    layout's own)."""
-    return LayoutSpec(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, seq=cfg.block_size,
-                      batch_size=cfg.batch_size, dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, cp_algorithm=cfg.cp_algorithm,
-                      ep=cfg.ep, zero=cfg.zero, sequence_parallel=cfg.sequence_parallel, schedule=cfg.schedule,
-                      virtual_stages=cfg.virtual_stages, micro_batches=cfg.micro_batches, offload=cfg.offload,
-                      n_experts=cfg.n_experts, top_k=cfg.top_k, moe_every=cfg.moe_every, dtype=cfg.dtype,
-                      device=cfg.device, backend=cfg.backend, world_size=world_size)
+def needs_of(cfg) -> Needs:
+    """What the layout rules need of ``cfg``'s model and batch (``spec.Needs``)."""
+    return Needs(n_layer=cfg.n_layer, n_head=cfg.n_head, n_embd=cfg.n_embd, seq=cfg.block_size, batch_size=cfg.batch_size,
+                 n_experts=cfg.n_experts, top_k=cfg.top_k, moe_every=cfg.moe_every)
 
 
 def fault_injection_armed(cfg) -> bool:
@@ -184,22 +159,32 @@ def fault_injection_armed(cfg) -> bool:
 
 
 def check_config(cfg, world_size: int, memory_bytes: int | None = None) -> None:
-    """Raise :class:`ConfigError` listing everything wrong with running ``cfg`` on ``world_size`` ranks,
-    together, one line each: out-of-range numbers, the layout's problems (``spec.problems``), the
-    trainer's own checks (names, paths, checkpoints, Hugging Face, mixed precision, the device), with
-    the numbers in range the parameter servers' (they divide by them); with nothing else wrong, whether
-    one rank's run fits in ``memory_bytes`` (None: int64's sizes; train/memory.py)."""
+    """Raise :class:`ConfigError` listing everything wrong with running ``cfg`` on ``world_size`` ranks:
+    :func:`check_flags`, then, with nothing else wrong, whether one rank's run fits in ``memory_bytes``
+    (None: int64's sizes; train/memory.py). A run's start (train/life.py) asks the two apart, the data
+    read between them (its vocabulary sizes the embeddings)."""
+    check_flags(cfg, world_size)
+    found = memory_problems(cfg, memory_bytes)
+    if found:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(found))
+
+
+def check_flags(cfg, world_size: int) -> None:
+    """Raise :class:`ConfigError` listing everything wrong with the flags of ``cfg`` on ``world_size``
+    ranks, together, one line each: out-of-range numbers, the layout's problems (``spec.problems``),
+    the trainer's own checks (names, paths, checkpoints, Hugging Face, mixed precision, the device),
+    with the numbers in range the parameter servers' (they divide by them). Reads the flags and the
+    output paths only; sends nothing."""
     numbers = range_problems(cfg)
     pbt = cfg.mode == "pbt" and not numbers
     member_ranks = world_size // cfg.population if pbt else world_size  # each member's
     split = pbt and (world_size % cfg.population or not member_ranks)  # no world of its own: said per member below
-    found = numbers + problems(layout_of(cfg, None if cfg.mode == "ps" or split else member_ranks))
+    found = numbers + problems(cfg, needs_of(cfg), None if cfg.mode == "ps" or split else member_ranks)
     found += parameter_server_problems(cfg, world_size) if cfg.mode == "ps" and not numbers else []
     found += population_problems(cfg, world_size) if cfg.mode == "pbt" and not numbers else []
     found += optimizer_problems(cfg) + hugging_face_problems(cfg) + comm_timeout_problems(cfg)
     found += checkpoint_problems(cfg, world_size) + mixed_precision_problems(cfg) + device_problems(cfg)
-    found += offload_dir_problems(cfg) + output_problems(cfg)
-    found += memory_problems(cfg, memory_bytes) if not found else []
+    found += offload_dir_problems(cfg) + output_problems(cfg) + recompute_problems(cfg)
     if found:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(found))
 
@@ -209,11 +194,11 @@ def population_problems(cfg, world_size: int) -> list[str]:
     size, each the layout's world (said per member: what each gets, and the world that gives each
     its layout), hyper-parameters it can explore with valid ranges, a --ckpt-dir to copy members
     through, and that folder not holding another population unless --resume continues it."""
-    k, layout = cfg.population, layout_of(cfg)
+    k = cfg.population
     found = [] if world_size % k == 0 and world_size >= k else [
         f"--population {k} does not divide the world of {world_size} ranks into equal members: each member gets "
         f"{world_size} / {k} = {world_size / k:g} ranks, and one of dp {cfg.dp} x pp {cfg.pp} x cp {cfg.cp} x tp "
-        f"{cfg.tp} needs {layout.world}: start mpiexec -n {k * layout.world}"]
+        f"{cfg.tp} needs {cfg.world}: start mpiexec -n {k * cfg.world}"]
     names = [n for n in cfg.explore.split(",") if n]
     found += [f"--explore: {n} is not a hyper-parameter a member can explore ({', '.join(EXPLORABLE)})"
               for n in names if n not in EXPLORABLE] or ([] if names else ["--explore names no hyper-parameter"])
@@ -273,6 +258,15 @@ def parameter_server_problems(cfg, world_size: int) -> list[str]:
     if collective:
         problems.append(f"--mode ps trains whole models on its workers: {', '.join(collective)} do not apply")
     return problems
+
+
+def recompute_problems(cfg) -> list[str]:
+    """The trainer recomputes whole blocks (--recompute, "full"); recomputing the attention core alone
+    ("selective") is what the planner estimates, not what the trainer runs."""
+    if cfg.recompute != "selective":
+        return []
+    return ["--recompute selective is the planner's estimate (the attention core recomputed); the trainer "
+            "recomputes whole blocks: --recompute (full)"]
 
 
 def offload_dir_problems(cfg) -> list[str]:

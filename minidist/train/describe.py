@@ -74,20 +74,18 @@ def describe_layout(cfg, mesh, model) -> str:
     return "\n".join(lines)
 
 
-def memory_table(optimizer) -> str:
-    """ZeRO's model-state bytes on this rank: the paper's formula beside what the arrays hold (device
-    memory, then under offload the host's and the disk's), and under mixed precision the paper's
-    bytes per parameter (2 + 2 + K)."""
-    offload = f" + offload to the {optimizer.offload.where}" if optimizer.offload is not None else ""
-    rows = [{"label": f"ZeRO-{optimizer.stage}{offload} formula", **zero_memory.formula(optimizer)},
-            {"label": "measured on rank 0", **zero_memory.model_state_bytes(optimizer)}]
+def memory_table(state) -> str:
+    """The model's state's bytes on this rank (parallel/state.py: ZeRO's paper's formula beside what the
+    arrays hold: device memory, then under offload the host's and the disk's), and under mixed
+    precision the paper's bytes per parameter (2 + 2 + K)."""
     device = ("parameters", "gradients", "optimizer")  # then the device's total, then host and disk if any
     table = format_memory_table([{"label": r["label"], **{k: r[k] for k in device}, "total": sum(r[k] for k in device),
-                                  **{k: v for k, v in r.items() if k not in device + ("label",)}} for r in rows])
-    if not optimizer.mixed_precision:
+                                  **{k: v for k, v in r.items() if k not in device + ("label",)}}
+                                 for r in state.memory_rows()])
+    if not state.mixed_precision:
         return table
-    k = zero_memory.optimizer_bytes_per_parameter(optimizer)
-    b = optimizer.shards[0].unit.dtype.itemsize
+    k = zero_memory.optimizer_bytes_per_parameter(state)
+    b = state.shards[0].unit.dtype.itemsize
     emulated = " (bfloat16 emulated in float32 storage)" if b == 4 else ""
-    return (table + f"\n(mixed precision, the paper's model: {optimizer.mixed_precision} parameters and gradients, "
-            f"{b} + {b} bytes{emulated}; float32 masters and {type(optimizer.optimizer).__name__.lower()} state, K = {k} bytes per parameter)")
+    return (table + f"\n(mixed precision, the paper's model: {state.mixed_precision} parameters and gradients, "
+            f"{b} + {b} bytes{emulated}; float32 masters and {type(state.optimizer).__name__.lower()} state, K = {k} bytes per parameter)")

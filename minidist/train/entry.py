@@ -1,10 +1,10 @@
 """The entry point of ``python -m minidist.train``: parse the command line, start MPI, run the mode
 (collective training, parameter servers, a population), say how it ended, exit with its status.
 
-    main(argv)   parse -> init -> train | train_ps | train_pbt -> the final line and the sample
+    main(argv)   parse -> init -> Run | train_ps | train_pbt -> the final line and the sample
 
-Each mode is its own module (train/loop.py, train/ps.py, train/pbt.py); this one only chooses, so
-no mode imports another's entry.
+Each mode is its own module (train/life.py, train/ps.py, train/pbt.py); this one only chooses, so
+no mode imports another's entry. MPI is asked once which machine each rank is on, here.
 """
 import os
 import sys
@@ -17,17 +17,17 @@ from minidist.comm.transport import EXIT_CONFIG, EXIT_DIVERGED
 from minidist.data.tokens import DataError
 from minidist.files import NoSpace, PathRefused
 from minidist.launchers import leave_after_rank_0
-from minidist.parallel.mesh import DeviceMesh
 from minidist.threads import limit_blas_threads
 from minidist.train.build import sample_tokenizer
 from minidist.train.cli import launcher_rank, parse_args
 from minidist.train.config import ConfigError, TrainConfig, comm_timeout_problems
 from minidist.train.divergence import Diverged
 from minidist.train.folders import FolderNotShared, FoldersInUse
-from minidist.train.loop import train
+from minidist.train.life import Run
 from minidist.train.memory import memory_available
 from minidist.train.outputs import sample
-from minidist.train.pbt import final_line, train_pbt
+from minidist.train.lineage import final_line
+from minidist.train.pbt import train_pbt
 from minidist.train.ps import train_ps
 from minidist.train.stopping import Stopped, Stopping, exit_stopped, stop_line
 
@@ -76,15 +76,20 @@ def _run(cfg, stopping):
         print(f"python -m minidist.train: {e}", file=sys.stderr)  # no CuPy, no GPU, fewer GPUs than ranks
         sys.exit(EXIT_CONFIG)
     stopping.mpi_started(world.rank)  # its rank from now on; the stop signals taken back from MPI's start-up
-    here = machines_of(world).host_size(world.rank)  # the ranks on this host (MPI's shared-memory split, its names)
-    limit_blas_threads(os.environ.get("OMP_NUM_THREADS"), here, announce=world.rank == 0)  # a share of its cores each
+    machines = machines_of(world)  # which machine each rank is on (MPI's shared-memory split, its names): asked once
+    limit_blas_threads(os.environ.get("OMP_NUM_THREADS"), machines.host_size(world.rank),
+                       announce=world.rank == 0)  # a share of its host's cores each
     try:
-        if cfg.mode == "pbt":  # a population of collective runs
-            model, history = train_pbt(cfg, world, memory_bytes=memory_available(), stopping=stopping)
-        else:
-            model, history = (train_ps(cfg, world=world) if cfg.mode == "ps"  # below: only the last record
-                              else train(cfg, world=world, keep_history=False, memory_bytes=memory_available(),
-                                         stopping=stopping))
+        if cfg.mode == "pbt":  # a population of collective runs, each a Run on its sub-group
+            model, history = train_pbt(cfg, world, machines, memory_bytes=memory_available(), stopping=stopping)
+        elif cfg.mode == "ps":
+            model, history = train_ps(cfg, world=world)
+        else:  # one run's life (train/life.py); only the last record kept
+            with Run(cfg, world, machines=machines, memory_bytes=memory_available(), stopping=stopping,
+                     keep_history=False) as run:
+                history = run.advance(run.cfg.steps)
+                run.finish()
+            model = run.model
     except (ConfigError, ResumeRefused, FoldersInUse, FolderNotShared) as e:
         if world.rank == 0:
             print(f"python -m minidist.train: {e}", file=sys.stderr)
@@ -108,8 +113,8 @@ def _run(cfg, stopping):
     # the sample: in a collective run every rank generates with its part of the model (the same text
     # on all; minidist/parallel/whole_model/generate.py); with parameter servers rank 0 holds the whole model
     if cfg.sample_tokens > 0 and history and cfg.mode != "pbt" and (cfg.mode != "ps" or world.rank == 0):
-        pipeline = cfg.mode != "ps" and cfg.pp > 1  # the stages pass activations over the mesh's pp group
-        pp_group = DeviceMesh(world, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp, ep=cfg.ep).pp_group if pipeline else None
+        pipeline = cfg.mode != "ps" and cfg.pp > 1  # the stages pass activations over the run's pp group
+        pp_group = run.mesh.pp_group if pipeline else None
         model.eval()
         tokenizer = sample_tokenizer(cfg)  # the data's: bytes, a tokenizer.json, or ids alone
         text = sample(model, "The ", cfg.sample_tokens, seed=cfg.seed, pp_group=pp_group, tokenizer=tokenizer)

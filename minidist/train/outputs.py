@@ -16,13 +16,10 @@ from minidist.data import ByteTokenizer, inputs_and_targets
 from minidist.device import to_device
 from minidist.files import create, real_folder, write_atomically
 from minidist.train.stories import print_explanation
-from minidist.inspect import zero_memory
-from minidist.inspect.write import model_state_bytes, step_peak_bytes, stream_trace, write_memory_report
+from minidist.inspect.write import step_peak_bytes, stream_trace, write_memory_report
 from minidist.parallel.whole_model.consolidate import full_state_dict
 from minidist.parallel.whole_model.generate import generate
 from minidist.parallel.data.sampler import DistributedSampler, micro_batches
-from minidist.train.config import runs_zero_optimizer
-from minidist.parallel.zero.full_state import full_parameters
 from minidist.untrusted import Unreadable, open_bounded, parse_json
 
 
@@ -109,17 +106,14 @@ def estimate_val_loss(model, val_tokens, cfg, engine=None, spans=None):
     return float(np.mean(losses))
 
 
-def explain_step(cfg, mesh, model, events, batch_shape, optimizer=None):
+def explain_step(mesh, model, events, batch_shape, state):
     """``--explain``: every rank's story of the step just run, printed by rank 0 in rank order
-    (collective over the world). Under ZeRO-3 each story holds the shards ``optimizer`` keeps; under
-    offload it says what ``optimizer`` moved between device, host and disk."""
-    offload = getattr(optimizer, "offload", None)
-    zero = (cfg.zero, optimizer.shards) if runs_zero_optimizer(cfg) else None
-    print_explanation(mesh, model, events, batch_shape=batch_shape, shards=optimizer.shards if cfg.zero == 3 else None,
-                      zero=zero, notes=offload.story() if offload is not None else None)
+    (collective over the world), with what the model's ``state`` says of itself (parallel/state.py):
+    under ZeRO-3 the shards it keeps, under offload what it moved between device, host and disk."""
+    print_explanation(mesh, model, events, batch_shape=batch_shape, **state.explained())
 
 
-def write_outputs(cfg, model, optimizer, mesh, amp=None, quiet=False):
+def write_outputs(cfg, model, state, mesh, quiet=False):
     """``--export``: the consolidated full state_dict (collective over the mesh, ZeRO-3's parameters
     gathered first; written by global rank 0) as .npz, or as safetensors when the path ends in
     ``.safetensors``. ``--export-hf DIR``: the same state_dict as a Hugging Face GPT-2 folder
@@ -127,35 +121,22 @@ def write_outputs(cfg, model, optimizer, mesh, amp=None, quiet=False):
     one consolidation. ``--trace DIR``: this rank's memory rows for ``python -m minidist.inspect DIR``,
     the bytes held after the last step and the most held during it (``peak``: step_peak_bytes) (each
     rank writes its own file; :func:`trace_file` has written its events during the loop). Under
-    mixed precision the exports hold the float32 masters. ``quiet``: the exports say nothing."""
+    mixed precision the exports hold the float32 masters (``state.full_parameters``: the model's
+    state, parallel/state.py). ``quiet``: the exports say nothing."""
     if cfg.export is not None or cfg.export_hf is not None:
-        with (full_parameters(optimizer, masters=True) if runs_zero_optimizer(cfg) else masters_in_model(amp) if amp
-              else contextlib.nullcontext()):
-            state = full_state_dict(model, mesh)
+        with state.full_parameters():
+            full = full_state_dict(model, mesh)
         if mesh.rank == 0 and cfg.export is not None:
-            export(state, cfg.export, model.config, quiet)
+            export(full, cfg.export, model.config, quiet)
         if mesh.rank == 0 and cfg.export_hf is not None:
-            write_hf(cfg.export_hf, state, model.config)
+            write_hf(cfg.export_hf, full, model.config)
             if not quiet:
-                print(f"exported {parameter_count(state, model.config):,} parameters ({dtype_of(state)}) as a "
+                print(f"exported {parameter_count(full, model.config):,} parameters ({dtype_of(full)}) as a "
                       f"Hugging Face GPT-2 folder: {cfg.export_hf}/config.json and model.safetensors", flush=True)
     if cfg.trace is not None:
-        held = zero_memory.model_state_bytes(optimizer) if runs_zero_optimizer(cfg) else model_state_bytes(model, optimizer)
+        held = state.held_bytes()
         write_memory_report(cfg.trace, mesh.rank, [dict(label="after last step", **held,
                                                         peak=step_peak_bytes(mesh.world.trace, held))])
-
-
-@contextlib.contextmanager
-def masters_in_model(amp):
-    """Inside the block the model's parameters hold mixed precision's float32 masters (for export)."""
-    stored = [p.data for _, p in amp.pairs]
-    for (_, p), master in zip(amp.pairs, amp.masters):
-        p.data = master.data
-    try:
-        yield
-    finally:
-        for (_, p), data in zip(amp.pairs, stored):
-            p.data = data
 
 
 def export(state: dict, path: str, config, quiet: bool = False) -> None:

@@ -40,8 +40,9 @@ import itertools
 import textwrap
 from functools import lru_cache
 
+from minidist.parallel.layout import Layout, layout_of
 from minidist.parallel.spec import lacks
-from minidist.train.config import ConfigError, TrainConfig, check_config, layout_of
+from minidist.train.config import ConfigError, TrainConfig, check_config, needs_of
 
 LAYOUTS = [dict(dp=dp, tp=tp, pp=pp) for pp in (1, 2) for dp in (1, 2) for tp in (1, 2)]
 AXES = {
@@ -51,7 +52,7 @@ AXES = {
     "zero": [0, 1, 2, 3],
     "sequence_parallel": [False, True],
     "schedule": ["gpipe", "1f1b", "interleaved", "zb-h1", "zbv"],
-    "recompute": [False, True],
+    "recompute": ["none", "full"],
     "dtype": ["float32", "bfloat16", "float16"],
     "checkpoint": [False, True],
     "moe": ["none", "ep1", "ep2"],
@@ -60,37 +61,29 @@ AXES = {
 
 
 @dataclasses.dataclass(frozen=True)
-class Cell:
-    """One combination: a layout (dp, tp, pp), context parallelism (cp and its algorithm), a ZeRO
-    stage, sequence parallelism, a schedule, recompute, a precision, whether it checkpoints, and
-    its experts ("none": a dense GPT; "ep1": 4 experts per MoE block, on every rank; "ep2": split
-    over 2 dp ranks) and what it offloads ("optimizer": the optimizer shards, to host memory;
-    "optimizer,params": with the parameter shards, to files)."""
-    dp: int
-    tp: int
-    pp: int
-    cp: int
-    cp_algorithm: str
-    zero: int
-    sequence_parallel: bool
-    schedule: str
-    recompute: bool
-    dtype: str
-    checkpoint: bool
+class Cell(Layout):
+    """One combination: a layout (a :class:`~minidist.parallel.layout.Layout`: dp, tp, pp, context
+    parallelism, a ZeRO stage, sequence parallelism, a schedule, recompute, a precision, what it
+    offloads: "optimizer", the optimizer shards, to host memory; "optimizer,params", with the parameter
+    shards, to files), whether it checkpoints, and its experts ("none": a dense GPT; "ep1": 4 experts
+    per MoE block, on every rank; "ep2": split over 2 dp ranks). The rest of its layout follows from
+    those: ep 2 for "ep2", two micro-batches per step, two virtual stages per rank under the
+    interleaved and zbv schedules."""
+    checkpoint: bool = False
     moe: str = "none"
-    offload: str = "none"
+
+    def __post_init__(self):
+        derived = dict(ep=2 if self.moe == "ep2" else 1, micro_batches=2,
+                       virtual_stages=2 if self.schedule in ("interleaved", "zbv") and self.pp > 1 else 1)
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)  # frozen: derived once, here
 
     def __str__(self) -> str:
         parts = [f"dp{self.dp}", f"tp{self.tp}", f"pp{self.pp}"] + [f"cp{self.cp}-{self.cp_algorithm}"] * (self.cp > 1)
         parts += [f"zero{self.zero}"]
-        parts += ["sp"] * self.sequence_parallel + [self.schedule] * (self.pp > 1) + ["recompute"] * self.recompute
+        parts += ["sp"] * self.sequence_parallel + [self.schedule] * (self.pp > 1) + ["recompute"] * (self.recompute == "full")
         parts += [self.dtype] + ["ckpt"] * self.checkpoint + [f"moe-{self.moe}"] * (self.moe != "none")
         return "-".join(parts + [f"offload-{self.offload.replace(',', '+')}"] * (self.offload != "none"))
-
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
 
 
 def grid() -> list[Cell]:
@@ -103,34 +96,29 @@ def grid() -> list[Cell]:
 def meaningless(cell: Cell) -> str | None:
     """Why ``cell`` names a combination that does not exist (the first of ``spec.lacks`` of its
     layout: a problem the trainer refuses it with), or None. Recompute, checkpoints and the precision
-    are not part of a layout (no ``lacks`` reads them): the cells that differ only in them share one
-    answer, found once."""
-    return _layout_meaningless(cell.dp, cell.tp, cell.pp, cell.cp, cell.cp_algorithm, cell.zero, cell.sequence_parallel,
-                               cell.schedule, cell.moe, cell.offload)
+    are not part of what a layout lacks (no ``lacks`` reads them): the cells that differ only in them
+    share one answer, found once."""
+    return _layout_meaningless(dataclasses.replace(cell, recompute="none", dtype="float32", checkpoint=False))
 
 
 @lru_cache(maxsize=None)
-def _layout_meaningless(dp, tp, pp, cp, cp_algorithm, zero, sequence_parallel, schedule, moe, offload):
-    cell = Cell(dp, tp, pp, cp, cp_algorithm, zero, sequence_parallel, schedule, False, "float32", False, moe, offload)
-    found = lacks(layout_of(config_for(cell), cell.world))
+def _layout_meaningless(cell: Cell) -> str | None:
+    cfg = config_for(cell)
+    found = lacks(cfg, needs_of(cfg))
     return found[0] if found else None
 
 
 def config_for(cell: Cell, **sizes) -> TrainConfig:
-    """The TrainConfig of ``cell`` (two micro-batches per step, two virtual stages per rank under
-    the interleaved and zbv schedules; with experts, 4 per MoE block, top-2, in every second block; ``sizes``
-    override the model and batch). A checkpointing cell saves into ``ckpt``, and an offloading cell of
-    parameters keeps its files in ``offload`` (relative paths: only checked, never written here)."""
-    base = dict(n_layer=4, n_head=4, n_embd=16, block_size=16, batch_size=8, micro_batches=2)
+    """The TrainConfig of ``cell``: its layout, and with experts 4 per MoE block, top-2, in every second
+    block (``sizes`` override the model and batch). A checkpointing cell saves into ``ckpt``, and an
+    offloading cell of parameters keeps its files in ``offload`` (relative paths: only checked, never
+    written here)."""
+    base = dict(n_layer=4, n_head=4, n_embd=16, block_size=16, batch_size=8)
     base.update(sizes)
-    return TrainConfig(**base, dp=cell.dp, tp=cell.tp, pp=cell.pp, cp=cell.cp, cp_algorithm=cell.cp_algorithm,
-                       zero=cell.zero,
-                       sequence_parallel=cell.sequence_parallel, schedule=cell.schedule,
-                       virtual_stages=2 if cell.schedule in ("interleaved", "zbv") and cell.pp > 1 else 1,
-                       recompute=cell.recompute, dtype=cell.dtype,
+    return TrainConfig(**base, **dataclasses.asdict(layout_of(cell)),
                        ckpt_dir="ckpt" if cell.checkpoint else None, save_every=2 if cell.checkpoint else 0,
-                       n_experts=0 if cell.moe == "none" else 4, moe_every=2, ep=2 if cell.moe == "ep2" else 1,
-                       offload=cell.offload, offload_dir="offload" if cell.offload == "optimizer,params" else None)
+                       n_experts=0 if cell.moe == "none" else 4, moe_every=2,
+                       offload_dir="offload" if cell.offload == "optimizer,params" else None)
 
 
 def refusals(cells: list[Cell] | None = None) -> dict:
@@ -156,7 +144,7 @@ FEATURES = {  # a feature: the cells that have it
     "1F1B": lambda c: c.pp == 2 and c.schedule == "1f1b",
     "interleaved": lambda c: c.pp == 2 and c.schedule == "interleaved",
     "ZB-H1": lambda c: c.pp == 2 and c.schedule == "zb-h1", "ZB-V": lambda c: c.pp == 2 and c.schedule == "zbv",
-    "recompute": lambda c: c.recompute,
+    "recompute": lambda c: c.recompute == "full",
     "bf16": lambda c: c.dtype == "bfloat16", "fp16": lambda c: c.dtype == "float16",
     "checkpoints": lambda c: c.checkpoint,
     "MoE": lambda c: c.moe != "none", "EP": lambda c: c.moe == "ep2",

@@ -24,7 +24,7 @@ from tests.mpi.train_parity import TINY, losses_and_weights  # noqa: E402
 
 COMMON = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()] + ["--dtype", "float64"]
 ONE_PROCESS = dict(dp=1, pp=1, tp=1, micro_batches=1, schedule="1f1b", virtual_stages=1, zero=0,
-                   recompute=False, sequence_parallel=False)
+                   recompute="none", sequence_parallel=False)
 
 
 def main(data_dir, out_dir, *layouts):

@@ -1,5 +1,8 @@
 """The other side of the planner: a minidist run's bytes and traffic, measured, for the same questions.
 
+It lives with the trainer (it runs the trainer's model and state) so that the planner imports
+nothing of the trainer: the trainer asks the planner (train/memory.py), never the other way.
+
 :func:`measure` trains a layout of minidist's own GPT for a few steps on threads (one rank each) and
 returns per rank what the planner predicts: the model states held after backward (from the live
 arrays), the activations one micro-batch's graph keeps (without a pipeline: with one, the schedule's
@@ -15,26 +18,19 @@ import time
 import numpy as np
 
 from minidist.comm.launch import run_local
-from minidist.inspect import zero_memory
-from minidist.inspect.write import model_state_bytes as plain_state_bytes
-from minidist.inspect.accounting import activation_bytes, sent_bytes, unique_nbytes
+from minidist.inspect.accounting import activation_bytes, sent_bytes
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.step import train_step
 from minidist.train.build import build_parallel
-from minidist.train.config import check_config, runs_zero_optimizer
+from minidist.train.config import check_config
 
 
-def _held(cfg, model, optimizer, amp) -> dict:
-    """Model-state bytes in the planner's keys: ZeRO's optimizer bytes are masters + moments."""
-    if runs_zero_optimizer(cfg):
-        held = zero_memory.model_state_bytes(optimizer)
-        masters = sum(s.param.data.nbytes for s in optimizer.shards) if optimizer.mixed_precision else 0
-        masters *= "host" not in held  # offloaded: the masters are in host / disk with the moments
-        held["master_weights"], held["optimizer_states"] = masters, held.pop("optimizer") - masters
-        return held
-    held = plain_state_bytes(model, optimizer)
-    held["optimizer_states"] = held.pop("optimizer")
-    held["master_weights"] = unique_nbytes([m.data for m in amp.masters]) if amp else 0
+def _held(state) -> dict:
+    """Model-state bytes in the planner's keys (parallel/state.py's held_bytes): the optimizer's bytes
+    split into float32 masters and moments."""
+    held = state.held_bytes()
+    masters = state.master_bytes()
+    held["master_weights"], held["optimizer_states"] = masters, held.pop("optimizer") - masters
     return held
 
 
@@ -49,7 +45,7 @@ def measure(cfg, steps: int = 2, seed: int = 0) -> list[dict]:
 
     def rank(world):
         mesh = DeviceMesh(world, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp, ep=cfg.ep)
-        model, optimizer, dp, engine, amp = build_parallel(cfg, mesh)
+        model, state, engine = build_parallel(cfg, mesh)
         rows = cfg.batch_size // cfg.dp
         batch = batch_all[mesh.dp_rank * rows:(mesh.dp_rank + 1) * rows]  # (B/dp, T+1)
         groups = [world, mesh.dp_group, mesh.tp_group, mesh.pp_group, mesh.cp_group, mesh.dp_cp_group,
@@ -59,18 +55,16 @@ def measure(cfg, steps: int = 2, seed: int = 0) -> list[dict]:
             world.barrier(label="setup: a common start for the step's timing")
             start = time.perf_counter()
             with world.trace.capture() as events:
-                train_step(model, optimizer, batch, 1e-3, 1.0, dp=dp, engine=engine, mesh=mesh,
-                           n_micro=cfg.micro_batches, trace=world.trace,
-                           amp=amp)
+                train_step(model, state, batch, 1e-3, 1.0, engine=engine, mesh=mesh, n_micro=cfg.micro_batches,
+                           trace=world.trace)
             seconds = time.perf_counter() - start
-        held = _held(cfg, model, optimizer, amp)
+        held = _held(state)
         acts = None
         if cfg.pp == 1:
             one = batch[:rows // cfg.micro_batches]  # one micro-batch (b, T+1)
             _, loss = model(np.ascontiguousarray(one[:, :-1]), np.ascontiguousarray(one[:, 1:]))  # own buffers
             acts = activation_bytes(loss, exclude=[p.data for p in model.parameters()])
-        if runs_zero_optimizer(cfg):
-            optimizer.close()
+        state.close()
         return {"coords": (mesh.dp_rank, mesh.pp_rank, mesh.cp_rank, mesh.tp_rank), "model_states": held,
                 "activations": acts, "comm_bytes_per_step": sent_bytes(events, sizes), "step_time_s": seconds}
 
