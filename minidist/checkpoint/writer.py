@@ -46,7 +46,7 @@ from minidist.checkpoint.schema import DTYPES, check_manifest, parse_json
 from minidist.files import fsync_folder, write_atomically
 from minidist.waiting import join
 
-LEFTOVERS = (".saving-", ".replaced-")  # hidden folders of saves that crashed half-way
+LEFTOVERS = (".saving-", ".replaced-", ".abandoned-")  # hidden folders of saves that crashed or stopped half-way
 NON_FINITE = 2  # a rank's failure code when its tensors hold NaN or inf (any other failure: 1)
 
 
@@ -68,6 +68,7 @@ class CheckpointWriter:
         self._session, self._saves = f"{int(session[0]):016x}", 0
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._abandoned, self._abandoning = False, threading.Lock()  # a stop: no save folder made or committed after it
 
     def save(self, step: int, pieces, meta: dict | None = None, rank_meta: dict | None = None,
              async_: bool = False) -> None:
@@ -114,11 +115,21 @@ class CheckpointWriter:
 
     def abandon(self) -> None:
         """The run stops (a signal, a failure) with a save perhaps under way: this session's unfinished
-        save folders are removed, by whichever rank gets there (each is idempotent). A background save
-        is not waited for: its peers may be gone, and a stop does not wait on them; should it write on
-        a moment, what it leaves is :meth:`leftovers` to the next run. Sends nothing."""
-        for entry in self.root.glob(f".saving-{self._session}-*") if self.root.is_dir() else ():
-            remove_entry(entry)
+        save folders are taken away, each by one atomic rename (so rank 0's commit, also a rename of the
+        folder, and a removal by any rank cannot both happen: one of the two renames finds nothing) and
+        then removed. This rank's background save can neither write into a save folder nor commit one
+        after this returns (both happen under the lock this takes); the last rank to abandon removes what
+        any rank wrote. The background save is not waited for: its peers may be gone, and a stop does not
+        wait on them. Sends nothing."""
+        with self._abandoning:
+            self._abandoned = True
+            for entry in self.root.glob(f".saving-{self._session}-*") if self.root.is_dir() else ():
+                dead = entry.with_name(f".abandoned-{self.group.rank}-{entry.name}")
+                try:
+                    os.rename(entry, dead)
+                except FileNotFoundError:  # committed, or taken away by another rank, meanwhile
+                    continue
+                remove_entry(dead)
 
     def _background(self, *args) -> None:
         try:
@@ -176,14 +187,17 @@ class CheckpointWriter:
                                      f"{rank} (the run had diverged)")
         if self.root.is_symlink():
             raise CheckpointError(f"{self.root}: a symbolic link (refused: a checkpoint never follows links)")
-        staging.mkdir(parents=True, exist_ok=True)
-        check_folder(staging)
         data = safetensors_bytes({key: array for key, (array, _) in entries.items()})
-        write_atomically(staging / rank_file(rank), data)
-        write_atomically(staging / rank_meta_file(rank), to_json(dict(
-            format=FORMAT, version=VERSION, rank=rank, step=step, file=rank_file(rank), bytes=len(data),
-            sha256=sha256_bytes(data), tensors={key: desc for key, (_, desc) in entries.items()},
-            rank_meta=rank_meta)))
+        with self._abandoning:  # a stop's abandon() comes before this rank writes into the folder, or after
+            if self._abandoned:
+                raise CheckpointError(f"checkpoint {step} not written: the run is stopping")
+            staging.mkdir(parents=True, exist_ok=True)
+            check_folder(staging)
+            write_atomically(staging / rank_file(rank), data)
+            write_atomically(staging / rank_meta_file(rank), to_json(dict(
+                format=FORMAT, version=VERSION, rank=rank, step=step, file=rank_file(rank), bytes=len(data),
+                sha256=sha256_bytes(data), tensors={key: desc for key, (_, desc) in entries.items()},
+                rank_meta=rank_meta)))
 
     def _commit(self, staging: Path, step: int, meta: dict) -> None:
         """Rank 0: the manifest into the save folder, then the folder renamed to ``step-NNNNNN``. An
@@ -192,15 +206,18 @@ class CheckpointWriter:
         target = step_dir(self.root, step)
         manifest = _manifest(staging, step, self.group.size, meta)
         check_manifest(manifest, staging / MANIFEST, target)  # never commit what the reader would refuse
-        write_atomically(staging / MANIFEST, to_json(manifest))
         old = None
-        if os.path.lexists(target):
-            if target.is_dir() and not target.is_symlink():
-                old = self.root / f".replaced-{self._session}-{self._saves}-step-{step:06d}"
-                os.rename(target, old)
-            else:
-                target.unlink()
-        os.rename(staging, target)
+        with self._abandoning:  # a stop's abandon() either comes before (nothing committed) or after (committed)
+            if self._abandoned:
+                raise CheckpointError(f"checkpoint {step} not committed: the run is stopping")
+            write_atomically(staging / MANIFEST, to_json(manifest))
+            if os.path.lexists(target):
+                if target.is_dir() and not target.is_symlink():
+                    old = self.root / f".replaced-{self._session}-{self._saves}-step-{step:06d}"
+                    os.rename(target, old)
+                else:
+                    target.unlink()
+            os.rename(staging, target)
         fsync_folder(self.root)
         if old is not None:
             remove_entry(old)

@@ -13,6 +13,7 @@ import numpy as np
 
 from minidist.comm.ops import bus_factor
 from minidist.device import is_cupy
+from minidist.optim.zero_stages import STAGES
 
 SHARDING_OPS = ("all_reduce", "reduce_scatter", "all_gather")  # what data parallelism and ZeRO send
 
@@ -75,7 +76,8 @@ def zero_formula(stage: int, param_bytes: int, optimizer_bytes: int, n: int) -> 
     ``minidist.optim.optimizer_bytes_per_parameter``). Stage 0:
     P + G + O; 1: P + G + O/N; 2: P + (G + O)/N; 3: (P + G + O)/N."""
     P = G = param_bytes
-    shard = {"parameters": stage >= 3, "gradients": stage >= 2, "optimizer": stage >= 1}
+    sharded = STAGES[stage]  # what the stage shards (optim/zero_stages.py)
+    shard = {"parameters": sharded.parameters, "gradients": sharded.gradients, "optimizer": sharded.optimizer_states}
     full = {"parameters": P, "gradients": G, "optimizer": optimizer_bytes}
     return {k: v / n if shard[k] else v for k, v in full.items()}
 

@@ -34,6 +34,14 @@ def slots(optimizer) -> tuple[str, ...]:
     return OPTIMIZERS[optimizer].slots
 
 
+def optimizer_problems(name) -> list[str]:
+    """``["--optimizer must be one of sgd, adamw, got 'x'"]`` for a name minidist has no optimizer of,
+    else nothing: the one check, asked by the trainer and the planner."""
+    if name in OPTIMIZERS:
+        return []
+    return [f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}"]
+
+
 def itemsize(dtype) -> int:
     """Bytes of one element of ``dtype``: a name of :data:`ITEMSIZE` (bfloat16 2, as on a GPU) or
     anything ``numpy.dtype`` reads."""

@@ -36,6 +36,7 @@ gradient sync to the last one (``no_sync``); ZeRO-3 then also re-gathers per mic
 from __future__ import annotations
 
 from minidist.parallel.pipeline import placement_of, rank_stages, stage_rank
+from minidist.optim.zero_stages import STAGES
 from minidist.parallel.tensor.layout import padded_vocab_size
 from minidist.plan.layout import RunSpec
 from minidist.plan.memory import rank_layers, rank_units, shard, zero_group
@@ -70,9 +71,9 @@ def dp_parts(model: ModelSpec, run: RunSpec, pp_rank: int = 0) -> dict:
         if run.zero == 0:
             parts["reduce"] += all_reduce(numel * b, n)
             continue
-        parts["reduce"] += (every if run.zero >= 2 else 1) * one_way(numel * b, n)
+        parts["reduce"] += (every if STAGES[run.zero].gradients else 1) * one_way(numel * b, n)
         uses = 1
-        if run.zero == 3 and run.pp == 1:  # gathered for forward and again for backward (a pipeline keeps them)
+        if STAGES[run.zero].parameters and run.pp == 1:  # gathered for forward and again for backward (a pipeline keeps them)
             uses = every * (2 + (model.tied and name == "transformer.wte"))  # the head gathers the tied matrix again
         parts["gather"] += uses * one_way(numel * b, n)
     parts["scalars"] = all_reduce(SCALAR, run.dp) + (run.zero > 0) * 2 * all_reduce(SCALAR, run.dp * run.cp)
@@ -129,7 +130,7 @@ def pp_bytes(model: ModelSpec, run: RunSpec, pp_rank: int = 0) -> float:
     tied = 0.0
     if model.tied and len(ends) == 2 and pp_rank in ends:
         numel = padded_vocab_size(model.vocab_size, run.tp) // run.tp * model.n_embd
-        if run.zero > 0 or run.offload != "none":  # ZeRO sums the copies' shards only
+        if run.zero_optimizer:  # ZeRO sums the copies' shards only
             numel = shard(numel, run.dp * run.cp if run.zero else 1)
         tied = all_reduce(numel * run.itemsize, 2)
     return run.micro_batches * boundaries * x + tied + SCALAR + all_reduce(SCALAR, run.pp)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from minidist.optim.state_bytes import ITEMSIZE, OPTIMIZERS
+from minidist.optim.state_bytes import ITEMSIZE, optimizer_problems
 from minidist.parallel.layout import Layout, layout_of
 from minidist.parallel.spec import Needs, numbers_out_of_range, problems
 from minidist.plan.limits import own_number_problems, work_problems
@@ -77,8 +77,7 @@ def layout_problems(model, run: RunSpec) -> list[str]:
     what would be more work than the planner does (``limits.work_problems``)."""
     found = own_number_problems(model, run)
     found += problems(run, needs_of(model, run))
-    if run.optimizer not in OPTIMIZERS:
-        found.append(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {run.optimizer!r}")
+    found += optimizer_problems(run.optimizer)
     if run.offload_to not in OFFLOAD_TO:
         found.append(f"--offload-to must be one of {', '.join(OFFLOAD_TO)}, got {run.offload_to!r}")
     if model.positions == "learned" and run.seq > model.block_size:

@@ -41,6 +41,7 @@ from functools import lru_cache
 
 from minidist.inspect import accounting
 from minidist.parallel.pipeline import build_schedule, placement_of, rank_stages, simulate
+from minidist.optim.zero_stages import STAGES
 from minidist.parallel.tensor.layout import padded_vocab_size
 from minidist.optim.state_bytes import state_bytes_per_parameter
 from minidist.plan.layout import RunSpec
@@ -98,7 +99,8 @@ def model_state_bytes(model: ModelSpec, run: RunSpec, pp_rank: int = 0, dp_rank:
     b, z = run.itemsize, run.zero
     whole, sharded = optimizer_numel(model, run, pp_rank, dp_rank)
     state = state_bytes_per_parameter(run.optimizer, run.dtype, run.mixed)  # masters and slots, per parameter
-    held = {"parameters": (sharded if z >= 3 else whole) * b, "gradients": (sharded if z >= 2 else whole) * b,
+    shards = STAGES[z]  # what the stage shards (optim/zero_stages.py)
+    held = {"parameters": (sharded if shards.parameters else whole) * b, "gradients": (sharded if shards.gradients else whole) * b,
             "master_weights": sharded * state["master_weights"], "optimizer_states": sharded * state["optimizer_states"]}
     if run.offload == "none":
         return held
@@ -226,7 +228,7 @@ def working_bytes(model: ModelSpec, run: RunSpec, pp_rank: int = 0) -> float:
     units = rank_units(model, run, pp_rank)
     block = max((n for name, n, _ in units if ".h." in name), default=0) * run.itemsize
     gathered = sum(n for _, n, _ in units) * run.itemsize if run.pp > 1 else 2 * block
-    return gathered * (run.zero >= 3) + block * (run.zero >= 2)
+    return gathered * STAGES[run.zero].parameters + block * STAGES[run.zero].gradients
 
 
 def per_rank_bytes(model: ModelSpec, run: RunSpec) -> list[dict]:

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 
 from minidist.amp import COMPUTE_DTYPES
-from minidist.optim.state_bytes import OPTIMIZERS
+from minidist.optim.state_bytes import optimizer_problems
 from minidist.parallel.ps.param_server import check_parameter_server
 from minidist.parallel.layout import Layout
 from minidist.parallel.spec import Needs, flag, out_of_range, problems
@@ -182,7 +182,7 @@ def check_flags(cfg, world_size: int) -> None:
     found = numbers + problems(cfg, needs_of(cfg), None if cfg.mode == "ps" or split else member_ranks)
     found += parameter_server_problems(cfg, world_size) if cfg.mode == "ps" and not numbers else []
     found += population_problems(cfg, world_size) if cfg.mode == "pbt" and not numbers else []
-    found += optimizer_problems(cfg) + hugging_face_problems(cfg) + comm_timeout_problems(cfg)
+    found += optimizer_problems(cfg.optimizer) + hugging_face_problems(cfg) + comm_timeout_problems(cfg)
     found += checkpoint_problems(cfg, world_size) + mixed_precision_problems(cfg) + device_problems(cfg)
     found += offload_dir_problems(cfg) + output_problems(cfg) + recompute_problems(cfg)
     if found:
@@ -217,13 +217,6 @@ def population_problems(cfg, world_size: int) -> list[str]:
             found.append(f"--ckpt-dir {cfg.ckpt_dir} holds a population already (up to {held[-1].name}): add --resume "
                          f"to continue it, or give an empty --ckpt-dir")
     return found
-
-
-def optimizer_problems(cfg) -> list[str]:
-    """An --optimizer minidist does not have."""
-    if cfg.optimizer in OPTIMIZERS:
-        return []
-    return [f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {cfg.optimizer!r}"]
 
 
 def hugging_face_problems(cfg) -> list[str]:

@@ -52,7 +52,8 @@ def main(argv=None):
             except Stopped as stop:  # every rank, at once
                 if stopping.rank == 0:
                     steps = cfg.steps if cfg.mode != "ps" else None  # the parameter servers count their own
-                    print(f"python -m minidist.train: {stop_line(stop, stopping.done, steps, cfg.ckpt_dir)}",
+                    line = stop_line(stop, stopping.done, steps, cfg.ckpt_dir, population=cfg.mode == "pbt")
+                    print(f"python -m minidist.train: {line}",
                           file=sys.stderr, flush=True)
                 exit_stopped(stop)
     except SystemExit as leaving:  # the others leave after rank 0 has said why (Open MPI: launchers.py)
@@ -83,7 +84,7 @@ def _run(cfg, stopping):
         if cfg.mode == "pbt":  # a population of collective runs, each a Run on its sub-group
             model, history = train_pbt(cfg, world, machines, memory_bytes=memory_available(), stopping=stopping)
         elif cfg.mode == "ps":
-            model, history = train_ps(cfg, world=world)
+            model, history = train_ps(cfg, world, memory_bytes=memory_available())
         else:  # one run's life (train/life.py); only the last record kept
             with Run(cfg, world, machines=machines, memory_bytes=memory_available(), stopping=stopping,
                      keep_history=False) as run:

@@ -94,7 +94,7 @@ class Run:
         cfg, world = self.cfg, self.world
         self._held.enter_context(held_folders(cfg, world, self.machines))  # --ckpt-dir, --offload-dir: this run's alone
         select_device(cfg, self.machines.local_rank(world.rank))
-        self.mesh = mesh = DeviceMesh(world, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp, ep=cfg.ep, machines=self.machines)
+        self.mesh = mesh = DeviceMesh.of(world, cfg, self.machines)  # its groups: the layout's (parallel/layout.py)
         self.sampler = DistributedSampler(self.corpus.train, cfg.batch_size, cfg.block_size, cfg.seed, mesh.dp_rank,
                                           cfg.dp, spans=rank_spans(cfg, mesh))  # this rank's rows, only what it uses
         self.model, self.state, self.engine = build_parallel(cfg, mesh)

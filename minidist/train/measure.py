@@ -40,11 +40,11 @@ def measure(cfg, steps: int = 2, seed: int = 0) -> list[dict]:
     ``activations`` of one micro-batch's forward (None under pipeline parallelism),
     ``comm_bytes_per_step`` of the last step per axis, ``step_time_s`` of the last step (threads
     share one interpreter: a time to read with care)."""
-    check_config(cfg, cfg.dp * cfg.pp * cfg.cp * cfg.tp)
+    check_config(cfg, cfg.world)
     batch_all = np.random.default_rng(seed).integers(0, 256, (cfg.batch_size, cfg.block_size + 1))
 
     def rank(world):
-        mesh = DeviceMesh(world, dp=cfg.dp, pp=cfg.pp, tp=cfg.tp, cp=cfg.cp, ep=cfg.ep)
+        mesh = DeviceMesh.of(world, cfg)
         model, state, engine = build_parallel(cfg, mesh)
         rows = cfg.batch_size // cfg.dp
         batch = batch_all[mesh.dp_rank * rows:(mesh.dp_rank + 1) * rows]  # (B/dp, T+1)
@@ -68,4 +68,4 @@ def measure(cfg, steps: int = 2, seed: int = 0) -> list[dict]:
         return {"coords": (mesh.dp_rank, mesh.pp_rank, mesh.cp_rank, mesh.tp_rank), "model_states": held,
                 "activations": acts, "comm_bytes_per_step": sent_bytes(events, sizes), "step_time_s": seconds}
 
-    return run_local(rank, cfg.dp * cfg.pp * cfg.cp * cfg.tp)
+    return run_local(rank, cfg.world)

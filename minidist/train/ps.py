@@ -8,21 +8,20 @@ import numpy as np
 from minidist.parallel.whole_model.consolidate import consolidated_state_dict
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.ps.param_server import train_parameter_server
-from minidist.train.build import build_model, load_data, world_of_one
-from minidist.train.config import check_config
+from minidist.train.build import build_model, world_of_one
+from minidist.train.life import started
 from minidist.train.divergence import Diverged
 from minidist.train.outputs import estimate_val_loss, export, metrics_line, open_metrics
 
 
-def train_ps(cfg, world):
+def train_ps(cfg, world, memory_bytes=None):
     """``--mode ps``: train with parameter servers (minidist/parallel/ps/param_server.py) on ``world``.
     Returns (model, history); on rank 0 the model holds the final weights and history one row per
     step (synchronous) or per applied update (asynchronous: with worker and staleness), the last
     row with val_loss; rank 0 writes ``cfg.out`` and ``cfg.export``. A run that diverged (the servers
     stop at its first NaN or inf loss or gradient norm) raises :class:`Diverged` on rank 0 once its
     metrics are written, and exports nothing."""
-    check_config(cfg, world.size)
-    cfg, corpus = load_data(cfg)
+    cfg, corpus = started(cfg, world.size, memory_bytes)  # a run's start: every check once (train/life.py)
     model = build_model(cfg)
     history = train_parameter_server(world, model, cfg, corpus.train, servers=cfg.servers,
                                      staleness=None if cfg.staleness < 0 else cfg.staleness, straggler=cfg.straggler)

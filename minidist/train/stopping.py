@@ -34,8 +34,10 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from minidist.checkpoint.reader import latest_valid
+from minidist.train.population import POPULATION
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -83,19 +85,25 @@ class Stopping:
         raise Stopped(signum)
 
 
-def stop_line(stopped: Stopped, done: int | None, steps: int | None, ckpt_dir) -> str:
+def stop_line(stopped: Stopped, done: int | None, steps: int | None, ckpt_dir, population: bool = False) -> str:
     """The one line rank 0 prints when ``stopped``: how far the run got (``done`` of ``steps`` steps
     finished, None: none yet; ``steps`` None: a run that does not count them here, the parameter
-    servers') and the newest valid checkpoint in ``ckpt_dir`` to continue from (its files are read)."""
+    servers') and what to continue from in ``ckpt_dir`` (its files are read): the newest valid
+    checkpoint, or with ``population`` (``--mode pbt``) the newest population file, which names every
+    member's checkpoint of its step."""
     where = ("" if steps is None else " before it finished a step" if done is None
              else f" after {done} of {steps} steps")
-    newest = latest_valid(ckpt_dir, log=lambda line: None) if ckpt_dir is not None else None
+    if population and ckpt_dir is not None:
+        files = sorted((Path(ckpt_dir) / POPULATION).glob("step-*.json"))
+        newest, what = (files[-1] if files else None), "population"
+    else:
+        newest, what = (latest_valid(ckpt_dir, log=lambda line: None) if ckpt_dir is not None else None), "checkpoint"
     if ckpt_dir is None:
         then = "no --ckpt-dir, so nothing to resume from"
     elif newest is None:
-        then = f"no checkpoint in {ckpt_dir} yet, so nothing to resume from"
+        then = f"no {what} in {ckpt_dir} yet, so nothing to resume from"
     else:
-        then = f"the newest checkpoint is {newest}: --resume continues from it"
+        then = f"the newest {what} is {newest}: --resume continues from it"
     return f"stopped by {signal.Signals(stopped.signum).name}{where}; {then}"
 
 

@@ -3,7 +3,7 @@
 Plain data parallelism keeps on every one of the N ranks the full parameters (P bytes), gradients
 (G) and optimizer state (O: SGD's momentum, AdamW's two moments; under mixed precision also the
 float32 master weights). ZeRO partitions them across the dp ranks, unit by unit (flat_buffer.py:
-each unit is a flat vector cut by ``numpy.array_split``). :data:`STAGES` is the whole difference
+each unit is a flat vector cut by ``numpy.array_split``). :data:`~minidist.optim.zero_stages.STAGES` is the whole difference
 between the stages:
 
     stage  what each rank holds      per step it sends (per rank, ring algorithms)
@@ -40,10 +40,10 @@ published (cast to the compute dtype, all-gathered).
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 from minidist.amp import to_compute, unscale
 from minidist.optim import OPTIMIZERS
+from minidist.optim.zero_stages import STAGES
 from minidist.parallel.compose.clip import clip_shards
 from minidist.parallel.compose.complete import complete_shards, tied_copies
 from minidist.parallel.compose.grad_ownership import ReplicaGroups
@@ -51,18 +51,6 @@ from minidist.parallel.zero import stage3
 from minidist.parallel.zero.flat_buffer import FlatUnit, units_by_module
 from minidist.parallel.zero.shard import Shard, make_shard
 from minidist.parallel.zero.storage import OnDevice
-
-
-@dataclass(frozen=True)
-class Stage:
-    """What one ZeRO stage partitions over the dp ranks."""
-    optimizer_states: bool  # each rank updates 1/N of the parameters (stages 1-3)
-    gradients: bool  # reduce-scattered in backward, only the shard kept (stages 2, 3)
-    parameters: bool  # only the shard kept between uses (stage 3)
-
-
-STAGES = {0: Stage(False, False, False), 1: Stage(True, False, False), 2: Stage(True, True, False),
-          3: Stage(True, True, True)}
 
 
 class ZeroOptimizer:
