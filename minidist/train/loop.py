@@ -60,7 +60,7 @@ from minidist.train.build import build_parallel, load_data, select_device, with_
 from minidist.train.config import check_config, fault_injection_armed, runs_zero_optimizer
 from minidist.train.describe import describe_data, describe_layout, memory_table
 from minidist.train.divergence import DivergenceWatch
-from minidist.train.feed import next_batch, rank_spans, read_batch
+from minidist.train.feed import dropout_key, next_batch, rank_spans, read_batch
 from minidist.train.folders import held_folders
 from minidist.train.outputs import estimate_val_loss, explain_step, metrics_line, open_metrics, trace_file, write_outputs
 from minidist.train.progress import Progress
@@ -135,7 +135,8 @@ def _train_held(cfg, world, machines, corpus, progress: bool, keep_history: bool
                     loss_scale = scaler.scale if scaler else None  # the scale this step's backward uses
                     loss, grad_norm = train_step(model, optimizer, batch, lr, cfg.grad_clip, dp=dp, engine=engine,
                                                  mesh=mesh, n_micro=cfg.micro_batches,
-                                                 trace=world.trace, amp=amp)
+                                                 trace=world.trace, amp=amp,
+                                                 dropout=dropout_key(cfg, step, sampler))
                 tokens_per_s = cfg.batch_size * cfg.block_size / (time.perf_counter() - t0)
                 if step == start and cfg.explain:
                     explain_step(cfg, mesh, model, step_events, batch.shape, optimizer)
