@@ -28,6 +28,7 @@ The hash is splitmix64's mixing function applied once per coordinate, in NumPy u
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,23 +40,33 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
 def _mix(z):
-    """splitmix64's finaliser: a bijection of uint64 that spreads every input bit over the output."""
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
+    """splitmix64's finaliser, in place on the uint64 array ``z``: a bijection that spreads every
+    input bit over the output."""
+    z ^= z >> np.uint64(30)
+    z *= np.uint64(0xBF58476D1CE4E5B9)
+    z ^= z >> np.uint64(27)
+    z *= np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    return z
+
+
+def _hash(words, coords) -> np.ndarray:
+    """uint64 per element of the broadcast of ``coords``: ``words`` mixed in one by one, then each
+    coordinate (the small arrays first, so most of the work is one mix of the full size)."""
+    with np.errstate(over="ignore"):
+        h = np.zeros(1, np.uint64)
+        for w in words:
+            h = _mix(h + np.uint64(int(w) % 2 ** 64) + _GOLDEN)
+        for c in coords:
+            h = _mix(h + np.asarray(c).astype(np.uint64) + _GOLDEN)
+    return h
 
 
 def uniform(words, *coords) -> np.ndarray:
     """Draws in [0, 1), one per element of the broadcast of ``coords`` (integer arrays, each the
     global coordinate of one axis), a function of ``words`` (integers: which draw) and the
-    element's coordinates only."""
-    with np.errstate(over="ignore"):
-        h = np.uint64(0)
-        for w in words:
-            h = _mix(h + np.uint64(int(w) % 2 ** 64) + _GOLDEN)
-        for c in coords:
-            h = _mix(h + np.asarray(c).astype(np.uint64) + _GOLDEN)
-    return (h >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+    element's coordinates only: the top 53 bits of their hash."""
+    return (_hash(words, coords) >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
 
 
 @dataclass(frozen=True)
@@ -79,8 +90,10 @@ class DropoutKey:
         """0 where an element is dropped, 1/(1-p) where kept, in ``like``'s dtype and memory: the
         broadcast of the rows (axis 0) and ``coords`` (the element's other global coordinates)."""
         rows = np.asarray(self.rows, dtype=np.int64).reshape((-1,) + (1,) * len(coords))
-        keep = uniform((self.seed, self.step, layer, SITES.index(site)), rows, *coords) >= self.p
-        return get_array_module(like).asarray(keep * (1.0 / (1.0 - self.p)), dtype=like.dtype)
+        bits = _hash((self.seed, self.step, layer, SITES.index(site)), (rows, *coords)) >> np.uint64(11)
+        keep = (bits >= np.uint64(math.ceil(self.p * 2 ** 53))).astype(like.dtype)  # uniform(...) >= p, exactly
+        keep *= 1.0 / (1.0 - self.p)
+        return get_array_module(like).asarray(keep)
 
 
 class Dropout:
