@@ -253,9 +253,10 @@ def test_resume_continues_the_same_masks_bitwise(data_dir, tmp_path):
         assert np.array_equal(weights[k], v), k
 
 
-def test_dropout_is_part_of_the_runs_identity_once_set():
+def test_dropout_is_part_of_the_runs_identity_once_set_and_leaves_exports_alone(tmp_path):
     assert "dropout" not in run_identity(TrainConfig(), {})  # a checkpoint written before the knob resumes
     assert run_identity(TrainConfig(dropout=0.2), {})["dropout"] == 0.2
+    check_config(TrainConfig(dropout=0.2, export_hf=str(tmp_path / "hf")), 1)  # Hugging Face's GPT-2: dropout 0
 
 
 @pytest.mark.parametrize("flags, words", [
