@@ -29,16 +29,20 @@ class ScaledDotProductAttention(Function):
         xp.exp(att, out=att)
         att *= 1.0 / sum_last(att)  # P, rows sum to 1
         ctx.q, ctx.k, ctx.v, ctx.att, ctx.scale = q, k, v, att, scale
-        ctx.keep = None if dropout is None else dropout.scaled_keep(range(att.shape[-2]), range(att.shape[-1]), att)
-        return matmul(att if ctx.keep is None else att * ctx.keep, v)  # (B, nh, T, hs)
+        ctx.dropout = dropout  # its keep mask (B, nh, T, S), one byte a probability: saved beside P
+        ctx.keep = None if dropout is None else dropout.keep(range(att.shape[-2]), range(att.shape[-1]), att)
+        return matmul(att if ctx.keep is None else _dropped(att, ctx.keep, dropout.scale), v)  # (B, nh, T, hs)
 
     @staticmethod
     def backward(ctx, grad):  # grad (B, nh, T, hs)
         q, k, v, att, scale, keep = ctx.q, ctx.k, ctx.v, ctx.att, ctx.scale, ctx.keep
-        grad_v = matmul((att if keep is None else att * keep).swapaxes(-1, -2), grad)  # (B, nh, S, hs)
+        dropped = att if keep is None else _dropped(att, keep, ctx.dropout.scale)  # P * D
+        grad_v = matmul(dropped.swapaxes(-1, -2), grad)  # (B, nh, S, hs)
+        del dropped
         grad_s = matmul(grad, v.swapaxes(-1, -2))  # dP (B, nh, T, S)
         if keep is not None:
             grad_s *= keep
+            grad_s *= ctx.dropout.scale
         grad_s -= sum_last(grad_s * att)
         grad_s *= att  # dS, the gradient of the scaled scores
         grad_q = matmul(grad_s, k)  # (B, nh, T, hs)
@@ -46,6 +50,13 @@ class ScaledDotProductAttention(Function):
         grad_k = matmul(grad_s.swapaxes(-1, -2), q)  # (B, nh, S, hs)
         grad_k *= scale
         return grad_q, grad_k, grad_v, None, None
+
+
+def _dropped(att, keep, scale: float):
+    """P * D: the probabilities ``att`` where ``keep``, times ``scale`` (1/(1-p)), else 0."""
+    out = att * keep
+    out *= scale
+    return out
 
 
 def causal_mask(T: int, S: int, like):

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from minidist.autograd import Function
 from minidist.device import get_array_module
 
 SITES = ("embedding", "attention", "attention output", "mlp output")  # where nanoGPT drops; the index is hashed
@@ -86,14 +87,44 @@ class DropoutKey:
         return [DropoutKey(self.p, self.seed, self.step, tuple(int(r) for r in part), self.seq_len)
                 for part in np.array_split(np.asarray(self.rows, dtype=np.int64), n)]
 
-    def scaled_keep(self, layer: int, site: str, *coords, like) -> np.ndarray:
-        """0 where an element is dropped, 1/(1-p) where kept, in ``like``'s dtype and memory: the
-        broadcast of the rows (axis 0) and ``coords`` (the element's other global coordinates)."""
+    @property
+    def scale(self) -> float:
+        """What a kept element is multiplied by: 1/(1-p) (inverted dropout keeps the expectation)."""
+        return 1.0 / (1.0 - self.p)
+
+    def keep(self, layer: int, site: str, *coords, like) -> np.ndarray:
+        """Whether each element is kept (bool, in ``like``'s memory): the broadcast of the rows (axis 0)
+        and ``coords`` (the element's other global coordinates), kept where uniform(...) >= p."""
         rows = np.asarray(self.rows, dtype=np.int64).reshape((-1,) + (1,) * len(coords))
         bits = _hash((self.seed, self.step, layer, SITES.index(site)), (rows, *coords)) >> np.uint64(11)
-        keep = (bits >= np.uint64(math.ceil(self.p * 2 ** 53))).astype(like.dtype)  # uniform(...) >= p, exactly
-        keep *= 1.0 / (1.0 - self.p)
-        return get_array_module(like).asarray(keep)
+        return get_array_module(like).asarray(bits >= np.uint64(math.ceil(self.p * 2 ** 53)))  # exactly
+
+    def scaled_keep(self, layer: int, site: str, *coords, like) -> np.ndarray:
+        """:meth:`keep` as 0 (dropped) or 1/(1-p) (kept), in ``like``'s dtype and memory."""
+        keep = self.keep(layer, site, *coords, like=like).astype(like.dtype)
+        keep *= self.scale
+        return keep
+
+
+class DropMasked(Function):
+    """``x`` with the elements ``keep`` (a boolean array) drops zeroed and the others multiplied by
+    ``scale``; backward does the same to the gradient. Saves only ``keep``, one byte an element."""
+
+    @staticmethod
+    def forward(ctx, x, keep, scale):
+        ctx.keep, ctx.scale = keep, scale
+        return drop_masked(x, keep, scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return drop_masked(grad, ctx.keep, ctx.scale), None, None
+
+
+def drop_masked(a, keep, scale: float):
+    """``a * keep * scale`` as one new array: the same numbers as ``a`` times :meth:`DropoutKey.scaled_keep`."""
+    out = a * keep
+    out *= scale
+    return out
 
 
 class Dropout:
@@ -107,7 +138,8 @@ class Dropout:
     def residual(self, x, layer: int, site: str):
         """``x`` (B, L, C) (a Tensor) with its dropped elements zeroed and the rest scaled by 1/(1-p)."""
         C = x.shape[-1]
-        return x * self.key.scaled_keep(layer, site, self.positions[:, None], np.arange(C)[None, :], like=x.data)
+        keep = self.key.keep(layer, site, self.positions[:, None], np.arange(C)[None, :], like=x.data)  # (B, L, C)
+        return DropMasked.apply(x, keep, self.key.scale)
 
     def attention(self, layer: int) -> AttentionDropout:
         """The attention probabilities' dropout of block ``layer``."""
@@ -123,12 +155,21 @@ class AttentionDropout:
     layer: int
     heads: np.ndarray
 
+    @property
+    def scale(self) -> float:
+        return self.key.scale
+
+    def keep(self, q_positions, k_positions, like):
+        """(B, nh, Lq, Lk) bool: whether the probability of each query at global ``q_positions`` for
+        each key at ``k_positions`` is kept, in ``like``'s memory."""
+        return self.key.keep(self.layer, "attention", self.heads[:, None, None], np.asarray(q_positions)[None, :, None],
+                             np.asarray(k_positions)[None, None, :], like=like)
+
     def scaled_keep(self, q_positions, k_positions, like):
-        """(B, nh, Lq, Lk): 0 or 1/(1-p) for the queries at global ``q_positions`` and keys at
-        ``k_positions``, in ``like``'s dtype and memory."""
-        return self.key.scaled_keep(self.layer, "attention", self.heads[:, None, None],
-                                    np.asarray(q_positions)[None, :, None], np.asarray(k_positions)[None, None, :],
-                                    like=like)
+        """:meth:`keep` as 0 or 1/(1-p), in ``like``'s dtype and memory."""
+        keep = self.keep(q_positions, k_positions, like).astype(like.dtype)
+        keep *= self.scale
+        return keep
 
     def of_heads(self, part: slice) -> AttentionDropout:
         """The same dropout for ``part`` of the heads held (Ulysses' head groups)."""
