@@ -5,7 +5,9 @@ Parameter names are GPT-2's (``transformer.h.0.attn.c_attn.weight``) and layouts
 weights (in, out), which ``minidist/checkpoint/hf.py`` converts both ways. The model is cut where parallelism
 cuts it: ``embed`` -> the blocks -> ``head`` (pipeline stages), c_attn / c_fc / c_proj as separate
 Linears, attention sized by its weights and the loss a swappable ``cross_entropy`` (tensor parallelism
-turns this same model into one rank's shard: minidist/parallel/tensor/apply.py).
+turns this same model into one rank's shard: minidist/parallel/tensor/apply.py). A training forward
+given a :class:`~minidist.nn.dropout.DropoutKey` drops where nanoGPT does (minidist/nn/dropout.py);
+without one (evaluation, generation) nothing is dropped.
 """
 import math
 from dataclasses import dataclass
@@ -14,6 +16,7 @@ import numpy as np
 
 from minidist import nn
 from minidist.autograd import cross_entropy, gelu, get_array_module, no_grad, scaled_dot_product_attention, to_numpy
+from minidist.nn.dropout import Dropout
 from minidist.moe import MoE, is_moe_layer
 
 
@@ -59,7 +62,7 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(C, 3 * C, bias=config.bias, dtype=dtype)  # q, k, v for all heads
         self.c_proj = nn.Linear(C, C, bias=config.bias, dtype=dtype)
 
-    def forward(self, x):
+    def forward(self, x, dropout=None):  # dropout: the probabilities' AttentionDropout, or None
         B, T, _ = x.shape
         width = self.c_attn.out_features // 3  # n_head * head_dim (local heads only under TP)
         n_head, hs = width // self.head_dim, self.head_dim
@@ -67,13 +70,13 @@ class CausalSelfAttention(nn.Module):
         q = q.reshape(B, T, n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = k.reshape(B, T, n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         v = v.reshape(B, T, n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        y = self.attend(q, k, v)  # (B, nh, T, hs)
+        y = self.attend(q, k, v, dropout)  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, width)  # (B, T, nh * hs): heads side by side
         return self.c_proj(y)  # (B, T, C)
 
-    def attend(self, q, k, v):
+    def attend(self, q, k, v, dropout=None):
         """Causal attention of q over k, v (B, nh, T, hs): query t sees keys 0..t."""
-        return scaled_dot_product_attention(q, k, v, is_causal=True)
+        return scaled_dot_product_attention(q, k, v, is_causal=True, dropout=dropout)
 
 
 class MLP(nn.Module):
@@ -91,7 +94,8 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)); the mlp is a
-    mixture of experts (minidist/moe.py) in the blocks :func:`~minidist.moe.is_moe_layer` names."""
+    mixture of experts (minidist/moe.py) in the blocks :func:`~minidist.moe.is_moe_layer` names.
+    ``layer`` is its index in the whole model (dropout's masks depend on it)."""
 
     def __init__(self, config: GPTConfig, dtype="float32", layer: int = 0):
         super().__init__()
@@ -99,11 +103,13 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config, dtype)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias, dtype=dtype)
         self.mlp = MoE(config, dtype) if is_moe_layer(config, layer) else MLP(config, dtype)
+        self.layer = layer
 
-    def forward(self, x):  # (B, T, C)
-        x = x + self.attn(self.ln_1(x))
-        x = x + self.mlp(self.ln_2(x))
-        return x
+    def forward(self, x, dropout=None):  # (B, T, C); dropout: the pass's Dropout, or None
+        y = self.attn(self.ln_1(x), dropout and dropout.attention(self.layer))  # (B, T, C)
+        x = x + (y if dropout is None else dropout.residual(y, self.layer, "attention output"))
+        y = self.mlp(self.ln_2(x))  # (B, T, C)
+        return x + (y if dropout is None else dropout.residual(y, self.layer, "mlp output"))
 
 
 class GPT(nn.Module):
@@ -134,13 +140,15 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             p.data[...] = gpt2_init(name, p.shape, seed, config.n_layer)
 
-    def embed(self, idx):
+    def embed(self, idx, dropout=None):
         """Token ids (B, T) -> token + position embeddings (B, T, C), or this rank's (B, T/cp, C)
-        under context parallelism. The first pipeline stage."""
+        under context parallelism, dropped by ``dropout`` (the pass's Dropout, or None). The first
+        pipeline stage."""
         idx, pos = local_tokens(self, idx)  # (B, T) and (T,), or this rank's T/cp of them
         tok_emb = self.transformer.wte(idx)  # (B, T, C)
         pos_emb = self.transformer.wpe(pos)  # (T, C)
-        return tok_emb + pos_emb  # (B, T, C)
+        x = tok_emb + pos_emb  # (B, T, C)
+        return x if dropout is None else dropout.residual(x, -1, "embedding")
 
     def head(self, x, targets=None):
         """Hidden states (B, T, C) -> (logits (B, T, V), mean cross-entropy or None). The last stage."""
@@ -149,11 +157,13 @@ class GPT(nn.Module):
             return logits, None
         return logits, sequence_loss(self, self.cross_entropy, logits, targets)
 
-    def forward(self, idx, targets=None):
-        """(logits (B, T, V), loss) for token ids ``idx`` (B, T); loss is None without ``targets``."""
-        x = self.embed(idx)  # (B, T, C)
+    def forward(self, idx, targets=None, dropout=None):
+        """(logits (B, T, V), loss) for token ids ``idx`` (B, T); loss is None without ``targets``.
+        ``dropout``: a DropoutKey (a training step's rows), or None: nothing dropped."""
+        drop = dropout_of(self, dropout)
+        x = self.embed(idx, drop)  # (B, T, C)
         for block in self.transformer.h:
-            x = block(x)  # (B, T, C)
+            x = block(x, drop)  # (B, T, C)
         return self.head(x, targets)
 
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k=None, rng=None):
@@ -186,6 +196,22 @@ def local_tokens(model, idx):
     if cp is None:
         return idx, xp.arange(T)
     return cp.shard(idx), cp.positions(T, xp)
+
+
+def dropout_of(model, key):
+    """This rank's :class:`~minidist.nn.dropout.Dropout` of ``model`` (a GPT, or a part of one with
+    its ``config``, ``context_parallel``, ``sequence_parallel``, ``tp_group`` and ``heads``) for
+    ``key`` (a DropoutKey; None, or p = 0: None): the global positions of its residual stream's
+    tokens (context parallelism's, then under sequence parallelism this tp rank's block of them)
+    and the global indices of its heads (tensor parallelism's, ``parallel/tensor/layout.py``)."""
+    if key is None or key.p == 0:
+        return None
+    cp = model.context_parallel
+    positions = np.arange(key.seq_len) if cp is None else cp.positions(key.seq_len, np)
+    if getattr(model, "sequence_parallel", False):
+        positions = np.array_split(positions, model.tp_group.size)[model.tp_group.rank]
+    heads = getattr(model, "heads", None)
+    return Dropout(key, positions, range(model.config.n_head) if heads is None else heads)
 
 
 def sequence_loss(model, loss_fn, logits, targets):

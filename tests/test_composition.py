@@ -1,21 +1,24 @@
 """The composition grid: every meaningful combination of layout (dp, tp, pp each 1 or 2), context
 parallelism (cp 1 or 2, ring, zig-zag or Ulysses), ZeRO stage, sequence parallelism, pipeline
 schedule, recompute, precision, checkpointing, experts (none, a mixture of experts on every rank,
-or split over 2 dp ranks) and offload (none, the optimizer shards to host memory, with ZeRO-3's
-parameter shards to files) trains like one process on the full batch (minidist/train/support_matrix.py
-lists the 207,360 cells; the meaningless ones name a schedule without a pipeline, sequence
+or split over 2 dp ranks), offload (none, the optimizer shards to host memory, with ZeRO-3's
+parameter shards to files) and dropout (off, or p = 0.1: every layout draws one process's masks,
+minidist/nn/dropout.py) trains like one process on the full batch (minidist/train/support_matrix.py
+lists the 414,720 cells; the meaningless ones name a schedule without a pipeline, sequence
 parallelism without tensor parallelism, a cp algorithm without cp, expert parallelism without dp, or
 offloaded parameters below ZeRO-3).
 
-``--slow`` trains the 6,912 meaningful dense cells without offload (1,728 without cp, 5,184 with
-cp 2), the 2,592 mixture-of-experts cells without cp, a pairwise cover of all 10,368
-mixture-of-experts cells, the 2,160 offloading dense cells without cp, and the cells of a pairwise
-cover of all 21,600 offloading cells that have cp or experts. The default run trains a sample: 13
-dense cells without cp that hold every value of every axis, the first 5 cells (``FIRST``) of a
-pairwise cover of the dense cp cells (41 cells in which every pair of values of any two axes, such as
-zig-zag x fp16 or Ulysses x ZeRO-3, occurs at least once; its first 5 hold every algorithm, ZeRO stage
-and precision), and the first 5 of the experts' and of the offloading cells' pairwise covers (they
-hold ep 1 and 2, both offloads, every ZeRO stage and precision).
+``--slow`` trains, without dropout, the 6,912 meaningful dense cells without offload (1,728 without
+cp, 5,184 with cp 2), the 2,592 mixture-of-experts cells without cp and the 2,160 offloading dense
+cells without cp; and the cells of pairwise covers of all 20,736 mixture-of-experts cells and of all
+43,200 offloading cells that have cp, experts or dropout, and a pairwise cover of the 6,912 dense
+cells with dropout (dropout against every value of every other axis). The default run trains a
+sample: 13 dense cells without cp that hold every value of every axis (dropout on and off among
+them), the first 5 cells (``FIRST``) of a pairwise cover of the dense cp cells (39 cells in which every
+pair of values of any two axes, such as zig-zag x fp16 or Ulysses x ZeRO-3, occurs at least once; its
+first 5 hold every algorithm, ZeRO stage and precision, and dropout on and off), and the first 5 of
+the experts' and of the offloading cells' pairwise covers (they hold ep 1 and 2, both offloads,
+every ZeRO stage and precision, dropout on and off).
 
 A mixture-of-experts cell's one-process reference is the same MoE GPT (4 experts in blocks 1 and 3).
 In float64 each token goes to its top 2 experts. A routing decision is not continuous: where a
@@ -92,10 +95,13 @@ def experts(dtype: str, moe: bool) -> dict:
 
 
 @lru_cache(maxsize=None)
-def reference(dtype: str, data_dir: str, optimizer: str = "sgd", moe: bool = False):
-    """One process on the full batch, in ``dtype``: the dense GPT, or with ``moe`` the MoE GPT."""
+def reference(dtype: str, data_dir: str, optimizer: str = "sgd", moe: bool = False, dropout: bool = False):
+    """One process on the full batch, in ``dtype``: the dense GPT, or with ``moe`` the MoE GPT; with
+    ``dropout`` dropping as a dropout cell does (config_for: p = 0.1)."""
+    p = config_for(Cell(dtype=dtype, dropout=dropout)).dropout
     cfg = TrainConfig(**SIZES, **{**TRAIN, "optimizer": optimizer}, **experts(dtype, moe), dtype=run_dtype(dtype),
-                      data_dir=data_dir, export=f"{data_dir}/ref-{dtype}-{optimizer}{'-moe' * moe}.npz")
+                      data_dir=data_dir, dropout=p,
+                      export=f"{data_dir}/ref-{dtype}-{optimizer}{'-moe' * moe}{'-dropout' * dropout}.npz")
     return fit(cfg)
 
 
@@ -142,7 +148,7 @@ def assert_like_one_process(cell: Cell, rows, weights, ref_rows, ref_weights):
 
 def check_cell(cell, data_dir, tmp_path):
     rows, weights = train_cell(cell, data_dir, tmp_path)
-    ref_rows, ref_weights = reference(cell.dtype, data_dir, moe=cell.moe != "none")
+    ref_rows, ref_weights = reference(cell.dtype, data_dir, moe=cell.moe != "none", dropout=cell.dropout)
     assert_like_one_process(cell, rows, weights, ref_rows, ref_weights)
 
 
@@ -193,17 +199,18 @@ CP_CELLS = pairwise_cover([c for c in DENSE_CELLS if c.cp == 2])
 FIRST = 5  # the cells of each cover the default run trains: the fewest that hold every value asserted below
 SAMPLE = 13  # the dense cells without cp it trains: the first 13 of sample() hold every value of every axis
 MOE_COVER = pairwise_cover(MOE_CELLS)
+DROPOUT_COVER = pairwise_cover([c for c in DENSE_CELLS if c.dropout])  # --slow: dropout x every other axis
 OFFLOAD_COVER = pairwise_cover(OFFLOAD_CELLS)
 
 
 def test_the_grid_has_every_cell_and_the_samples_every_axis_value():
-    assert len(grid()) == 207360 and len(CP1_CELLS) == 1728 and len(DENSE_CELLS) == 1728 + 5184
-    assert len(MOE_CELLS) == 6912 + 3456  # ep 2 needs dp 2
-    assert len(OFFLOAD_CELLS) == 17280 + 17280 // 4  # parameters move under ZeRO-3 only
+    assert len(grid()) == 414720 and len(CP1_CELLS) == 3456 and len(DENSE_CELLS) == 3456 + 10368
+    assert len(MOE_CELLS) == 2 * (6912 + 3456)  # ep 2 needs dp 2
+    assert len(OFFLOAD_CELLS) == 2 * (17280 + 17280 // 4)  # parameters move under ZeRO-3 only
     # every meaningful cell is accepted (refusals are debts): tests/test_readme.py checks the README's matrix,
     # whose counts line says how many are refused (0), against support_matrix.refusals()
     covered = {v for c in sample(SAMPLE) for v in axis_values(c)}
-    assert len(covered) == 8 + 1 + 1 + 4 + 2 + 5 + 2 + 3 + 2 + 1 + 1  # (cp 1: one cp value, one algorithm; dense; no offload)
+    assert len(covered) == 8 + 1 + 1 + 4 + 2 + 5 + 2 + 3 + 2 + 1 + 1 + 2  # (cp 1: one cp value, one algorithm; dense; no offload)
     first = {v for c in OFFLOAD_COVER[:FIRST] for v in axis_values(c)}
     assert {v for v in first if v[0] in ("offload", "zero", "dtype")} == {
         ("offload", "optimizer"), ("offload", "optimizer,params")} | {("zero", z) for z in AXES["zero"]} | {
@@ -215,7 +222,9 @@ def test_the_grid_has_every_cell_and_the_samples_every_axis_value():
     assert {v for v in first if v[0] in ("cp_algorithm", "zero", "dtype")} == {
         ("cp_algorithm", a) for a in AXES["cp_algorithm"]} | {("zero", z) for z in AXES["zero"]} | {
         ("dtype", d) for d in AXES["dtype"]}  # the default run trains every algorithm, ZeRO stage and precision
-    assert len(CP_CELLS) == 41
+    for cover in (CP_CELLS, MOE_COVER, OFFLOAD_COVER):  # dropout on and off in each default sample
+        assert {c.dropout for c in cover[:FIRST]} == {False, True}
+    assert len(CP_CELLS) == 39
 
 
 @pytest.mark.parametrize("cell", sample(SAMPLE), ids=str)
@@ -236,7 +245,7 @@ def test_a_sample_of_the_float32_cells_trains_like_one_process_with_adamw_too(ce
     # layouts still agree to 1e-10; in 16 bits Adam's normalised step turns rounding noise near zero
     # gradients into whole steps, which is why the grid's tolerances are derived for SGD)
     rows, weights = train_cell(cell, data_dir, tmp_path, optimizer="adamw")
-    assert_like_one_process(cell, rows, weights, *reference(cell.dtype, data_dir, "adamw"))
+    assert_like_one_process(cell, rows, weights, *reference(cell.dtype, data_dir, "adamw", dropout=cell.dropout))
 
 
 @pytest.mark.parametrize("cell", CP_CELLS[:FIRST], ids=str)
@@ -255,20 +264,21 @@ def test_a_sample_of_the_offloading_cells_trains_like_one_process(cell, data_dir
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cell", DENSE_CELLS, ids=str)
+@pytest.mark.parametrize("cell", [c for c in DENSE_CELLS if not c.dropout] + DROPOUT_COVER, ids=str)
 def test_every_cell_of_the_grid_trains_like_one_process(cell, data_dir, tmp_path):
     check_cell(cell, data_dir, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cell", [c for c in MOE_CELLS if c.cp == 1] + [c for c in MOE_COVER if c.cp == 2], ids=str)
+@pytest.mark.parametrize("cell", [c for c in MOE_CELLS if c.cp == 1 and not c.dropout] +
+                         [c for c in MOE_COVER if c.cp == 2 or c.dropout], ids=str)
 def test_the_mixture_of_experts_cells_train_like_one_process(cell, data_dir, tmp_path):
     check_cell(cell, data_dir, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cell", [c for c in OFFLOAD_CELLS if c.cp == 1 and c.moe == "none"] +
-                         [c for c in OFFLOAD_COVER if c.cp == 2 or c.moe != "none"], ids=str)
+@pytest.mark.parametrize("cell", [c for c in OFFLOAD_CELLS if c.cp == 1 and c.moe == "none" and not c.dropout] +
+                         [c for c in OFFLOAD_COVER if c.cp == 2 or c.moe != "none" or c.dropout], ids=str)
 def test_the_offloading_cells_train_like_one_process(cell, data_dir, tmp_path):
     check_cell(cell, data_dir, tmp_path)
 

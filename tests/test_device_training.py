@@ -96,6 +96,7 @@ def test_data_parallel_on_device_arrays_trains_bitwise_like_numpy(cupy, data_dir
     dict(n_experts=4, dp=2, ep=2, zero=3, capacity_factor=1.0),
     dict(dp=2, zero=2, offload="optimizer"), dict(dp=2, pp=2, zero=1, micro_batches=2, offload="optimizer"),
     dict(dp=2, zero=3, offload="optimizer,params", dtype="bfloat16"), dict(zero=0, offload="optimizer"),
+    dict(dropout=0.2, tp=2, sequence_parallel=True), dict(dropout=0.2, dp=2, cp=2, cp_algorithm="zigzag", recompute="full"),
 ], ids=lambda c: " ".join(f"{k}={v}" for k, v in c.items()))
 def test_parallel_layouts_on_device_arrays_train_bitwise_like_numpy(cupy, data_dir, tmp_path, changes):
     cfg = dataclasses.replace(TrainConfig(**TINY, data_dir=data_dir, optimizer="adamw"), **changes)

@@ -1,7 +1,7 @@
 """One function says what is wrong with a layout (minidist/parallel/spec.py: ``problems``), and the
 trainer (``check_config``), the planner (``layout_problems``) and the support matrix (``meaningless``)
 all ask it, so they cannot disagree. Held here on the support matrix's cells (a seeded sample that
-holds every value of every axis, each kind of meaningless cell, and with ``--slow`` all 207,360) and
+holds every value of every axis, each kind of meaningless cell, and with ``--slow`` all 414,720) and
 on edge layouts that break each rule:
 
 - the trainer and the planner give the SAME lines, in the same order (empty for both, or the same

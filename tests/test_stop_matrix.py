@@ -27,7 +27,7 @@ from minidist.checkpoint.writer import LEFTOVERS
 from minidist.data.corpus import default_corpus
 from minidist.data.prepare import main as prepare
 from minidist.process_tree import signal_processes
-from tests.mpi.harness import REPO, find_mpiexec, mpiexec_command, ranks_said
+from tests.mpi.harness import REPO, find_mpiexec, mpiexec_command
 from tests.test_stopping import assert_quiet, finish, ranks_of, wait_for
 
 TINY = ["--n-layer", "2", "--n-head", "4", "--n-embd", "16", "--block-size", "16", "--batch-size", "4",

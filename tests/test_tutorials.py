@@ -198,6 +198,17 @@ LESSONS = [
         r"its weights came through members",
         r"\nTry:\n",
         r"the lineage is recorded\. All checks passed\."]),
+    # one process: part 2 on 4 thread ranks
+    ("20_character_model.py", None, [], [
+        r"vocabulary of 34: ",
+        r"--data char: minidist reads the same ids and the vocabulary of meta\.pkl",
+        r"  one process, --dropout 0\.2:  losses ([\d.]+), ([\d.]+), ([\d.]+)\n  dp 2 x tp 2 \(4 ranks\): +losses \1, \2, \3",
+        r"drops nothing: ([\d.]+) twice",
+        (r"(?m)^step +(1|251|500)  train loss [\d.]+  val loss [\d.]+$", 3),  # every 250 steps, and the last
+        r"sample \(temperature 0\.8, top-k 20\):\n",
+        r"val loss ~1\.88 after 2,000 iterations",
+        r"\nTry:\n",
+        r"Dropout drew the same masks in every layout, and evaluation drew none\. All checks passed\."]),
     # one process: the run of part 2 on 8 thread ranks
     ("17_data_shards.py", None, [], [
         r"again: cached, nothing written",
@@ -269,7 +280,7 @@ def test_tutorial_in_one_process(script, args, expected, tmp_path):
     assert_printed(done.stdout, expected, done.stdout)
     assert_ends_well(script, done.stdout, png, done.stdout + done.stderr)
     alone = [line for line in done.stdout.splitlines() if "started alone, so its" in line]
-    assert len(alone) == (not args and script[:2] not in ("00", "06", "08", "14", "16", "17", "18")), done.stdout
+    assert len(alone) == (not args and script[:2] not in ("00", "06", "08", "14", "16", "17", "18", "19")), done.stdout
 
 
 def test_every_tutorial_is_listed():

@@ -66,9 +66,9 @@ def gpt(recompute, n_layer=CONFIG.n_layer, calls=None):
     forward first appends the block's index to it (so a recomputed forward is counted too)."""
     model = GPT(GPTConfig(**{**vars(CONFIG), "n_layer": n_layer}), seed=1, dtype=DTYPE)
     for i, block in enumerate(model.transformer.h if calls is not None else []):
-        def counted(x, forward=block.forward, i=i):
+        def counted(x, *rest, forward=block.forward, i=i):  # rest: the block's dropout (None here)
             calls.append(i)
-            return forward(x)  # (B, T, C)
+            return forward(x, *rest)  # (B, T, C)
         object.__setattr__(block, "forward", counted)
     if recompute:
         recompute_blocks(model)
@@ -88,12 +88,12 @@ def rebuilt_bytes():
     model, rebuilt = gpt(False), []
     weights = [p.data for p in model.parameters()]
     for block in model.transformer.h:
-        def measuring(x, forward=block.forward):
-            out = forward(x)  # (B, T, C)
+        def measuring(x, *rest, forward=block.forward):  # rest: the block's dropout (None here)
+            out = forward(x, *rest)  # (B, T, C)
             if is_grad_enabled():  # the second run, inside backward: its graph lives until its backward ends
                 rebuilt.append(activation_bytes(out, exclude=weights))
             return out
-        object.__setattr__(block, "forward", lambda x, fn=measuring: checkpoint(fn, x))
+        object.__setattr__(block, "forward", lambda x, *rest, fn=measuring: checkpoint(fn, x, *rest))
     _, loss = model(IDX, TARGETS)
     loss.backward()
     return rebuilt

@@ -11,7 +11,7 @@ one with its saved and its current value. The identity holds whatever changes th
                   prepared shard folder, its manifest's train shards and their SHA-256)
     the math      optimizer, lr, min_lr, warmup, steps (the cosine schedule ends at ``steps``),
                   weight_decay, grad_clip, batch_size, dtype; momentum for SGD only; beta1, beta2 for
-                  AdamW and no_bias (nanoGPT's knobs) where they are not the defaults;
+                  AdamW, no_bias and dropout (nanoGPT's knobs) where they are not the defaults;
                   loss_scale and loss_scale_window in mixed precision only
 
 and nothing that only says HOW the same math is laid out: dp, tp, pp, ep, zero, offload, schedule, virtual
@@ -54,7 +54,7 @@ def run_identity(cfg, data: dict, exempt=()) -> dict:
     if getattr(cfg, "vocab_size", 0) not in (0, 256):  # a vocabulary other than bytes' (recorded since it exists)
         identity["vocab_size"] = cfg.vocab_size
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)} if dataclasses.is_dataclass(cfg) else {}
-    knobs = ("no_bias",) + (("beta1", "beta2") if cfg.optimizer == "adamw" else ())
+    knobs = ("no_bias", "dropout") + (("beta1", "beta2") if cfg.optimizer == "adamw" else ())
     identity.update({name: getattr(cfg, name) for name in knobs  # likewise: once set apart from the config's default
                      if hasattr(cfg, name) and getattr(cfg, name) != defaults.get(name)})
     identity.update(data)

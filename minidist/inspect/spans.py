@@ -178,7 +178,7 @@ class ModuleSpans:
 
     def _timed(self, tape, name, forward, pass_start):
         """``forward`` of block ``name``, timed, between two boundaries when a graph is built."""
-        def call(x):
+        def call(x, *rest):  # rest: the block's other arguments (its dropout)
             begin = time.perf_counter()
             graph = is_grad_enabled()
             if not tape.blocks and tape.first:  # what ran before the first block: the embedding
@@ -188,7 +188,7 @@ class ModuleSpans:
             tape.blocks.append(name)
             if graph and isinstance(x, Tensor) and x.requires_grad:
                 x = Boundary.apply(x, tape, name, "enter")
-            y = forward(x)
+            y = forward(x, *rest)
             if graph:
                 tape.count(name, y)
                 if isinstance(y, Tensor) and y.requires_grad:

@@ -62,7 +62,8 @@ def checkpoint(fn, *args):
 
 def recompute_blocks(model) -> None:
     """Make every transformer block of ``model`` (``model.transformer.h``) run through
-    :func:`checkpoint`: its activations are recomputed in backward instead of kept."""
+    :func:`checkpoint`: its activations are recomputed in backward instead of kept. The block's other
+    arguments (its dropout) are kept with its input, so the recomputed forward drops the same elements."""
     for block in model.transformer.h:
         forward = block.forward  # the block's own bound method
-        object.__setattr__(block, "forward", lambda x, forward=forward: checkpoint(forward, x))
+        object.__setattr__(block, "forward", lambda x, *rest, forward=forward: checkpoint(forward, x, *rest))

@@ -64,6 +64,9 @@ GROUPS = {  # the flags of --help, by what they are about: field -> help
                            "assignments, the rest are dropped",
         "aux_loss_coef": "weight of the load-balancing loss (per sequence, Switch-style)",
         "no_bias": "no biases in the Linear and LayerNorm layers (nanoGPT's bias=False)",
+        "dropout": "drop probability in training steps, where nanoGPT drops: the embeddings, the attention "
+                   "probabilities, the attention's and the MLP's output projections (nanoGPT's "
+                   "shakespeare_char config: 0.2, its CPU recipe: 0)",
         "vocab_size": "the model's vocabulary (0: the data's: 256 bytes, a prepared folder's manifest, a "
                       "tokenizer.json beside the shards; a folder without either needs it)",
         "init_from_hf": "start from a local Hugging Face GPT-2 folder (config.json + model.safetensors; its "

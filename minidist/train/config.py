@@ -52,6 +52,7 @@ class TrainConfig(Layout):
     capacity_factor: float = 0.0
     aux_loss_coef: float = 0.01
     no_bias: bool = False  # nanoGPT's bias=False: no biases in Linears and LayerNorms
+    dropout: float = 0.0  # nanoGPT's dropout: attention and residual, in training steps (minidist/nn/dropout.py)
     vocab_size: int = 0  # 0: the data's (train/build.py: load_data)
     # data, evaluation, output
     data: str | None = None
@@ -115,7 +116,7 @@ RANGES = {
     "steps": "[1, inf)", "batch_size": "[1, inf)", "seed": "[0, inf)", "loss_scale_window": "[1, inf)",
     "lr": "[0, inf)", "min_lr": "[0, inf)", "warmup": "[0, inf)", "momentum": "[0, 1)", "beta1": "[0, 1)", "beta2": "[0, 1)",
     "weight_decay": "[0, inf)", "grad_clip": "[0, inf)", "block_size": "[1, inf)",
-    "capacity_factor": "[0, 1e6]", "aux_loss_coef": "[0, inf)", "vocab_size": "[0, 1048576]",  # a capacity factor >= E keeps every assignment
+    "dropout": "[0, 1)", "capacity_factor": "[0, 1e6]", "aux_loss_coef": "[0, inf)", "vocab_size": "[0, 1048576]",  # a capacity factor >= E keeps every assignment
     "eval_every": "[1, inf)", "eval_iters": "[1, inf)", "sample_tokens": "[0, inf)",
     "servers": "[1, inf)", "staleness": "[-1, inf)", "straggler": "[0, inf)",
     "bucket_mb": "(0, inf)", "fail_at_step": "[-1, inf)", "fail_rank": "[0, inf)",
@@ -246,7 +247,7 @@ def parameter_server_problems(cfg, world_size: int) -> list[str]:
     except ValueError as e:
         problems.append(str(e))
     collective = [flag(name) for name in ("dp", "pp", "tp", "cp", "ep", "micro_batches", "zero", "offload", "ckpt_dir",
-                  "explain", "sequence_parallel", "recompute", "export_hf", "init_from_hf")
+                  "explain", "sequence_parallel", "recompute", "export_hf", "init_from_hf", "dropout")
                   if getattr(cfg, name) not in (1, 0, None, False, "none")]
     if collective:
         problems.append(f"--mode ps trains whole models on its workers: {', '.join(collective)} do not apply")

@@ -6,6 +6,8 @@ holds only its chunks of every sequence (parallel/context/ring_attention.py: ``s
 it reads their ids and the next tokens as targets; a pipeline's first stage needs the ids, its last
 stage the targets, a stage between them neither (with the zbv schedule rank 0 holds both ends).
 Tensor-parallel ranks all read the same tokens. Its bytes per step are :meth:`DistributedSampler.bytes_per_step`.
+Beside its batch a step gets the DropoutKey of its rows (:func:`dropout_key`): which global rows of
+the step's batch they are, so every layout drops the same elements (minidist/nn/dropout.py).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import threading
 
 from minidist.comm.trace import Event
 from minidist.device import to_device
+from minidist.nn.dropout import DropoutKey
 from minidist.parallel.context.ring_attention import sequence_chunks
 from minidist.parallel.data.sampler import window_spans
 from minidist.parallel.pipeline import placement_of, rank_stages
@@ -25,6 +28,14 @@ def rank_spans(cfg, mesh) -> list[tuple[int, int]]:
     stages = rank_stages(mesh.pp_rank, cfg.pp, cfg.virtual_stages, placement_of(cfg.schedule))
     return window_spans(cfg.block_size, chunks, inputs=0 in stages,
                         targets=cfg.pp * cfg.virtual_stages - 1 in stages)
+
+
+def dropout_key(cfg, step: int, sampler):
+    """The DropoutKey of ``step`` for ``sampler``'s rows of the global batch, or None without
+    ``--dropout``: the masks depend on (seed, step, the rows, the element's place), not on the layout."""
+    if not cfg.dropout:
+        return None
+    return DropoutKey(cfg.dropout, cfg.seed, step, tuple(int(r) for r in sampler.rows), cfg.block_size)
 
 
 def read_batch(sampler, step: int, device):

@@ -38,7 +38,7 @@ from minidist.train.build import build_parallel, load_data, select_device, with_
 from minidist.train.config import ConfigError, check_flags, fault_injection_armed
 from minidist.train.describe import describe_data, describe_layout, memory_table
 from minidist.train.divergence import DivergenceWatch
-from minidist.train.feed import next_batch, rank_spans, read_batch
+from minidist.train.feed import dropout_key, next_batch, rank_spans, read_batch
 from minidist.train.folders import held_folders
 from minidist.train.memory import memory_problems
 from minidist.train.outputs import estimate_val_loss, explain_step, metrics_line, open_metrics, trace_file, write_outputs
@@ -134,7 +134,8 @@ class Run:
                     batch, data_wait_s = next_batch(reads, step, world.trace)  # (B/dp, T+1): this rank's rows
                     loss_scale = state.scaler.scale if state.scaler else None  # the scale this step's backward uses
                     loss, grad_norm = train_step(self.model, state, batch, lr, cfg.grad_clip, engine=self.engine,
-                                                 mesh=mesh, n_micro=cfg.micro_batches, trace=world.trace)
+                                                 mesh=mesh, n_micro=cfg.micro_batches, trace=world.trace,
+                                                 dropout=dropout_key(cfg, step, self.sampler))
                 tokens_per_s = cfg.batch_size * cfg.block_size / (time.perf_counter() - t0)
                 if step == self.first and cfg.explain:
                     explain_step(mesh, self.model, step_events, batch.shape, state)

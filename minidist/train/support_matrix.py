@@ -1,6 +1,6 @@
 """The support matrix: every combination of the trainer's features, and whether it runs.
 
-The grid is the product of eleven axes (a new user's first questions):
+The grid is the product of twelve axes (a new user's first questions):
 
     layout      dp, tp, pp each 1 or 2                              8
     context parallelism    cp 1 or 2                                2
@@ -13,8 +13,9 @@ The grid is the product of eleven axes (a new user's first questions):
     checkpoints off, on (save, and resume from the newest)          2
     experts     none (dense), MoE with experts on every dp rank     3
                 (ep 1), MoE with experts split over 2 (ep 2)
-    offload     none, optimizer (host memory), optimizer,params     3      = 207,360 cells
+    offload     none, optimizer (host memory), optimizer,params     3
                 (in files under --offload-dir)
+    dropout     off, on (--dropout 0.1)                             2      = 414,720 cells
 
 A cell is MEANINGLESS when it asks for something its layout does not have (sequence parallelism
 without tensor parallelism: nothing to split the sequence over; a schedule other than the default
@@ -57,6 +58,7 @@ AXES = {
     "checkpoint": [False, True],
     "moe": ["none", "ep1", "ep2"],
     "offload": ["none", "optimizer", "optimizer,params"],
+    "dropout": [False, True],
 }
 
 
@@ -68,9 +70,10 @@ class Cell(Layout):
     shards, to files), whether it checkpoints, and its experts ("none": a dense GPT; "ep1": 4 experts
     per MoE block, on every rank; "ep2": split over 2 dp ranks). The rest of its layout follows from
     those: ep 2 for "ep2", two micro-batches per step, two virtual stages per rank under the
-    interleaved and zbv schedules."""
+    interleaved and zbv schedules; whether it trains with dropout (p = 0.1: not a layout's)."""
     checkpoint: bool = False
     moe: str = "none"
+    dropout: bool = False
 
     def __post_init__(self):
         derived = dict(ep=2 if self.moe == "ep2" else 1, micro_batches=2,
@@ -83,22 +86,24 @@ class Cell(Layout):
         parts += [f"zero{self.zero}"]
         parts += ["sp"] * self.sequence_parallel + [self.schedule] * (self.pp > 1) + ["recompute"] * (self.recompute == "full")
         parts += [self.dtype] + ["ckpt"] * self.checkpoint + [f"moe-{self.moe}"] * (self.moe != "none")
-        return "-".join(parts + [f"offload-{self.offload.replace(',', '+')}"] * (self.offload != "none"))
+        parts += [f"offload-{self.offload.replace(',', '+')}"] * (self.offload != "none")
+        return "-".join(parts + ["dropout"] * self.dropout)
 
 
 def grid() -> list[Cell]:
-    """All 207,360 cells, in a fixed order."""
+    """All 414,720 cells, in a fixed order."""
     return [Cell(**layout, cp=cp, cp_algorithm=a, zero=z, sequence_parallel=sp, schedule=s, recompute=r, dtype=d,
-                 checkpoint=c, moe=e, offload=o)
-            for layout, cp, a, z, sp, s, r, d, c, e, o in itertools.product(*AXES.values())]
+                 checkpoint=c, moe=e, offload=o, dropout=dr)
+            for layout, cp, a, z, sp, s, r, d, c, e, o, dr in itertools.product(*AXES.values())]
 
 
 def meaningless(cell: Cell) -> str | None:
     """Why ``cell`` names a combination that does not exist (the first of ``spec.lacks`` of its
-    layout: a problem the trainer refuses it with), or None. Recompute, checkpoints and the precision
-    are not part of what a layout lacks (no ``lacks`` reads them): the cells that differ only in them
-    share one answer, found once."""
-    return _layout_meaningless(dataclasses.replace(cell, recompute="none", dtype="float32", checkpoint=False))
+    layout: a problem the trainer refuses it with), or None. Recompute, checkpoints, the precision and
+    dropout are not part of what a layout lacks (no ``lacks`` reads them): the cells that differ only in
+    them share one answer, found once."""
+    return _layout_meaningless(dataclasses.replace(cell, recompute="none", dtype="float32", checkpoint=False,
+                                                   dropout=False))
 
 
 @lru_cache(maxsize=None)
@@ -112,13 +117,14 @@ def config_for(cell: Cell, **sizes) -> TrainConfig:
     """The TrainConfig of ``cell``: its layout, and with experts 4 per MoE block, top-2, in every second
     block (``sizes`` override the model and batch). A checkpointing cell saves into ``ckpt``, and an
     offloading cell of parameters keeps its files in ``offload`` (relative paths: only checked, never
-    written here)."""
+    written here); a dropout cell drops with p = 0.1."""
     base = dict(n_layer=4, n_head=4, n_embd=16, block_size=16, batch_size=8)
     base.update(sizes)
     return TrainConfig(**base, **dataclasses.asdict(layout_of(cell)),
                        ckpt_dir="ckpt" if cell.checkpoint else None, save_every=2 if cell.checkpoint else 0,
                        n_experts=0 if cell.moe == "none" else 4, moe_every=2,
-                       offload_dir="offload" if cell.offload == "optimizer,params" else None)
+                       offload_dir="offload" if cell.offload == "optimizer,params" else None,
+                       dropout=0.1 if cell.dropout else 0.0)
 
 
 def refusals(cells: list[Cell] | None = None) -> dict:
@@ -149,6 +155,7 @@ FEATURES = {  # a feature: the cells that have it
     "checkpoints": lambda c: c.checkpoint,
     "MoE": lambda c: c.moe != "none", "EP": lambda c: c.moe == "ep2",
     "offload": lambda c: c.offload != "none", "offload params": lambda c: c.offload == "optimizer,params",
+    "dropout": lambda c: c.dropout,
 }
 
 

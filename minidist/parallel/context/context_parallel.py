@@ -109,11 +109,12 @@ class ContextParallel:
                 offset += b - a
         raise ValueError(f"position {position} is outside a {T}-token sequence")
 
-    def attend(self, q, k, v):
-        """Causal attention of this rank's q, k, v (B, nh, T/cp, hs) over the whole sequence."""
+    def attend(self, q, k, v, dropout=None):
+        """Causal attention of this rank's q, k, v (B, nh, T/cp, hs) over the whole sequence, its
+        probabilities dropped by ``dropout`` (an AttentionDropout of the heads held, or None)."""
         if self.algorithm == "ulysses":
-            return ulysses_attention(q, k, v, self.group)
-        return ring_attention(q, k, v, self.group, zigzag=self.algorithm == "zigzag")
+            return ulysses_attention(q, k, v, self.group, dropout)
+        return ring_attention(q, k, v, self.group, zigzag=self.algorithm == "zigzag", dropout=dropout)
 
     def average_loss(self, loss):
         """The mean of the cp ranks' losses, the same on every rank (:class:`AverageOverContextParallel`)."""

@@ -16,6 +16,10 @@ which is exactly softmax over the union. The causal mask skips every (query chun
 whose keys all come after its queries, and needs no mask at all where they all come before; only a
 chunk against itself is cut by the triangle.
 
+Attention dropout (minidist/nn/dropout.py) multiplies a block's probabilities by its mask after
+their normaliser is summed, so each block contributes exactly its part of (P * D) @ v; backward
+multiplies dP by the same mask, drawn again for the block's global query and key positions.
+
 Backward is a ring too (flash attention's backward, block by block, from the saved output and
 log-sum-exp): the K/V blocks travel around again, and beside each one travels the running sum of
 its gradient dK, dV; after the last hop that sum arrives back at the block's owner, complete.
@@ -107,14 +111,17 @@ def _scores(q, k, scale, q_range, k_range, kind, xp):
     return s
 
 
-def attention_block(q, k, v, scale, q_range, k_range, kind):
+def attention_block(q, k, v, scale, q_range, k_range, kind, dropout=None):
     """One block's partial attention: (o (B, nh, Lq, hs), lse (B, nh, Lq)) = softmax over these
-    keys only, and the log of its normaliser. Every query row has at least one visible key."""
+    keys only, and the log of its normaliser. Every query row has at least one visible key.
+    ``dropout`` (an AttentionDropout, or None) drops probabilities after the normaliser is summed."""
     xp = get_array_module(q)
     s = _scores(q, k, scale, q_range, k_range, kind, xp)
     m = s.max(axis=-1, keepdims=True)  # (B, nh, Lq, 1)
     xp.exp(s - m, out=s)
     total = s.sum(axis=-1, keepdims=True)
+    if dropout is not None:
+        s *= dropout.scaled_keep(range(*q_range), range(*k_range), s)
     return matmul(s, v) / total, (m + xp.log(total))[..., 0]
 
 
@@ -164,7 +171,7 @@ class RingAttention(Function):
     in the order of :func:`sequence_chunks`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, zigzag):
+    def forward(ctx, q, k, v, group, zigzag, dropout=None):
         xp = get_array_module(q)
         n, r = group.size, group.rank
         T = q.shape[2] * n
@@ -185,18 +192,18 @@ class RingAttention(Function):
             theirs = sequence_chunks(T, n, src, zigzag)
             for i, j, kind in block_plan(mine, theirs):
                 kj, vj = (a[:, :, rows[j]].astype(acc, copy=False) for a in kv)
-                o, block_lse = attention_block(qa[:, :, rows[i]], kj, vj, scale, mine[i], theirs[j], kind)
+                o, block_lse = attention_block(qa[:, :, rows[i]], kj, vj, scale, mine[i], theirs[j], kind, dropout)
                 merge_partial(out[:, :, rows[i]], lse[:, :, rows[i]], o, block_lse)
             if s < n - 1:
                 ring.wait()
                 kv, spare = spare, kv
         ctx.q, ctx.k, ctx.v, ctx.out, ctx.lse = q, k, v, out, lse
-        ctx.group, ctx.zigzag, ctx.scale = group, zigzag, scale
+        ctx.group, ctx.zigzag, ctx.scale, ctx.dropout = group, zigzag, scale, dropout
         return out.astype(q.dtype)
 
     @staticmethod
     def backward(ctx, grad):  # grad (B, nh, L, hs)
-        q, group, zigzag, scale = ctx.q, ctx.group, ctx.zigzag, ctx.scale
+        q, group, zigzag, scale, dropout = ctx.q, ctx.group, ctx.zigzag, ctx.scale, ctx.dropout
         xp = get_array_module(q)
         n, r = group.size, group.rank
         T = q.shape[2] * n
@@ -224,8 +231,11 @@ class RingAttention(Function):
                 qi, doi = qa[:, :, rows[i]], do[:, :, rows[i]]
                 p = _scores(qi, ki, scale, mine[i], theirs[j], kind, xp)
                 xp.exp(p - ctx.lse[:, :, rows[i], None], out=p)  # P: the block's final probabilities
-                mine_dkv[1][:, :, rows[j]] += matmul(p.swapaxes(-1, -2), doi)  # dV = P^T dO
+                keep = None if dropout is None else dropout.scaled_keep(range(*mine[i]), range(*theirs[j]), p)
+                mine_dkv[1][:, :, rows[j]] += matmul((p if keep is None else p * keep).swapaxes(-1, -2), doi)  # dV
                 ds = matmul(doi, vi.swapaxes(-1, -2))  # dP
+                if keep is not None:
+                    ds *= keep
                 ds -= delta[:, :, rows[i], None]
                 ds *= p
                 ds *= scale  # dS of the scaled scores
@@ -244,11 +254,12 @@ class RingAttention(Function):
             dkv_ring.wait()
             dkv = home
         dtype = q.dtype
-        return dq.astype(dtype), dkv[0].astype(dtype), dkv[1].astype(dtype), None, None
+        return dq.astype(dtype), dkv[0].astype(dtype), dkv[1].astype(dtype), None, None, None
 
 
-def ring_attention(q, k, v, group, zigzag: bool = False):
+def ring_attention(q, k, v, group, zigzag: bool = False, dropout=None):
     """Causal attention for this rank's tokens (q, k, v: (B, nh, L, hs) Tensors, L = T / cp, in the
-    order of :func:`sequence_chunks`) over the whole sequence held by ``group``'s ranks. Returns
-    (B, nh, L, hs). Collective over ``group``: see the module docstring for what it sends."""
-    return RingAttention.apply(q, k, v, group, zigzag)
+    order of :func:`sequence_chunks`) over the whole sequence held by ``group``'s ranks, its
+    probabilities dropped by ``dropout`` (an AttentionDropout, or None). Returns (B, nh, L, hs).
+    Collective over ``group``: see the module docstring for what it sends."""
+    return RingAttention.apply(q, k, v, group, zigzag, dropout)

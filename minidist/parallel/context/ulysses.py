@@ -51,10 +51,13 @@ class UlyssesAttention(Function):
     all-to-alls around one-process attention on nh / n heads (module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group):
+    def forward(ctx, q, k, v, group, dropout=None):
         xp = get_array_module(q)
         qkv = sequence_to_heads(xp.stack([q, k, v]), group, 2, "Ulysses q, k, v")  # (3, B, nh/n, T, hs)
-        y = ScaledDotProductAttention.forward(ctx, qkv[0], qkv[1], qkv[2], True)  # (B, nh/n, T, hs); saves on ctx
+        if dropout is not None:  # this rank's head group of the heads held
+            nh = q.shape[1] // group.size
+            dropout = dropout.of_heads(slice(group.rank * nh, (group.rank + 1) * nh))
+        y = ScaledDotProductAttention.forward(ctx, qkv[0], qkv[1], qkv[2], True, dropout)  # (B, nh/n, T, hs); on ctx
         ctx.group = group
         return heads_to_sequence(y, group, 1, "Ulysses attention output")  # (B, nh, L, hs)
 
@@ -62,14 +65,15 @@ class UlyssesAttention(Function):
     def backward(ctx, grad):  # (B, nh, L, hs)
         group = ctx.group
         dy = sequence_to_heads(grad, group, 1, "Ulysses attention output's gradient")  # (B, nh/n, T, hs)
-        dq, dk, dv, _ = ScaledDotProductAttention.backward(ctx, dy)
+        dq, dk, dv, _, _ = ScaledDotProductAttention.backward(ctx, dy)
         dqkv = get_array_module(dq).stack([dq, dk, dv])  # (3, B, nh/n, T, hs)
         grads = heads_to_sequence(dqkv, group, 2, "Ulysses dq, dk, dv")  # (3, B, nh, L, hs)
-        return grads[0], grads[1], grads[2], None
+        return grads[0], grads[1], grads[2], None, None
 
 
-def ulysses_attention(q, k, v, group):
+def ulysses_attention(q, k, v, group, dropout=None):
     """Causal attention for this rank's contiguous tokens (q, k, v: (B, nh, L, hs) Tensors) over
-    the whole sequence held by ``group``'s ranks; nh must divide by ``group.size``. Returns
+    the whole sequence held by ``group``'s ranks; nh must divide by ``group.size``. ``dropout``: an
+    :class:`~minidist.nn.dropout.AttentionDropout` of the heads held, or None. Returns
     (B, nh, L, hs). Collective over ``group``: two all-to-alls forward, two backward."""
-    return UlyssesAttention.apply(q, k, v, group)
+    return UlyssesAttention.apply(q, k, v, group, dropout)

@@ -20,10 +20,12 @@ from minidist.parallel.pipeline.p2p import StageLink
 
 class Step:
     """One step's state: per (stage, micro-batch) the input a stage got (a leaf Tensor: its gradient
-    goes back) and the output it made (kept for B); the mean loss so far (on the last stage)."""
+    goes back) and the output it made (kept for B); the mean loss so far (on the last stage); each
+    micro-batch's DropoutKey (None: no dropout)."""
 
-    def __init__(self, micro_batches, loss_scale: float, link: StageLink):
+    def __init__(self, micro_batches, loss_scale: float, link: StageLink, dropouts=None):
         self.micro_batches, self.loss_scale, self.link = micro_batches, loss_scale, link
+        self.dropouts = dropouts or [None] * len(micro_batches)
         self.inputs, self.outputs, self.loss = {}, {}, 0.0
 
 
@@ -41,18 +43,21 @@ class PipelineExecutor:
         first = next(iter(stage.parameters()))
         self.dtype, self.xp = first.dtype, get_array_module(first.data)  # received arrays go there
 
-    def forward_backward(self, micro_batches, loss_scale: float = 1.0) -> float:
+    def forward_backward(self, micro_batches, loss_scale: float = 1.0, dropouts=None) -> float:
         """One step over ``micro_batches`` (m arrays (mb, T+1), the same on every pp rank); the
-        gradients accumulate into the stage's parameters. Returns the mean loss, on every rank."""
-        return self.run_step(self.schedule[self.group.rank], micro_batches, loss_scale)
+        gradients accumulate into the stage's parameters. ``dropouts``: each micro-batch's
+        DropoutKey, or None. Returns the mean loss, on every rank."""
+        return self.run_step(self.schedule[self.group.rank], micro_batches, loss_scale, dropouts)
 
-    def run_step(self, actions, micro_batches, loss_scale: float = 1.0) -> float:
-        """Run ``actions`` over ``micro_batches``; the mean loss, broadcast from the last stage."""
+    def run_step(self, actions, micro_batches, loss_scale: float = 1.0, dropouts=None) -> float:
+        """Run ``actions`` over ``micro_batches`` (with ``dropouts``, their DropoutKeys, or None); the
+        mean loss, broadcast from the last stage."""
         if len(micro_batches) != self.micro_batches:
             raise ValueError(f"the engine was built for {self.micro_batches} micro-batches, got {len(micro_batches)}")
         rows, T = micro_batches[0].shape[0], micro_batches[0].shape[1] - 1
         shape = self.stage.activation_shape(rows, T)  # (mb, T, C)
-        step = Step(micro_batches, loss_scale, StageLink(self.group, self.xp, self.stage.placement, shape, self.dtype))
+        step = Step(micro_batches, loss_scale, StageLink(self.group, self.xp, self.stage.placement, shape, self.dtype),
+                    dropouts)
         messages = []
         for a in actions:
             if not a.is_compute:
@@ -85,7 +90,8 @@ class PipelineExecutor:
         idx, targets = inputs_and_targets(step.micro_batches[a.microbatch])  # (mb, T), (mb, T)
         if a.stage > 0:
             step.inputs[key] = Tensor(step.link.take(Action("RECV_F", *key)), requires_grad=True)  # (mb, T, C)
-        out = self.stage(a.stage // self.group.size, step.inputs.get(key, idx), targets)  # (mb, T, C) or the loss
+        out = self.stage(a.stage // self.group.size, step.inputs.get(key, idx), targets,  # (mb, T, C) or the loss
+                         step.dropouts[a.microbatch])
         step.outputs[key] = out
         if a.stage == self.stage.n_stages - 1:
             step.loss += out.item() / self.micro_batches

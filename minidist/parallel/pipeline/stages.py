@@ -8,11 +8,13 @@ from __future__ import annotations
 import numpy as np
 
 from minidist import nn
+from minidist.model import dropout_of
 from minidist.parallel.pipeline.actions import rank_stages
 from minidist.parallel.pipeline.partition import layers_for, partition_layers  # noqa: F401 (plan/models.py)
 from minidist.parallel.pipeline.tied_embeddings import tied_head
 
-_SHARED_ATTRIBUTES = ("config", "tp_group", "sequence_parallel", "context_parallel", "cross_entropy")  # embed/head read
+_SHARED_ATTRIBUTES = ("config", "tp_group", "sequence_parallel", "context_parallel", "cross_entropy",
+                      "heads")  # what embed, head and dropout read
 
 
 class PipelineStage(nn.Module):
@@ -49,15 +51,15 @@ class PipelineStage(nn.Module):
         if self.holds_last:
             self.lm_head = tied_head(self, model)
 
-    def forward(self, chunk: int, x, targets=None):
+    def forward(self, chunk: int, x, targets=None, dropout=None):
         """Chunk ``chunk``: ids (B, T) or activations (B, T, C) in; activations (B, T, C) out, or on
         the last stage the mean cross-entropy (the logits (B, T, V), or this tp rank's slice of them,
-        without ``targets``: generation)."""
-        stage = self.stages[chunk]
+        without ``targets``: generation). ``dropout``: the micro-batch's DropoutKey, or None."""
+        stage, drop = self.stages[chunk], dropout_of(self, dropout)
         if stage == 0:
-            x = self._model_type.embed(self, x)  # (B, T, C)
+            x = self._model_type.embed(self, x, drop)  # (B, T, C)
         for i in self.layers[chunk]:
-            x = self.transformer.h[str(i)](x)  # (B, T, C)
+            x = self.transformer.h[str(i)](x, drop)  # (B, T, C)
         if stage == self.n_stages - 1:
             logits, loss = self._model_type.head(self, x, targets)
             return logits if targets is None else loss

@@ -36,7 +36,7 @@ on its shard):
 """
 from minidist import nn
 from minidist.moe import MoE
-from minidist.parallel.tensor.layout import shard_for, tp_layout
+from minidist.parallel.tensor.layout import shard_for, tp_heads, tp_layout
 from minidist.parallel.tensor.tensor_parallel import (enter_tensor_parallel_region, gather_from_tensor_parallel_region,
                                                       reduce_from_tensor_parallel_region, row_parallel,
                                                       scatter_to_sequence_parallel_region)
@@ -52,8 +52,9 @@ def tensor_parallel(model, group, sequence_parallel: bool = False):
     padding rows zero). Shards are tagged ``tensor_parallel``, replicated parameters not, and under
     sequence parallelism a replicated parameter that sees only this rank's tokens ``sequence_parallel``
     (:func:`~minidist.parallel.compose.complete.sync_sequence_parallel_grads`). Then the forwards
-    change where the ranks talk (module docstring), the model records ``tp_group`` and
-    ``sequence_parallel`` (the pipeline and generation read them), and the Linears their local widths.
+    change where the ranks talk (module docstring), the model records ``tp_group``,
+    ``sequence_parallel`` (the pipeline and generation read them) and ``heads`` (dropout's masks
+    read them), and the Linears their local widths.
 
     Memory: the whole model exists from its construction until this call has cut it; each tensor
     is cut in turn and its full value freed as its shard replaces it. Fine at this engine's sizes
@@ -88,6 +89,7 @@ def tensor_parallel(model, group, sequence_parallel: bool = False):
         return vocab_parallel_cross_entropy(logits, targets, group, config.vocab_size)
     model.cross_entropy = cross_entropy
     model.tp_group, model.sequence_parallel = group, sequence_parallel
+    model.heads = tp_heads(config.n_head, group.rank, n)  # the global heads this rank attends with
     return model
 
 

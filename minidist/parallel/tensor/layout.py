@@ -68,6 +68,13 @@ def tp_layout(name: str) -> str:
     return split_of(name)[0]
 
 
+def tp_heads(n_head: int, tp_rank: int, tp_size: int) -> range:
+    """The global indices of the attention heads tp rank ``tp_rank`` of ``tp_size`` holds: block r
+    of the ``qkv`` split (dropout draws its attention masks for them, minidist/nn/dropout.py)."""
+    local = divide(n_head, tp_size, "n_head")
+    return range(tp_rank * local, (tp_rank + 1) * local)
+
+
 def padded_vocab_size(vocab_size: int, tp_size: int) -> int:
     """The vocabulary rounded up to a multiple of ``tp_size`` (each rank holds an equal slice)."""
     return -(-vocab_size // tp_size) * tp_size

@@ -186,8 +186,10 @@ def fully_shard(model, shards, reshard_after_forward: bool = True, offload=None)
         gatherer = Gatherer([_used_by(shards, *m) for m in chunks], prefetch=False,
                             reshard_after_forward=reshard_after_forward, offload=offload)
         forward = model.forward
-        calls = [sharded(lambda x, targets=None, c=c: forward(c, x, targets), gatherer, c) for c in range(len(chunks))]
-        object.__setattr__(model, "forward", lambda chunk, x, targets=None: calls[chunk](x, targets))
+        calls = [sharded(lambda x, targets=None, dropout=None, c=c: forward(c, x, targets, dropout), gatherer, c)
+                 for c in range(len(chunks))]
+        object.__setattr__(model, "forward",
+                           lambda chunk, x, targets=None, dropout=None: calls[chunk](x, targets, dropout))
     else:
         gatherer = Gatherer([_used_by(shards, t.wte, t.wpe), *(_used_by(shards, b) for b in t.h),
                                     _used_by(shards, t.ln_f, model.lm_head)],
