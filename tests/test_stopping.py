@@ -72,7 +72,7 @@ def ranks_of(job) -> list:
 
 def assert_quiet(before: list[str], after: str, stderr: str) -> str:
     """The job's only line on stderr (which it returns); nothing on stdout after the signal but hydra's
-    SIGINT lines, progress lines and a checkpoint's "saved" line; no traceback anywhere."""
+    SIGINT lines, progress lines and a checkpoint's "saved" (or "saving ... in the background") line; no traceback anywhere."""
     everything = "".join(before) + after + stderr
     for noise in ("Traceback", "KeyboardInterrupt", "BAD TERMINATION", "YOUR APPLICATION TERMINATED"):
         assert noise not in everything, everything
@@ -80,7 +80,7 @@ def assert_quiet(before: list[str], after: str, stderr: str) -> str:
     assert len(said.splitlines()) == 1, everything
     for line in after.splitlines():
         assert (any(h in line for h in HYDRA_SIGINT) or re.search(r"\bsteps?\b.*\bloss\b", line)
-                or line.startswith("saved ")), everything
+                or line.startswith(("saved ", "saving "))), everything
     return said.strip()
 
 
