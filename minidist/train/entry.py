@@ -1,9 +1,9 @@
 """The entry point of ``python -m minidist.train``: parse the command line, start MPI, run the mode
 (collective training, parameter servers, a population), say how it ended, exit with its status.
 
-    main(argv)   parse -> init -> train | train_ps | train_pbt -> the final line and the sample
+    main(argv)   parse -> init -> train | train_ps | train_pbt | train_search -> the final line and the sample
 
-Each mode is its own module (train/loop.py, train/ps.py, train/pbt.py); this one only chooses, so
+Each mode is its own module (train/loop.py, train/ps.py, train/pbt.py, train/search.py); this one only chooses, so
 no mode imports another's entry.
 """
 import os
@@ -29,6 +29,7 @@ from minidist.train.memory import memory_available
 from minidist.train.outputs import sample
 from minidist.train.pbt import final_line, train_pbt
 from minidist.train.ps import train_ps
+from minidist.train.search import final_line as search_line, train_search
 from minidist.train.stopping import Stopped, Stopping, exit_stopped, stop_line
 
 
@@ -81,6 +82,11 @@ def _run(cfg, stopping):
     try:
         if cfg.mode == "pbt":  # a population of collective runs
             model, history = train_pbt(cfg, world, memory_bytes=memory_available(), stopping=stopping)
+        elif cfg.mode == "search":  # trials of collective runs, a few at a time
+            state = train_search(cfg, world, memory_bytes=memory_available(), stopping=stopping)
+            if world.rank == 0:
+                print("\nfinal: " + search_line(state))
+            return
         else:
             model, history = (train_ps(cfg, world=world) if cfg.mode == "ps"  # below: only the last record
                               else train(cfg, world=world, keep_history=False, memory_bytes=memory_available(),
