@@ -167,3 +167,20 @@ def test_the_command_line_searches_and_refuses_a_bad_search_with_exit_2(tmp_path
     assert bad.returncode == 2 and bad.stderr.count("--parallel 3 does not divide") == 1, bad.output
     bad = run_mpi(2, *args[:-4], "--lr-range", "1e-2", "1e-3", "--ckpt-dir", tmp_path / "c2", check=False)
     assert bad.returncode == 2 and bad.stderr.count("--lr-range 0.01 0.001 is inverted") == 1, bad.output
+
+
+def test_inspect_shows_the_trials_as_a_table_and_a_picture(tmp_path, capsys):
+    from minidist.inspect.__main__ import main as inspect_main
+    cfg = search_config(tmp_path, trials=4, scheduler="asha", grace=3, warmup_range=(0, 4))
+    state = run_search(cfg)[0]
+    with open(tmp_path / "out" / "trials.jsonl", "a") as f:
+        f.write('{"trial": "garbled"}\n')
+    capsys.readouterr()
+    assert inspect_main([str(tmp_path / "out")]) == 0
+    out, err = capsys.readouterr()
+    table = out.split("\n")[1:2 + len(state.trials)]
+    assert table[0].split() == ["trial", "lr", "warmup", "@3", "@9", "state"], out
+    for t, line in zip(state.trials, table[1:]):
+        assert line.split()[0] == str(t.index) and line.endswith(t.state) and f"{t.rungs[3]:.4f}" in line
+    assert (tmp_path / "out" / "trials.png").read_bytes()[:4] == b"\x89PNG"
+    assert "trials.jsonl" in err and "not a trial" in err, err
