@@ -176,7 +176,7 @@ def test_a_trial_goes_on_only_in_the_top_one_over_reduction_of_its_rung():
 def test_the_state_is_written_and_read_back(tmp_path):
     state = SearchState([Trial(0, 1, {"lr": 1e-3}, 9, {3: 2.5, 9: 2.0}, "completed", 18),
                          Trial(1, 0, {"lr": 2e-3}, 3, {3: math.nan}, "failed", 12),
-                         Trial(2, 0, {"lr": 3e-3}, 6, {3: 2.4})], 21)
+                         Trial(2, 0, {"lr": 3e-3}, 6, {3: 2.4}, started=12)], 21)
     (tmp_path / "state.json").write_text(json.dumps(state.to_json()))
     back = read_state(tmp_path / "state.json", ["lr"], 4, 2, Refused)
     assert back.spent == 21 and back.trials[0] == state.trials[0] and back.trials[2] == state.trials[2]

@@ -105,7 +105,7 @@ def assign(cfg, world, state: SearchState, space) -> list[Trial]:
         points[:] = suggest(cfg.sampler, len(space.dims), cfg.seed, len(state.trials), len(free), observed, pending,
                             cfg.batch_rule)
     world.broadcast(points, 0, label="setup: the new trials' hyper-parameters (search)")
-    new = [Trial(len(state.trials) + i, s, space.values(p)) for i, (s, p) in enumerate(zip(free, points))]
+    new = [Trial(len(state.trials) + i, s, space.values(p), started=state.spent) for i, (s, p) in enumerate(zip(free, points))]
     state.trials += new
     return new
 

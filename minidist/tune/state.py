@@ -17,8 +17,9 @@ STATE_BYTES = 1 << 24  # a state file: a few hundred bytes a trial
 @dataclasses.dataclass
 class Trial:
     """One trial: ``index``, the ``slot`` (sub-group) that runs it, its ``hparams``, the ``step`` it
-    reached, ``rungs`` ({step: validation loss} at each rung and at the end), its ``state``, and
-    ``spent``: the search's steps spent when it ended (None while it runs)."""
+    reached, ``rungs`` ({step: validation loss} at each rung and at the end), its ``state``,
+    ``spent``: the search's steps spent when it ended (None while it runs), and ``started``: when it
+    started (the results it was chosen from: those of the trials whose ``spent`` is at most that)."""
     index: int
     slot: int
     hparams: dict
@@ -26,6 +27,7 @@ class Trial:
     rungs: dict = dataclasses.field(default_factory=dict)
     state: str = "running"
     spent: int | None = None
+    started: int = 0
 
     @property
     def loss(self) -> float | None:
@@ -36,7 +38,7 @@ class Trial:
         """A line of trials.jsonl (rung steps as strings: JSON's keys)."""
         return dict(trial=self.index, slot=self.slot, hparams=self.hparams, step=self.step,
                     rungs={str(s): finite(v) for s, v in sorted(self.rungs.items())}, state=self.state,
-                    loss=finite(self.loss), spent=self.spent)
+                    loss=finite(self.loss), spent=self.spent, started=self.started)
 
 
 def finite(value: float | None) -> float | None:
@@ -78,12 +80,12 @@ def read_state(path, names: list[str], trials: int, slots: int, error) -> Search
                     and type(r.get("step")) is int and r["step"] >= 0 and r.get("state") in STATES
                     and isinstance(r.get("rungs"), dict) and all(k.isdigit() and (v is None or number(v))
                                                                  for k, v in r["rungs"].items())
-                    and (r.get("spent") is None or type(r["spent"]) is int)
+                    and (r.get("spent") is None or type(r["spent"]) is int) and type(r.get("started")) is int
                     for i, r in enumerate(rows)))
     if not fine:
         raise error(f"--resume: {path} is not the state of this search (spent, and at most {trials} trials on "
-                    f"{slots} sub-groups with hparams {', '.join(names)}, step, rungs and state): remove it and "
+                    f"{slots} sub-groups with hparams {', '.join(names)}, step, rungs, state, spent and started): remove it and "
                     f"start the search again")
     return SearchState([Trial(r["trial"], r["slot"], r["hparams"], r["step"],
                               {int(k): (math.nan if v is None else float(v)) for k, v in r["rungs"].items()},
-                              r["state"], r["spent"]) for r in rows], raw["spent"])
+                              r["state"], r["spent"], r["started"]) for r in rows], raw["spent"])
