@@ -42,7 +42,7 @@ from minidist.files import real_folder, write_atomically
 from minidist.train.config import check_config
 from minidist.train.trials import final_exports, start_trial, trial_folder
 from minidist.tune.asha import goes_on, rungs, segment
-from minidist.tune.samplers import suggest
+from minidist.tune.samplers import results, suggest
 from minidist.tune.space import SEARCHABLE, space_of
 from minidist.tune.state import SearchState, Trial, read_state
 
@@ -100,12 +100,13 @@ def assign(cfg, world, state: SearchState, space) -> list[Trial]:
         return []
     points = np.zeros((len(free), len(space.dims)), dtype=np.float64)
     if world.rank == 0:
-        observed = [(space.unit(t.hparams), t.loss) for t in state.trials if t.state != "running"]
+        observed = results([t for t in state.trials if t.state != "running"], space)
         pending = [space.unit(t.hparams) for t in state.trials if t.state == "running"]
         points[:] = suggest(cfg.sampler, len(space.dims), cfg.seed, len(state.trials), len(free), observed, pending,
                             cfg.batch_rule)
     world.broadcast(points, 0, label="setup: the new trials' hyper-parameters (search)")
-    new = [Trial(len(state.trials) + i, s, space.values(p), started=state.spent) for i, (s, p) in enumerate(zip(free, points))]
+    new = [Trial(len(state.trials) + i, s, space.values(p), started=state.spent)
+           for i, (s, p) in enumerate(zip(free, points))]
     state.trials += new
     return new
 

@@ -13,11 +13,18 @@ and the process is conditioned on it, its kernel kept, so the next point goes el
     believer    the lie is the process's own mean there (kriging believer)
     liar        the lie is the lowest loss seen (constant liar, CL-min; Ginsbourger et al. 2010)
 
-A failed trial (its run diverged) counts as the highest loss seen, so the search leaves its region.
+The process is fitted to one budget: with early stopping (asha.py) the results are the losses at the
+highest rung at least two ended trials reached with a finite loss (at the end of the budget, without
+it). A trial that stopped below that rung, or failed (its run diverged), counts as the highest loss
+seen there, so the search leaves its region: losses after different numbers of steps are never
+mixed in one process (BOHB, Falkner et al. 2018, fits one model per budget for the same reason).
 """
 from __future__ import annotations
 
 import numpy as np
+
+import math
+from collections import Counter
 
 from minidist.tune.acquisition import maximize
 from minidist.tune.gp import GaussianProcess
@@ -59,6 +66,16 @@ def suggest(sampler: str, dims: int, seed: int, first: int, n: int, observed: li
         chosen.append(point)
         gp = gp.with_fantasy(point, lie(gp, point, best, batch_rule))
     return chosen
+
+
+def results(ended: list, space) -> list[tuple[np.ndarray, float]]:
+    """(point, loss) of each of ``ended`` (trials of state.py that completed, stopped or failed) at the
+    budget the process is fitted to (module docstring): NaN where the trial has no finite loss there."""
+    reached = Counter(step for t in ended for step, loss in t.rungs.items() if math.isfinite(loss))
+    budgets = [step for step, n in reached.items() if n >= 2]
+    if not budgets:
+        return [(space.unit(t.hparams), t.loss if t.loss is not None else math.nan) for t in ended]
+    return [(space.unit(t.hparams), t.rungs.get(max(budgets), math.nan)) for t in ended]
 
 
 def lie(gp, point: np.ndarray, best: float, batch_rule: str) -> float:
