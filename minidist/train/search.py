@@ -64,12 +64,14 @@ def train_search(cfg, world, memory_bytes=None, stopping=None) -> SearchState:
     rank, and where new trials start one broadcast of their points; with --resume one barrier.
     Everything else goes over a sub-group, as its trainer sends it."""
     check_config(cfg, world.size, memory_bytes)  # every rank, before anything is sent
+    space = search_space(cfg)
+    state = read_saved(cfg, space.names) if cfg.resume else SearchState([])  # refused before anything is sent too
     slot = world.rank // (world.size // cfg.parallel)
     group = world.split(slot, world.rank, name=f"trials{slot}")
-    space = search_space(cfg)
     milestones = rungs(cfg.grace, cfg.reduction, cfg.steps) if cfg.scheduler == "asha" else []
     length = segment(milestones, cfg.steps, cfg.save_every)
-    state = resumed(cfg, world, group, slot, space.names) if cfg.resume else SearchState([])
+    if cfg.resume:
+        back_to_state(cfg, world, group, slot, state)
     start = lambda t: start_trial(cfg, t.index, t.hparams, t.step, length, group, memory_bytes, stopping)  # noqa: E731
     run = next((start(t) for t in state.running() if t.slot == slot), None)
     while True:
@@ -151,20 +153,24 @@ def record(cfg, world, state: SearchState, ended: list[Trial]) -> None:
         write_atomically(real_folder(cfg.out) / "trials.jsonl", lines.encode())
 
 
-def resumed(cfg, world, group, slot: int, names: list[str]) -> SearchState:
-    """The state in ``--ckpt-dir``/search/state.json; each of its running trials' checkpoints newer
-    than its step removed by its sub-group's rank 0 (then a barrier over the world)."""
+def read_saved(cfg, names: list[str]) -> SearchState:
+    """The state in ``--ckpt-dir``/search/state.json (each rank reads it), or :class:`ResumeRefused`
+    of one line naming the file."""
     path = Path(cfg.ckpt_dir) / STATE / "state.json"
     if not path.is_file():
         raise ResumeRefused(f"--resume: no search state {path} (drop --resume to start from scratch)")
-    state = read_state(path, names, cfg.trials, cfg.parallel, error=ResumeRefused)
+    return read_state(path, names, cfg.trials, cfg.parallel, error=ResumeRefused)
+
+
+def back_to_state(cfg, world, group, slot: int, state: SearchState) -> None:
+    """Each of ``state``'s running trials' checkpoints newer than its step (a crash between a trial's
+    save and the state's) removed by its sub-group's rank 0, then a barrier over the world."""
     for t in state.running():
         if t.slot == slot and group.rank == 0:
             for folder in step_dirs(Path(trial_folder(cfg.ckpt_dir, t.index))):
                 if step_of(folder) > t.step:
                     shutil.rmtree(folder)
     world.barrier(label="setup: every running trial back at the search's step")
-    return state
 
 
 def export_best(cfg, world, state: SearchState) -> None:
