@@ -12,7 +12,7 @@ process (``run_local``), one rank per run at a time:
 
     random     --mode search --sampler random --trials R --parallel 2 (every trial its whole budget)
     gp         --sampler gp --batch-rule believer, the same trials (its first d + 1 = 2 are random's)
-    gp+asha    --sampler gp --scheduler asha --grace S/9 --reduction 3, trials until R x S steps are spent
+    gp+asha    --sampler gp --scheduler asha --grace S/10 --reduction 3, trials until R x S steps are spent
                (6 R trials asked, enough to spend them; its curve is read up to R x S)
     pbt        --mode pbt --population R, S steps each, ready every S / 6, truncation 0.25, explore lr:
                R x S steps; its curve has one point, at the end (the best member's loss at step S)
@@ -62,7 +62,7 @@ def search_arm(args, seed: int, arm: str, folder: Path) -> list[tuple[int, float
     asha = arm == "gp+asha"
     cfg = TrainConfig(**TASK, seed=seed, steps=args.budget, mode="search", parallel=2, lr_range=tuple(args.lr_range),
                       log_scale="lr", sampler="random" if arm == "random" else "gp", batch_rule="believer",
-                      scheduler="asha" if asha else "none", grace=max(1, args.budget // 9), reduction=3,
+                      scheduler="asha" if asha else "none", grace=max(1, args.budget // 10), reduction=3,
                       trials=6 * args.runs if asha else args.runs, ckpt_dir=str(folder / "ckpt"), out=str(folder / "out"))
     state = run_local(lambda g: train_search(cfg, g), 2, timeout=1800.0)[0]
     rows = [t.to_json() for t in state.trials]
@@ -85,24 +85,31 @@ def best_at(curve, spent: int) -> float:
 
 
 def draw(path: str, results: dict, total: int) -> None:
-    """Each arm's best loss against the steps spent, a line per seed (PBT: a point at the end)."""
+    """Each arm's best loss against the steps spent: thin, each seed's; thick, their mean wherever every
+    seed has found one (PBT: a point at the end, each seed's and the mean)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 4.5))
     colours = dict(zip(ARMS, ("#7f7f7f", "#1f77b4", "#2ca02c", "#d62728")))
-    for row in results["seeds"]:
-        for arm in ARMS:
-            curve = row["curves"][arm]
-            label = arm if row is results["seeds"][0] else None
-            if arm == "pbt":
-                ax.plot([s for s, _ in curve], [v for _, v in curve], "D", color=colours[arm], label=label)
-            elif curve:
-                steps, best = zip(*curve)
-                ax.step(list(steps) + [total], list(best) + [best[-1]], where="post", color=colours[arm], alpha=0.7,
-                        label=label)
+    grid = list(range(results["budget"], total + 1, max(1, results["budget"] // 10)))
+    for arm in ARMS:
+        curves = [row["curves"][arm] for row in results["seeds"]]
+        if arm == "pbt":
+            ends = [best_at(c, total) for c in curves if c]
+            ax.plot([total] * len(ends), ends, "D", color=colours[arm], alpha=0.35, ms=5)
+            ax.plot([total], [statistics.mean(ends)], "D", color=colours[arm], ms=9, label=f"{arm} (mean)")
+            continue
+        for c in curves:
+            ax.plot(grid, [best_at(c, s) for s in grid], color=colours[arm], alpha=0.25, lw=1, drawstyle="steps-post")
+        means = [(s, statistics.mean(best_at(c, s) for c in curves)) for s in grid]
+        means = [(s, m) for s, m in means if math.isfinite(m)]
+        ax.plot(*zip(*means), color=colours[arm], lw=2.5, drawstyle="steps-post", label=f"{arm} (mean)",
+                ls="--" if arm == "random" else "-")  # (random and gp share their first trials)
+    finite = [best_at(row["curves"][a], total) for row in results["seeds"] for a in ARMS]
+    ax.set_ylim(min(finite) - 0.05, max(finite) + 0.3)
     ax.set_xlabel("steps spent (every run's together)")
-    ax.set_ylabel("best validation loss at the end of a run's budget")
+    ax.set_ylabel("best validation loss at the end\nof a run's budget, found so far")
     ax.set_title(f"{len(results['seeds'])} seeds, {results['budget']} steps a run, {total} in all", fontsize=10, loc="left")
     ax.legend(fontsize=9)
     fig.tight_layout()
@@ -118,7 +125,12 @@ def main():
     p.add_argument("--lr-range", type=float, nargs=2, default=[1e-4, 1.0], metavar=("A", "B"))
     p.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "search.json"))
     p.add_argument("--png", default=str(REPO / "benchmarks" / "figures" / "search.png"))
+    p.add_argument("--redraw", action="store_true", help="only draw --png from the results in --json")
     args = p.parse_args()
+    if args.redraw:
+        results = json.loads(Path(args.json).read_text())
+        draw(args.png, results, results["runs"] * results["budget"])
+        return
     total = args.runs * args.budget
     marks = [total // 4, total // 2, total]
     results = dict(machine=platform.machine(), python=platform.python_version(), load_before=uptime(),
