@@ -47,7 +47,7 @@ def test_a_trial_is_its_layout_run_alone_with_its_hyperparameters(tmp_path, layo
     states = run_search(cfg)
     assert all(s == states[0] for s in states)  # every rank holds the same state
     for trial in states[0].trials:
-        alone = dataclasses.replace(cfg, mode="collective", **trial.hparams, ckpt_dir=None, out=None)
+        alone = dataclasses.replace(cfg, mode="collective", **trial.hparams, ckpt_dir=None, out=None, warmup_range=None)
         rows = run_local(lambda g: train(alone, progress=False, world=g, stop_at=trial.step)[1], cfg.dp)[0]
         ours = lines(tmp_path / "out" / f"trial-{trial.index}" / "metrics.jsonl")
         # the same steps, bitwise; a segment's end also estimates the validation loss (a step alone does not)
@@ -149,6 +149,7 @@ def test_the_exports_hold_the_best_trials_final_model(tmp_path):
     (dict(reduction=1), 2, "--reduction"),
     (dict(sampler="tpe"), 2, "--sampler must be one of random, gp"),
     (dict(dp=2), 2, "world size 1 != dp"),  # each trial: 1 rank, not the dp 2 asked
+    (dict(mode="collective", warmup_range=(0, 4)), 1, "--warmup-range is a range a search searches: add --mode search"),
 ])
 def test_bad_search_flags_are_refused(tmp_path, changes, world, words):
     with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):

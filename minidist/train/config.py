@@ -20,7 +20,7 @@ from minidist.train.population import EXPLOITS, EXPLORABLE, POPULATION
 from minidist.train.memory import INT64, memory_problems
 from minidist.tune.asha import SCHEDULERS
 from minidist.tune.samplers import BATCH_RULES, SAMPLERS
-from minidist.tune.space import SEARCHABLE, space_problems
+from minidist.tune.space import SEARCHABLE, range_flag, space_problems
 
 
 @dataclasses.dataclass
@@ -211,6 +211,8 @@ def check_config(cfg, world_size: int, memory_bytes: int | None = None) -> None:
     found += parameter_server_problems(cfg, world_size) if cfg.mode == "ps" and not numbers else []
     found += population_problems(cfg, world_size) if cfg.mode == "pbt" and not numbers else []
     found += search_problems(cfg, world_size) if cfg.mode == "search" and not numbers else []
+    found += [f"{range_flag(n)} is a range a search searches: add --mode search" for n in ("warmup", "grad_clip")
+              if cfg.mode != "search" and getattr(cfg, f"{n}_range") is not None]
     found += optimizer_problems(cfg) + hugging_face_problems(cfg) + comm_timeout_problems(cfg)
     found += checkpoint_problems(cfg, world_size) + mixed_precision_problems(cfg) + device_problems(cfg)
     found += offload_dir_problems(cfg) + output_problems(cfg)

@@ -45,7 +45,8 @@ def trial_config(cfg, index: int, hparams: dict, segment: int):
     return dataclasses.replace(cfg, mode="collective", **{**floor, **hparams}, ckpt_dir=trial_folder(cfg.ckpt_dir, index),
                                out=trial_folder(cfg.out, index), trace=trial_folder(cfg.trace, index),
                                offload_dir=trial_folder(cfg.offload_dir, index), save_every=segment,
-                               keep=max(cfg.keep, 2), async_save=False, sample_tokens=0, export=None, export_hf=None)
+                               keep=max(cfg.keep, 2), async_save=False, sample_tokens=0, export=None, export_hf=None,
+                               warmup_range=None, grad_clip_range=None)  # (the search's alone)
 
 
 class TrialRun:
