@@ -43,7 +43,7 @@ CHOICES = {"mode": ["collective", "ps", "pbt", "search"], "sampler": list(SAMPLE
            "schedule": list(SCHEDULES), "cp_algorithm": list(ALGORITHMS), "zero": [0, 1, 2, 3],
            "offload": list(OFFLOAD_CHOICES), "device": list(DEVICES), "backend": list(BACKENDS)}
 METAVARS = {int: "N", float: "X", "data": "PATH", "export": "PATH", "loss_scale": "S",
-            "offload": '{none,optimizer,"optimizer,params"}'}  # else DIR; a choice: its choices
+            "offload": '{none,optimizer,"optimizer,params"}', "explore": "NAMES", "log_scale": "NAMES"}  # else DIR
 
 PAIRS = ("lr_range", "weight_decay_range", "warmup_range", "grad_clip_range")
 
