@@ -11,7 +11,7 @@ search goes in segments of the same length on every sub-group (the greatest comm
 rungs, the budget and ``--save-every``), each ended by one agreement:
 
     advance   each sub-group trains its trial one segment on (train/trials.py), saving at its end
-    agree     one all-gather over the world of every rank's (sub-group, trial, validation loss)
+    agree     one all-gather over the world of every rank's (sub-group, validation loss)
     decide    every rank updates the same state: a trial at its budget completed, at a rung of
               ``--scheduler asha`` stopped early unless in the top 1 / --reduction there (tune/asha.py),
               a diverged one failed; a sub-group without a trial takes the next (``--trials`` in all),
@@ -60,7 +60,7 @@ def names_of(text: str) -> list[str]:
 
 def train_search(cfg, world, memory_bytes=None, stopping=None) -> SearchState:
     """Run the search of ``cfg`` on ``world`` (module docstring). Returns its state, the same on every
-    rank. Sends, over the world: one split, then per segment one all-gather of three float64 per
+    rank. Sends, over the world: one split, then per segment one all-gather of two float64 per
     rank, and where new trials start one broadcast of their points; with --resume one barrier.
     Everything else goes over a sub-group, as its trainer sends it."""
     check_config(cfg, world.size, memory_bytes)  # every rank, before anything is sent
@@ -82,9 +82,9 @@ def train_search(cfg, world, memory_bytes=None, stopping=None) -> SearchState:
             break
         mine = next((t for t in state.running() if t.slot == slot), None)
         loss = run.advance(min(mine.step + length, cfg.steps)) if mine is not None else math.nan
-        every = world.all_gather(np.array([slot, -1 if mine is None else mine.index, loss], dtype=np.float64),
-                                 label="metric: every sub-group's trial and validation loss (search)")
-        ended = decide(cfg, state, milestones, length, {int(s): v for s, _, v in every.reshape(-1, 3)})
+        every = world.all_gather(np.array([slot, loss], dtype=np.float64),
+                                 label="metric: every sub-group's validation loss (search)")
+        ended = decide(cfg, state, milestones, length, {int(s): float(v) for s, v in every.reshape(-1, 2)})
         if mine is not None and mine in ended:
             run.close()
             run = None
