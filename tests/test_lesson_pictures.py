@@ -223,3 +223,27 @@ def test_lesson_11_draws_the_routing_as_a_matrix_with_each_tokens_experts_outlin
     lines = [line for line in routing.get_lines() if isinstance(line, Line2D)]
     assert all(len(set(line.get_xdata())) == 1 or len(set(line.get_ydata())) == 1 for line in lines)  # separators
     assert overlapping(fig) == []
+
+
+# ---- lesson 19: the process at each round it chose, ASHA's rungs ------------------------------------
+
+def test_lesson_19_draws_each_round_the_process_chose_at_its_trials_and_the_printed_best(tmp_path, saved, capsys):
+    module = lesson("19_hyperparameter_search.py")
+    cfg = module["TrainConfig"](**module["SIZES"], **module["RUN"], ckpt_dir=str(tmp_path / "ckpt"),
+                                out=str(tmp_path / "out"))
+    state = module["part1"](cfg)
+    module["draw_png"](str(tmp_path / "search.png"), cfg, state)
+    printed = capsys.readouterr().out
+    (fig,) = saved
+    rounds = [ax for ax in fig.axes if ax.get_title(loc="left").startswith("after ")]
+    assert rounds, titles(fig)
+    for ax in rounds:
+        started, names = re.match(r"after (\d+) steps: trials? ([\d, ]+) chosen from", ax.get_title(loc="left")).groups()
+        picked = [state.trials[int(n)] for n in names.split(", ")]
+        assert all(t.started == int(started) for t in picked), ax.get_title(loc="left")
+        chosen = sorted(line.get_xdata()[0] for line in ax.get_lines() if line.get_linestyle() == "--")
+        assert chosen == sorted(t.hparams["lr"] for t in picked)
+    (key,) = [ax for ax in fig.axes if ax.texts]
+    final = re.search(r"final: (.*)", printed).group(1)
+    assert key.texts[0].get_text() == final.replace("; ", "\n")
+    assert overlapping(fig) == []

@@ -198,6 +198,16 @@ LESSONS = [
         r"its weights came through members",
         r"\nTry:\n",
         r"the lineage is recorded\. All checks passed\."]),
+    # one process: 2 sub-groups of 1 thread rank
+    ("19_hyperparameter_search.py", None, [], [
+        r"=== 1\. 10 trials, 2 at a time, lr in \[0\.0001, 0\.3\] \(log\); rungs at \[4, 12\] of 36 steps ===",
+        (r"(?m)^trial \d (completed|stopped early) at step (4|12|36): val loss \d\.\d{4} \(lr [\d.e-]+\); \d+ steps spent$", 10),
+        r"(?m)^trial +lr +@4 +@12 +@36 +state$",
+        r"final: the best trial is \d: val loss \d\.\d{4} \(lr [\d.e-]+\); 10 trials \(\d completed, \d stopped early\)",
+        r"trials 2\.\.9: chosen again from the results each was chosen from: the same learning rates, to the last bit",
+        r"\d trials stopped early at a rung, each outside the top 1/3 of the losses seen there",
+        r"\nTry:\n",
+        r"Each choice follows from the results before it, and each stop from its rung\. All checks passed\."]),
     # one process: part 2 on 4 thread ranks
     ("20_character_model.py", None, [], [
         r"vocabulary of 34: ",
@@ -280,7 +290,7 @@ def test_tutorial_in_one_process(script, args, expected, tmp_path):
     assert_printed(done.stdout, expected, done.stdout)
     assert_ends_well(script, done.stdout, png, done.stdout + done.stderr)
     alone = [line for line in done.stdout.splitlines() if "started alone, so its" in line]
-    assert len(alone) == (not args and script[:2] not in ("00", "06", "08", "14", "16", "17", "18", "19")), done.stdout
+    assert len(alone) == (not args and script[:2] not in ("00", "06", "08", "14", "16", "17", "18", "19", "20")), done.stdout
 
 
 def test_every_tutorial_is_listed():

@@ -12,7 +12,9 @@ the load per rank and per expert.
 
 A folder with metrics but no trace (``--out DIR`` without ``--trace DIR``) prints its metrics and
 says how to record a trace. A population-based training run's folder (``--mode pbt``: a run per
-member in ``member-k/``) lists its members, each with its loss and the command that shows it. A run a crash stopped is read too: the line each rank was writing when it died is skipped, and
+member in ``member-k/``) lists its members, each with its loss and the command that shows it. A
+search's folder (``--mode search``: trials.jsonl) prints its trials as a table and draws
+RUN_DIR/trials.png: each trial's loss against each hyper-parameter, the best loss against the steps spent. A run a crash stopped is read too: the line each rank was writing when it died is skipped, and
 every complete event drawn; what was skipped is said on stderr. A folder that is not a run (missing,
 empty, a file that is not what it should be) exits with status 2 and one line naming the file.
 """
@@ -26,6 +28,7 @@ from minidist.inspect.load import RunError, load_run, member_summary, population
 from minidist.inspect.tables import (comm_table, format_comm_table, format_expert_load, format_memory, format_metrics,
                                      format_purposes)
 from minidist.inspect.timeline import draw_run_timeline, step_title, step_window
+from minidist.inspect.trials import draw_trials, format_trials, read_trials
 
 MAX_DRAWN_RANKS = 64  # ranks a timeline draws (one figure of 64 ranks is already 60 inches tall)
 MAX_DRAWN_EVENTS = 20_000  # bars a timeline draws (about 10 s of matplotlib)
@@ -86,10 +89,28 @@ def show_population(run_dir, members: list) -> None:
         print(f"who copied whom at each ready point: {Path(run_dir) / 'pbt.jsonl'}")
 
 
+def show_search(run_dir, png: Path) -> None:
+    """A search's folder (``--mode search``): its trials as a table, and the picture of their losses
+    against each hyper-parameter and of the best loss against the steps spent."""
+    skipped = []
+    rows = read_trials(Path(run_dir) / "trials.jsonl", skipped)
+    for note in skipped:
+        print(f"minidist.inspect: {note}", file=sys.stderr)
+    print(f"{run_dir}: a hyper-parameter search, {len(rows)} trials (each its own run in trial-k/: show one with "
+          f"python -m minidist.inspect {Path(run_dir) / 'trial-0'})")
+    print(format_trials(rows))
+    with create(png) as f:  # never through a link or into a FIFO at --png
+        draw_trials(rows, f, f"{Path(run_dir).name}: {len(rows)} trials")
+    print(f"the trials' losses and the best loss against the steps spent: {png}")
+
+
 def inspect(args) -> None:
     """Read ``args.run_dir``, say what was skipped, write the merged trace and the timeline, print the
     tables; for a folder without a trace, its metrics tables and how to record one; for a population's
-    folder, its members (:func:`show_population`)."""
+    folder, its members (:func:`show_population`); for a search's, its trials (:func:`show_search`)."""
+    if (Path(args.run_dir) / "trials.jsonl").is_file():
+        show_search(args.run_dir, Path(args.png) if args.png else Path(args.run_dir) / "trials.png")
+        return
     try:
         run = load_run(args.run_dir)
     except FileNotFoundError:

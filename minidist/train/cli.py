@@ -12,6 +12,8 @@ from minidist.parallel.pipeline import SCHEDULES
 from minidist.parallel.spec import BACKENDS, flag
 from minidist.parallel.zero.offload import CHOICES as OFFLOAD_CHOICES
 from minidist.train.config import TrainConfig
+from minidist.tune.asha import SCHEDULERS
+from minidist.tune.samplers import BATCH_RULES, SAMPLERS
 
 LAUNCHER_RANKS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")  # hydra, Open MPI, PMIx, srun
 
@@ -36,15 +38,16 @@ def parse_args(argv=None, quiet: bool = False) -> TrainConfig:
         return TrainConfig(**vars(argument_parser().parse_args(argv)))
 
 
-CHOICES = {"mode": ["collective", "ps", "pbt"], "dtype": list(ITEMSIZE), "optimizer": list(OPTIMIZERS),
+CHOICES = {"mode": ["collective", "ps", "pbt", "search"], "sampler": list(SAMPLERS), "scheduler": list(SCHEDULERS),
+           "batch_rule": list(BATCH_RULES), "dtype": list(ITEMSIZE), "optimizer": list(OPTIMIZERS),
            "schedule": list(SCHEDULES), "cp_algorithm": list(ALGORITHMS), "zero": [0, 1, 2, 3],
            "offload": list(OFFLOAD_CHOICES), "device": list(DEVICES), "backend": list(BACKENDS),
            "recompute": ["none", "full"]}
 BARE = {"recompute": "full"}  # a flag that alone means this value (--recompute: recompute every block)
 METAVARS = {int: "N", float: "X", "data": "PATH", "export": "PATH", "loss_scale": "S",
-            "offload": '{none,optimizer,"optimizer,params"}'}  # else DIR; a choice: its choices
+            "offload": '{none,optimizer,"optimizer,params"}', "explore": "NAMES", "log_scale": "NAMES"}  # else DIR
 
-PAIRS = ("lr_range", "weight_decay_range")
+PAIRS = ("lr_range", "weight_decay_range", "warmup_range", "grad_clip_range")
 
 GROUPS = {  # the flags of --help, by what they are about: field -> help
     "training": {
@@ -94,7 +97,8 @@ GROUPS = {  # the flags of --help, by what they are about: field -> help
         "backend": "collectives: ring (hand-written, over MPI point-to-point), mpi (MPI's own), nccl (GPU buffers, "
                    "--device cuda)",
         "mode": "collective (all-reduce and friends), ps (parameter servers: ranks 0..K-1 serve, the rest work) or "
-                "pbt (population-based training: --population members, each a collective run)",
+                "pbt (population-based training: --population members, each a collective run) or search "
+                "(hyper-parameter search: --trials runs, --parallel at a time)",
         "population": "--mode pbt: members, each of world / K ranks in the layout the other flags give",
         "ready_every": "--mode pbt: steps between the members' agreeing on their validation losses (exploit, explore)",
         "explore": "--mode pbt: the hyper-parameters a copy perturbs (x0.8 or x1.2), comma-separated: lr, "
@@ -102,8 +106,24 @@ GROUPS = {  # the flags of --help, by what they are about: field -> help
         "exploit": "--mode pbt: truncation (the bottom --quantile copies the top) or tournament (each member "
                    "meets one other)",
         "quantile": "--mode pbt: the fraction of members that copy, and that are copied",
-        "lr_range": "--mode pbt: each member's first --lr, drawn log-uniform in [A, B] (default: --lr for all)",
-        "weight_decay_range": "--mode pbt: each member's first --weight-decay, drawn log-uniform in [A, B]",
+        "lr_range": "--mode pbt: each member's first --lr, drawn log-uniform in [A, B] (default: --lr for all); "
+                    "--mode search: the range of --lr searched",
+        "weight_decay_range": "--mode pbt: each member's first --weight-decay, drawn log-uniform in [A, B]; "
+                              "--mode search: the range of --weight-decay searched",
+        "warmup_range": "--mode search: the range of --warmup searched (integers)",
+        "grad_clip_range": "--mode search: the range of --grad-clip searched",
+        "log_scale": "--mode search: the hyper-parameters searched on a log scale, comma-separated (the others: "
+                     "linear)",
+        "trials": "--mode search: trials in all, each a run of --steps steps at most",
+        "parallel": "--mode search: trials at a time, each on world / K ranks in the layout the other flags give",
+        "sampler": "--mode search: where the next trials go: random, or gp (Bayesian optimization: a Gaussian "
+                   "process, expected improvement)",
+        "batch_rule": "--mode search, --sampler gp: how a round's trials are chosen together: believer (kriging "
+                      "believer) or liar (constant liar)",
+        "scheduler": "--mode search: early stopping: none, or asha (a trial goes on past a rung only in the top "
+                     "1 / --reduction there)",
+        "grace": "--mode search, --scheduler asha: steps to the first rung",
+        "reduction": "--mode search, --scheduler asha: the rungs' ratio, and 1 / the fraction that goes on",
         "servers": "--mode ps: parameter-server ranks", "straggler": "--mode ps: seconds of sleep added to every "
         "step of worker 0", "staleness": "--mode ps: asynchronous with this staleness bound (-1: synchronous)"},
     "precision and memory": {

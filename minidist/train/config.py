@@ -19,6 +19,9 @@ from minidist.parallel.spec import Needs, flag, out_of_range, problems
 from minidist.train.folders import output_problems
 from minidist.train.population import EXPLOITS, EXPLORABLE, POPULATION
 from minidist.train.memory import INT64, memory_problems
+from minidist.tune.asha import SCHEDULERS
+from minidist.tune.samplers import BATCH_RULES, SAMPLERS
+from minidist.tune.space import SEARCHABLE, range_flag, space_problems
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +79,16 @@ class TrainConfig(Layout):
     quantile: float = 0.25
     lr_range: tuple | None = None
     weight_decay_range: tuple | None = None
+    warmup_range: tuple | None = None  # --mode search (train/search.py): also --lr-range, --weight-decay-range
+    grad_clip_range: tuple | None = None
+    log_scale: str = "lr,weight_decay"
+    trials: int = 8
+    parallel: int = 1
+    sampler: str = "random"
+    batch_rule: str = "believer"
+    scheduler: str = "none"
+    grace: int = 10
+    reduction: int = 3
     offload_dir: str | None = None
     bucket_mb: float = 1.0
     export: str | None = None
@@ -121,6 +134,7 @@ RANGES = {
     "servers": "[1, inf)", "staleness": "[-1, inf)", "straggler": "[0, inf)",
     "bucket_mb": "(0, inf)", "fail_at_step": "[-1, inf)", "fail_rank": "[0, inf)",
     "population": "[2, inf)", "ready_every": "[1, inf)", "quantile": "(0, 0.5]",
+    "trials": "[1, inf)", "parallel": "[1, inf)", "grace": "[1, inf)", "reduction": "[2, inf)",
 }
 
 
@@ -177,12 +191,15 @@ def check_flags(cfg, world_size: int) -> None:
     with the numbers in range the parameter servers' (they divide by them). Reads the flags and the
     output paths only; sends nothing."""
     numbers = range_problems(cfg)
-    pbt = cfg.mode == "pbt" and not numbers
-    member_ranks = world_size // cfg.population if pbt else world_size  # each member's
-    split = pbt and (world_size % cfg.population or not member_ranks)  # no world of its own: said per member below
+    groups = {"pbt": cfg.population, "search": cfg.parallel}.get(cfg.mode) if not numbers else None
+    member_ranks = world_size // groups if groups else world_size  # each member's, or each trial's
+    split = groups and (world_size % groups or not member_ranks)  # no world of its own: said per group below
     found = numbers + problems(cfg, needs_of(cfg), None if cfg.mode == "ps" or split else member_ranks)
     found += parameter_server_problems(cfg, world_size) if cfg.mode == "ps" and not numbers else []
     found += population_problems(cfg, world_size) if cfg.mode == "pbt" and not numbers else []
+    found += search_problems(cfg, world_size) if cfg.mode == "search" and not numbers else []
+    found += [f"{range_flag(n)} is a range a search searches: add --mode search" for n in ("warmup", "grad_clip")
+              if cfg.mode != "search" and getattr(cfg, f"{n}_range") is not None]
     found += optimizer_problems(cfg.optimizer) + hugging_face_problems(cfg) + comm_timeout_problems(cfg)
     found += checkpoint_problems(cfg, world_size) + mixed_precision_problems(cfg) + device_problems(cfg)
     found += offload_dir_problems(cfg) + output_problems(cfg) + recompute_problems(cfg)
@@ -217,6 +234,32 @@ def population_problems(cfg, world_size: int) -> list[str]:
         if held:
             found.append(f"--ckpt-dir {cfg.ckpt_dir} holds a population already (up to {held[-1].name}): add --resume "
                          f"to continue it, or give an empty --ckpt-dir")
+    return found
+
+
+def search_problems(cfg, world_size: int) -> list[str]:
+    """What is wrong with ``--mode search`` (train/search.py) on ``world_size`` ranks: --parallel
+    sub-groups of equal size, a space to search (tune/space.py), a sampler, a scheduler whose first
+    rung comes before the budget's end, a --ckpt-dir that holds no other search unless --resume."""
+    k = cfg.parallel
+    found = [] if world_size % k == 0 and world_size >= k else [
+        f"--parallel {k} does not divide the world of {world_size} ranks into equal sub-groups: each trial gets "
+        f"{world_size} / {k} = {world_size / k:g} ranks, and one of dp {cfg.dp} x pp {cfg.pp} x cp {cfg.cp} x tp "
+        f"{cfg.tp} needs {cfg.world}: start mpiexec -n {k * cfg.world}"]
+    ranges = {n: getattr(cfg, f"{n}_range") for n in SEARCHABLE}
+    found += space_problems(ranges, [n for n in cfg.log_scale.split(",") if n])
+    found += [f"--{name.replace('_', '-')} must be one of {', '.join(known)}, got {getattr(cfg, name)!r}"
+              for name, known in (("sampler", SAMPLERS), ("scheduler", SCHEDULERS), ("batch_rule", BATCH_RULES))
+              if getattr(cfg, name) not in known]
+    if cfg.scheduler == "asha" and cfg.grace >= cfg.steps:
+        found.append(f"--grace {cfg.grace} is not below --steps {cfg.steps}: the budget is too small for one rung "
+                     f"of --scheduler asha (give --grace below --steps, or --scheduler none)")
+    if cfg.ckpt_dir is None:
+        found.append("--mode search resumes each trial from its checkpoints: give --ckpt-dir DIR (a folder every "
+                     "rank sees)")
+    elif not cfg.resume and (Path(cfg.ckpt_dir) / "search" / "state.json").exists():
+        found.append(f"--ckpt-dir {cfg.ckpt_dir} holds a search already: add --resume to continue it, or give an "
+                     f"empty --ckpt-dir")
     return found
 
 

@@ -1,10 +1,10 @@
 """The entry point of ``python -m minidist.train``: parse the command line, start MPI, run the mode
 (collective training, parameter servers, a population), say how it ended, exit with its status.
 
-    main(argv)   parse -> init -> Run | train_ps | train_pbt -> the final line and the sample
+    main(argv)   parse -> init -> Run | train_ps | train_pbt | train_search -> the final line and the sample
 
-Each mode is its own module (train/life.py, train/ps.py, train/pbt.py); this one only chooses, so
-no mode imports another's entry. MPI is asked once which machine each rank is on, here.
+Each mode is its own module (train/life.py, train/ps.py, train/pbt.py, train/search.py); this one only
+chooses, so no mode imports another's entry. MPI is asked once which machine each rank is on, here.
 """
 import os
 import sys
@@ -29,6 +29,7 @@ from minidist.train.outputs import sample
 from minidist.train.lineage import final_line
 from minidist.train.pbt import train_pbt
 from minidist.train.ps import train_ps
+from minidist.train.search import final_line as search_line, train_search
 from minidist.train.stopping import Stopped, Stopping, exit_stopped, stop_line
 
 
@@ -77,12 +78,18 @@ def _run(cfg, stopping):
         print(f"python -m minidist.train: {e}", file=sys.stderr)  # no CuPy, no GPU, fewer GPUs than ranks
         sys.exit(EXIT_CONFIG)
     stopping.mpi_started(world.rank)  # its rank from now on; the stop signals taken back from MPI's start-up
-    machines = machines_of(world)  # which machine each rank is on (MPI's shared-memory split, its names): asked once
+    with stopping.deferred():  # MPI's shared-memory split is collective: a stop waits for it
+        machines = machines_of(world)  # which machine each rank is on (MPI's shared-memory split, its names): asked once
     limit_blas_threads(os.environ.get("OMP_NUM_THREADS"), machines.host_size(world.rank),
                        announce=world.rank == 0)  # a share of its host's cores each
     try:
         if cfg.mode == "pbt":  # a population of collective runs, each a Run on its sub-group
             model, history = train_pbt(cfg, world, machines, memory_bytes=memory_available(), stopping=stopping)
+        elif cfg.mode == "search":  # trials of collective runs, a few at a time, each a Run on its sub-group
+            state = train_search(cfg, world, machines, memory_bytes=memory_available(), stopping=stopping)
+            if world.rank == 0:
+                print("\nfinal: " + search_line(state))
+            return
         elif cfg.mode == "ps":
             model, history = train_ps(cfg, world, memory_bytes=memory_available())
         else:  # one run's life (train/life.py); only the last record kept

@@ -14,6 +14,10 @@ shard hashed), whether it fits in memory. Only then does the run send: the folde
 Each is made once: a population member (train/pbt.py) is a Run on its sub-group made at the start
 and continued across ready points, never re-entered.
 
+A stop signal that comes during the start-up is held until the start-up ends (train/stopping.py:
+``Stopping.deferred``): the mesh's and the checkpoints' communicator splits are MPI's own collectives,
+which no rank can leave, so every rank makes them all, then every rank stops.
+
 **Stop.** However the run ends (finished, diverged, stopped by a signal, failed), leaving the block
 removes what it leaves behind: the offload files, an unfinished save, the folders' locks, the open
 metrics and trace files. None of it sends anything or splits a communicator, so a stop never waits
@@ -85,7 +89,8 @@ class Run:
         self.state = self.ckpts = None
         self._held = contextlib.ExitStack()
         try:
-            self._build(explored, quiet)
+            with self.stopping.deferred():  # its splits are collective: a stop waits for the start-up's end
+                self._build(explored, quiet)
         except BaseException:
             self.close()
             raise

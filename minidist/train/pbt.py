@@ -52,6 +52,7 @@ from minidist.train.divergence import Diverged
 from minidist.train.life import Run
 from minidist.train.lineage import copy_checkpoints, export_best, final_exports, record, resumed, start_row
 from minidist.train.population import Member, draw, generation
+from minidist.train.stopping import Stopping
 
 
 def names_of(cfg) -> list[str]:
@@ -99,7 +100,9 @@ def train_pbt(cfg, world, machines=None, memory_bytes=None, stopping=None):
     check_flags(cfg, world.size)  # the population's flags, on every rank, before anything is sent
     k_ranks = world.size // cfg.population
     k = world.rank // k_ranks
-    group = world.split(k, world.rank, name=f"member{k}")
+    stopping = stopping if stopping is not None else Stopping()
+    with stopping.deferred():  # a split is collective: a stop waits for it (train/stopping.py)
+        group = world.split(k, world.rank, name=f"member{k}")
     names, ranges, exempt = names_of(cfg), ranges_of(cfg), exempt_of(cfg)
     if cfg.resume:
         members, start, history = resumed(cfg, world, group, k)

@@ -31,6 +31,7 @@ What MPICH's ``mpiexec`` (hydra) does with the signals and the ranks' exits, and
 """
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import threading
@@ -60,6 +61,7 @@ class Stopping:
 
     def __init__(self, rank: int = 0):
         self.done, self.rank, self.previous = None, rank, {}
+        self._deferring, self._pending = False, None
 
     def __enter__(self) -> "Stopping":
         if threading.current_thread() is threading.main_thread():
@@ -78,11 +80,29 @@ class Stopping:
         for s, handler in self.previous.items():
             signal.signal(s, handler)
 
-    @staticmethod
-    def _stop(signum, frame):
+    def _stop(self, signum, frame):
         for s in STOP_SIGNALS:  # one stop: a second signal must not interrupt the way out
             signal.signal(s, signal.SIG_IGN)
+        if self._deferring:
+            self._pending = signum  # raised when the start-up's splits are made (deferred)
+            return
         raise Stopped(signum)
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """A block in which a stop signal is held, and raised when the block ends: a run's start-up,
+        whose communicator splits are MPI's own collectives, with no deadline and no way to leave one.
+        Were a rank to stop before a split while its peers had entered it, they would wait in it for
+        good; held, every rank makes every split, then all stop at once. Nested blocks hold until the
+        outermost ends."""
+        outer, self._deferring = self._deferring, True
+        try:
+            yield
+        finally:
+            self._deferring = outer
+        if not outer and self._pending is not None:
+            signum, self._pending = self._pending, None
+            raise Stopped(signum)
 
 
 def stop_line(stopped: Stopped, done: int | None, steps: int | None, ckpt_dir, population: bool = False) -> str:
