@@ -1,0 +1,54 @@
+"""Live fault tolerance at the collectives layer (``minidist/comm/fault_tolerance.py``).
+
+Under Open MPI 5 started with ``--with-ft ulfm``: a rank SIGKILLs itself, every survivor's collective
+ends with ProcessFailedError naming the call and the dead rank (or the revoke that woke it), the
+survivors shrink to a world without it, the same on every rank, and the hand-written collectives
+are exact on it. Under any other MPI, ``ulfm_problem()`` says why not, on every rank. Run them
+under Open MPI with ``bash .ci/openmpi -k fault_tolerance``.
+"""
+import re
+
+import pytest
+
+from minidist.comm.fault_tolerance import LAUNCH
+from minidist.launchers import mpiexec_flavour
+from tests.mpi.harness import find_mpiexec, run_mpi
+
+MPIEXEC = find_mpiexec()
+FLAVOUR = mpiexec_flavour(MPIEXEC) if MPIEXEC else None
+FT = LAUNCH.split()[1:]  # mpiexec's own flags
+needs_ulfm = pytest.mark.skipif(FLAVOUR != "openmpi", reason="needs Open MPI 5's fault-tolerance interface (ULFM; "
+                                "bash .ci/openmpi): this mpiexec is " + str(FLAVOUR))
+
+
+@needs_ulfm
+def test_survivors_of_a_killed_rank_see_the_call_and_the_dead_rank_then_shrink_and_reduce_exactly():
+    run = run_mpi(4, "fault_tolerance.py", "kill", timeout=90, launcher_args=FT)
+    failed = re.findall(r"FAILED rank=(\d) op=(\w+) seq=(\d+) dead=\[([\d, ]*)\] revoked=(\w+) :: (.*)", run.stdout)
+    assert sorted(int(r) for r, *_ in failed) == [0, 1, 3], run.output
+    for rank, op, seq, dead, revoked, message in failed:
+        assert (op, seq) == ("all_reduce", "2"), run.output  # the call in progress, the same on every rank
+        assert dead == "2" or revoked == "True" and dead == "", run.output  # it saw the death, or the revoke
+        assert f"all_reduce #2 on group 'world': rank {rank}'s" in message, run.output
+    assert any(dead == "2" for _, _, _, dead, _, _ in failed), run.output  # someone saw rank 2 die
+    shrunk = re.findall(r"SHRUNK rank=(\d) new=(\d) size=(\d) gone=\[2\] map=\[\(0, 0\), \(1, 1\), \(3, 2\)\]",
+                        run.stdout)
+    assert sorted(shrunk) == [("0", "0", "3"), ("1", "1", "3"), ("3", "2", "3")], run.output
+    assert len(re.findall(r"OK rank=\d 21 checks on 3 ranks", run.stdout)) == 3, run.output
+
+
+def test_an_mpi_without_the_interface_says_so_on_every_rank():
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    run = run_mpi(2, "fault_tolerance.py", "problem", timeout=60)
+    said = re.findall(r"PROBLEM rank=(\d) (.*)", run.stdout)
+    assert sorted(r for r, _ in said) == ["0", "1"], run.output
+    expected = (f"Open MPI's fault tolerance is off in this job: start it with {LAUNCH}" if FLAVOUR == "openmpi"
+                else "has no fault-tolerance interface (ULFM): a dead rank ends the job")
+    assert all(expected in line for _, line in said), run.output
+
+
+@needs_ulfm
+def test_open_mpi_started_with_ulfm_has_no_problem():
+    run = run_mpi(2, "fault_tolerance.py", "problem", timeout=60, launcher_args=FT)
+    assert run.stdout.count("None") == 2, run.output
