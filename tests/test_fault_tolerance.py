@@ -21,9 +21,16 @@ needs_ulfm = pytest.mark.skipif(FLAVOUR != "openmpi", reason="needs Open MPI 5's
                                 "bash .ci/openmpi): this mpiexec is " + str(FLAVOUR))
 
 
+DETECT_S = 2.0  # Open MPI's failure detector: a rank silent this long is dead (it needs a period under a third)
+HUNG = ["--mca", "mpi_ft_detector_timeout", str(DETECT_S), "--mca", "mpi_ft_detector_period", str(DETECT_S / 4)]
+
+
 @needs_ulfm
-def test_survivors_of_a_killed_rank_see_the_call_and_the_dead_rank_then_shrink_and_reduce_exactly():
-    run = run_mpi(4, "fault_tolerance.py", "kill", timeout=90, launcher_args=FT)
+@pytest.mark.parametrize("how", ["kill", "hang"])
+def test_survivors_of_a_dead_or_hung_rank_see_the_call_and_the_dead_rank_then_shrink_and_reduce_exactly(how):
+    """A killed rank (SIGKILL) is seen at once; a hung one (alive, silent: no MPI call) when Open MPI's
+    detector has heard nothing from it for ``mpi_ft_detector_timeout`` seconds."""
+    run = run_mpi(4, "fault_tolerance.py", how, timeout=90, launcher_args=FT + HUNG * (how == "hang"))
     failed = re.findall(r"FAILED rank=(\d) op=(\w+) seq=(\d+) dead=\[([\d, ]*)\] revoked=(\w+) :: (.*)", run.stdout)
     assert sorted(int(r) for r, *_ in failed) == [0, 1, 3], run.output
     for rank, op, seq, dead, revoked, message in failed:
@@ -35,6 +42,9 @@ def test_survivors_of_a_killed_rank_see_the_call_and_the_dead_rank_then_shrink_a
                         run.stdout)
     assert sorted(shrunk) == [("0", "0", "3"), ("1", "1", "3"), ("3", "2", "3")], run.output
     assert len(re.findall(r"OK rank=\d 21 checks on 3 ranks", run.stdout)) == 3, run.output
+    detected = [float(s) for s in re.findall(r"detect_s=([\d.]+)", run.stdout)]
+    if how == "hang":  # not before the detector's timeout, and well before the group's own (30 s)
+        assert all(DETECT_S * 0.9 <= s < 15 for s in detected), run.output
 
 
 def test_an_mpi_without_the_interface_says_so_on_every_rank():

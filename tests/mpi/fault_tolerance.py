@@ -3,7 +3,7 @@
     mpiexec --with-ft ulfm --mca mpi_ft_detector true -n 4 python tests/mpi/fault_tolerance.py MODE
 
 ``problem``: print what ``ulfm_problem()`` says. ``kill``: rank 2 SIGKILLs itself before the second
-all-reduce; every survivor prints the error it got (FAILED ...), shrinks (SHRUNK ...), checks the
+all-reduce (``hang``: sleeps HANG_S seconds instead, its MPI silent, then leaves); every survivor prints the error it got (FAILED ...), shrinks (SHRUNK ...), checks the
 hand-written all-reduces on the new world against exact sums (OK ...), and prints how long detection
 and the shrink took (TIMES ...).
 """
@@ -19,6 +19,7 @@ from minidist.comm.fault_tolerance import shrink, ulfm_problem
 from minidist.comm.transport import ProcessFailedError
 
 DIES = 2
+HANG_S = 12.0
 mode = sys.argv[1]
 world = minidist.init(timeout=30.0)
 if mode == "problem":
@@ -28,8 +29,11 @@ if mode == "problem":
 assert ulfm_problem() is None, ulfm_problem()
 x = np.ones(1000)
 world.all_reduce(x, algorithm="ring", label="test: before the death")
-if world.rank == DIES:
+if world.rank == DIES and mode == "kill":
     os.kill(os.getpid(), signal.SIGKILL)
+if world.rank == DIES and mode == "hang":
+    time.sleep(HANG_S)  # alive, but silent: no MPI call, so no heartbeat; the others drop it meanwhile
+    os._exit(0)  # the job ends only when every process has
 start = time.monotonic()
 try:
     world.all_reduce(np.ones(1 << 15), algorithm="ring", label="test: a peer dies")
