@@ -3,16 +3,21 @@
 Under Open MPI 5 started with ``--with-ft ulfm``: a rank SIGKILLs itself, every survivor's collective
 ends with ProcessFailedError naming the call and the dead rank (or the revoke that woke it), the
 survivors shrink to a world without it, the same on every rank, and the hand-written collectives
-are exact on it. Under any other MPI, ``ulfm_problem()`` says why not, on every rank. Run them
-under Open MPI with ``bash .ci/openmpi -k fault_tolerance``.
+are exact on it. A ZeRO run of three dp replicas that
+loses one mid-step goes on with two, live, its losses those of one process on the full batch.
+Under any other MPI, ``ulfm_problem()`` says why not, on every rank. Run them under Open MPI with
+``bash .ci/openmpi -k fault_tolerance``.
 """
+import json
 import re
 
+import numpy as np
 import pytest
 
 from minidist.comm.fault_tolerance import LAUNCH
 from minidist.launchers import mpiexec_flavour
 from tests.mpi.harness import find_mpiexec, run_mpi
+from tests.test_drop_replicas import DROP, reference
 
 MPIEXEC = find_mpiexec()
 FLAVOUR = mpiexec_flavour(MPIEXEC) if MPIEXEC else None
@@ -62,3 +67,19 @@ def test_an_mpi_without_the_interface_says_so_on_every_rank():
 def test_open_mpi_started_with_ulfm_has_no_problem():
     run = run_mpi(2, "fault_tolerance.py", "problem", timeout=60, launcher_args=FT)
     assert run.stdout.count("None") == 2, run.output
+
+
+@needs_ulfm
+@pytest.mark.parametrize("stage, optimizer", [(1, "sgd"), (2, "adamw")])
+def test_a_zero_run_that_loses_a_replica_mid_step_goes_on_live_like_one_process(stage, optimizer):
+    """Replica 1 of 3 dies (SIGKILL) after its backward at step DROP; the survivors shrink, re-form
+    dp 2, rebuild the step's start from their copies and redo it (tests/mpi/drop_replica.py)."""
+    run = run_mpi(3, "drop_replica.py", stage, optimizer, timeout=120, launcher_args=FT)
+    recovered = re.findall(rf"RECOVERED rank=(\d) at step {DROP} from '(.*)' gone=\[1\] dp=2", run.stdout)
+    assert sorted(r for r, _ in recovered) == ["0", "1"], run.output
+    assert all(re.match(r"reduce_scatter #\d+ on group 'dp\[pp0,tp0\]'", why) for _, why in recovered), run.output
+    ref_losses, _ = reference(optimizer)
+    losses = re.findall(r"LOSSES rank=(\d) (.*)", run.stdout)
+    assert sorted(r for r, _ in losses) == ["0", "1"], run.output
+    for _, values in losses:
+        np.testing.assert_allclose(json.loads(values), ref_losses, rtol=1e-10, atol=0)

@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 import minidist
-from minidist.comm.fault_tolerance import shrink, ulfm_problem
+from minidist.comm.fault_tolerance import leave, shrink, ulfm_problem
 from minidist.comm.transport import ProcessFailedError
 
 DIES = 2
@@ -60,3 +60,4 @@ for count in (0, 5, 1001):
     checks += 1
 print(f"OK rank={new.rank} {checks} checks on {new.size} ranks", flush=True)
 print(f"TIMES rank={new.rank} detect_s={detected:.4f} shrink_s={shrank:.4f}", flush=True)
+leave(new)
