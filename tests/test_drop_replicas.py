@@ -1,11 +1,11 @@
 """A data-parallel run that loses a whole replica goes on with dp - 1 (``parallel/drop_replicas.py``).
 
-In-process (ranks as threads): three dp replicas under ZeRO-1 or 2 train, each step's start kept
+In-process (ranks as threads): three dp replicas (or two of 2 tp ranks each) under ZeRO-1 or 2 train, each step's start kept
 twice (``ShardCopies``). At step DROP the step runs to its end, then replica 1 dies: the survivors
 (a ``split`` stands in for MPI's shrink, which needs Open MPI: tests/test_fault_tolerance.py) rebuild
-the start-of-step state from their copies, re-form the mesh with dp 2, redo the step on the new rows
+the start-of-step state from their copies, re-form the mesh with dp - 1, redo the step on the new rows
 of the same global batch and go on. Every loss, and the final weights, equal one process on the full
-batch (float64, 1e-10 relative), so the steps after the drop are those of a run with dp 2.
+batch (float64, 1e-10 relative), so the steps after the drop are those of a run with dp - 1.
 """
 import numpy as np
 import pytest
@@ -19,6 +19,8 @@ from minidist.parallel.compose.gradients import apply_gradients
 from minidist.parallel.data.sampler import dp_rows
 from minidist.parallel.drop_replicas import drop_replicas, survivors_shape
 from minidist.parallel.mesh import DeviceMesh, MeshShape
+from minidist.parallel.tensor.apply import tensor_parallel
+from minidist.parallel.whole_model.consolidate import consolidated_state_dict
 from minidist.parallel.zero.full_state import full_parameters
 from minidist.parallel.zero.optimizer import ZeroOptimizer
 from minidist.parallel.zero.shard_copies import ShardCopies
@@ -48,13 +50,17 @@ def reference(optimizer):
     return losses, model.state_dict()
 
 
-def replica(world, stage, optimizer):
-    """This rank's run: 3 replicas, replica DIES lost after step DROP ran; (losses, final state) or None."""
-    model = GPT(CONFIG, seed=SEED, dtype="float64")
+def replica(world, stage, optimizer, dp, tp):
+    """This rank's run: dp replicas of tp ranks, replica DIES lost after step DROP ran; (losses, final
+    state) or None. The survivors build their model again over their new tp group (its old group's
+    communicator is revoked under MPI) and the state comes from the copies."""
+    built = {}
 
     def make_zero(mesh):
-        return ZeroOptimizer(model, mesh.dp_group, stage, optimizer, **HYPER[optimizer])
-    mesh = DeviceMesh(world, dp=3)
+        model = GPT(CONFIG, seed=SEED, dtype="float64")
+        built["model"] = tensor_parallel(model, mesh.tp_group) if tp > 1 else model
+        return ZeroOptimizer(built["model"], mesh.dp_group, stage, optimizer, **HYPER[optimizer])
+    mesh = DeviceMesh(world, dp=dp, tp=tp)
     zero = make_zero(mesh)
     copies = ShardCopies(zero)
     losses, step, dropped = [], 0, False
@@ -63,7 +69,7 @@ def replica(world, stage, optimizer):
         idx, targets = batch(step)
         rows = dp_rows(BATCH, mesh.dp_rank, mesh.shape.dp)
         zero.zero_grad()
-        _, loss = model(idx[rows], targets[rows])
+        _, loss = built["model"](idx[rows], targets[rows])
         loss.backward()
         apply_gradients(zero, lr(step, optimizer), CLIP, mesh=mesh)
         mean = mesh.dp_group.all_reduce(np.array([loss.item()]), op="avg", label="metric: mean loss")[0]
@@ -72,24 +78,26 @@ def replica(world, stage, optimizer):
             survivors = world.split(-1 if mesh.dp_rank == DIES else 0, name="survivors")  # MPI: shrink()
             if survivors is None:
                 return None
-            old = [r for r in range(world.size) if r != DIES]
-            shrunk = Shrunk(survivors, (DIES,), {r: old.index(r) for r in old})
+            gone = tuple(range(DIES * tp, DIES * tp + tp))
+            old = [r for r in range(world.size) if r not in gone]
+            shrunk = Shrunk(survivors, gone, {r: old.index(r) for r in old})
             mesh, zero = drop_replicas(shrunk, mesh, copies, make_zero, batch_size=BATCH)
             copies = ShardCopies(zero)
             continue  # redo the step, on dp 2
         losses.append(float(mean))
         step += 1
     with full_parameters(zero):
-        return losses, model.state_dict()
+        return losses, consolidated_state_dict(built["model"], mesh) if tp > 1 else built["model"].state_dict()
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 @pytest.mark.parametrize("stage", [1, 2])
-def test_losing_a_replica_mid_run_trains_like_one_process_on_the_same_global_batch(stage, optimizer):
+@pytest.mark.parametrize("dp, tp", [(3, 1), (2, 2)])
+def test_losing_a_replica_mid_run_trains_like_one_process_on_the_same_global_batch(dp, tp, stage, optimizer):
     ref_losses, ref_state = reference(optimizer)
-    runs = minidist.run_local(lambda world: replica(world, stage, optimizer), 3)
-    assert runs[DIES] is None
-    for losses, state in (runs[0], runs[2]):
+    runs = minidist.run_local(lambda world: replica(world, stage, optimizer, dp, tp), dp * tp)
+    assert all(run is None for run in runs[DIES * tp:DIES * tp + tp])
+    for losses, state in [run for run in runs if run is not None]:
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-10, atol=0)
         assert max_relative_error(state, ref_state) <= 1e-10
 

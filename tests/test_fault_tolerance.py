@@ -70,16 +70,19 @@ def test_open_mpi_started_with_ulfm_has_no_problem():
 
 
 @needs_ulfm
-@pytest.mark.parametrize("stage, optimizer", [(1, "sgd"), (2, "adamw")])
-def test_a_zero_run_that_loses_a_replica_mid_step_goes_on_live_like_one_process(stage, optimizer):
-    """Replica 1 of 3 dies (SIGKILL) after its backward at step DROP; the survivors shrink, re-form
-    dp 2, rebuild the step's start from their copies and redo it (tests/mpi/drop_replica.py)."""
-    run = run_mpi(3, "drop_replica.py", stage, optimizer, timeout=120, launcher_args=FT)
-    recovered = re.findall(rf"RECOVERED rank=(\d) at step {DROP} from '(.*)' gone=\[1\] dp=2", run.stdout)
-    assert sorted(r for r, _ in recovered) == ["0", "1"], run.output
-    assert all(re.match(r"reduce_scatter #\d+ on group 'dp\[pp0,tp0\]'", why) for _, why in recovered), run.output
+@pytest.mark.parametrize("stage, optimizer, dp, tp", [(1, "sgd", 3, 1), (2, "adamw", 3, 1), (1, "adamw", 2, 2)])
+def test_a_zero_run_that_loses_a_replica_mid_step_goes_on_live_like_one_process(stage, optimizer, dp, tp):
+    """Replica 1 (its tp ranks) dies (SIGKILL) after its backward at step DROP; the survivors shrink,
+    re-form dp - 1, rebuild the step's start from their copies and redo it (tests/mpi/drop_replica.py)."""
+    run = run_mpi(dp * tp, "drop_replica.py", stage, optimizer, dp, tp, timeout=120, launcher_args=FT)
+    gone = ", ".join(str(r) for r in range(tp, 2 * tp))
+    recovered = re.findall(rf"RECOVERED rank=(\d) at step {DROP} from '(.*)' gone=\[{gone}\] dp={dp - 1} tp={tp}",
+                           run.stdout)
+    survivors = [str(r) for r in range((dp - 1) * tp)]
+    assert sorted(r for r, _ in recovered) == survivors, run.output
+    assert all(re.match(r"reduce_scatter #\d+ on group 'dp\[pp0,tp\d\]'", why) for _, why in recovered), run.output
     ref_losses, _ = reference(optimizer)
     losses = re.findall(r"LOSSES rank=(\d) (.*)", run.stdout)
-    assert sorted(r for r, _ in losses) == ["0", "1"], run.output
+    assert sorted(r for r, _ in losses) == survivors, run.output
     for _, values in losses:
         np.testing.assert_allclose(json.loads(values), ref_losses, rtol=1e-10, atol=0)

@@ -19,7 +19,7 @@ from minidist.comm.fault_tolerance import leave, shrink, ulfm_problem
 from minidist.comm.transport import ProcessFailedError
 
 DIES = 2
-HANG_S = 12.0
+HANG_S = 6.0
 mode = sys.argv[1]
 world = minidist.init(timeout=30.0)
 if mode == "problem":
