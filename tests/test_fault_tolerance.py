@@ -3,8 +3,8 @@
 Under Open MPI 5 started with ``--with-ft ulfm``: a rank SIGKILLs itself, every survivor's collective
 ends with ProcessFailedError naming the call and the dead rank (or the revoke that woke it), the
 survivors shrink to a world without it, the same on every rank, and the hand-written collectives
-are exact on it. A ZeRO run of three dp replicas that
-loses one mid-step goes on with two, live, its losses those of one process on the full batch.
+are exact on it. A new rank joins the survivors,
+live (MPI_Comm_spawn, then a merge). A ZeRO run that loses a replica mid-step goes on with dp - 1, live, its losses those of one process on the full batch.
 Under any other MPI, ``ulfm_problem()`` says why not, on every rank. Run them under Open MPI with
 ``bash .ci/openmpi -k fault_tolerance``.
 """
@@ -50,6 +50,15 @@ def test_survivors_of_a_dead_or_hung_rank_see_the_call_and_the_dead_rank_then_sh
     detected = [float(s) for s in re.findall(r"detect_s=([\d.]+)", run.stdout)]
     if how == "hang":  # not before the detector's timeout, and well before the group's own (30 s)
         assert all(DETECT_S * 0.9 <= s < 15 for s in detected), run.output
+
+
+@needs_ulfm
+def test_a_new_rank_joins_the_survivors_live_and_the_collectives_are_exact_on_the_grown_world():
+    """After the shrink to 3, the survivors start one process (MPI_Comm_spawn) and merge it in."""
+    run = run_mpi(4, "fault_tolerance.py", "spare", timeout=90, launcher_args=FT)
+    grew = re.findall(r"GREW rank=(\d) size=4 in [\d.]+s OK 21 checks", run.stdout)
+    assert sorted(grew) == ["0", "1", "2"], run.output
+    assert re.search(r"JOINED rank=3 size=4 OK 21 checks", run.stdout), run.output
 
 
 def test_an_mpi_without_the_interface_says_so_on_every_rank():

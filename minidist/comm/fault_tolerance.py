@@ -9,8 +9,13 @@ survivor still waiting in any of them wakes with MPI_ERR_REVOKED and comes to sh
 MPI_Comm_shrink agrees, among the survivors, on who is gone and builds a communicator of the rest:
 the same survivors on every rank. The hand-written collectives run on it as on any.
 
-A rank that hangs is alive to MPI: its peers time out (CommTimeoutError), but a shrink would wait
-for it. :func:`ulfm_problem` says at start-up whether this MPI can shrink at all; the pip MPICH
+New ranks join live: :func:`grow` starts them (MPI_Comm_spawn) and merges them into the world
+(MPI_Intercomm_merge); each new process finds the grown world with :func:`joined`.
+
+A rank that hangs is alive to MPI. Open MPI's failure detector declares it dead once it has been
+silent (no MPI call) for ``mpi_ft_detector_timeout`` seconds: launched with that set to the run's
+``--comm-timeout``, a hung rank is a dead rank. Without the detector its peers time out
+(CommTimeoutError) and a shrink would wait for it. :func:`ulfm_problem` says at start-up whether this MPI can shrink at all; the pip MPICH
 wheel cannot (its ``MPIX_Comm_revoke`` is a stub, and ``MPIR_CVAR_ENABLE_FT=1`` fails in MPI_Init).
 """
 from __future__ import annotations
@@ -67,22 +72,57 @@ def shrink(world: ProcessGroup, others=()) -> Shrunk:
     mapped = MPI.Group.Translate_ranks(old.comm.Get_group(), list(range(old.size)), comm.Get_group())
     rank_map = {was: now for was, now in enumerate(mapped) if now != MPI.UNDEFINED}
     gone = tuple(r for r in range(old.size) if r not in rank_map)
+    return Shrunk(_group_like(world, comm), gone, rank_map)
+
+
+def grow(world: ProcessGroup, count: int, command: list[str]) -> ProcessGroup:
+    """Collective over ``world``: start ``count`` new processes running ``command`` (a program and its
+    arguments; each calls :func:`joined`) and return the world with them, its own ranks first.
+
+    What it sends: MPI_Comm_spawn's and MPI_Intercomm_merge's messages (inside MPI)."""
+    inter = world.transport.comm.Spawn(command[0], args=command[1:], maxprocs=count, root=0)
+    merged = inter.Merge(high=False)
+    inter.Free()
+    return _group_like(world, merged)
+
+
+def joined(timeout: float = 300.0) -> ProcessGroup | None:
+    """In a process that :func:`grow` started: the grown world, the old ranks first (this starts MPI).
+    None in a process that ``mpiexec`` started.
+
+    What it sends: MPI_Intercomm_merge's messages (inside MPI)."""
+    from mpi4py import MPI
+    parent = MPI.Comm.Get_parent()
+    if parent == MPI.COMM_NULL:
+        return None
+    return ProcessGroup(MPITransport(parent.Merge(high=True), timeout))
+
+
+def _group_like(world: ProcessGroup, comm) -> ProcessGroup:
+    """A ProcessGroup over the mpi4py communicator ``comm`` with ``world``'s settings and trace; MPI's
+    errors raised, not fatal."""
+    from mpi4py import MPI
+    comm.Set_errhandler(MPI.ERRORS_RETURN)
+    old = world.transport
     transport = MPITransport(comm, old.timeout, name=old.name, cuda_aware=old.cuda_aware)
-    survivors = ProcessGroup(transport, backend=world.backend, trace=world.trace, debug=world.debug,
-                             threshold_bytes=world.threshold_bytes, segment_bytes=world.segment_bytes,
-                             ring_from_bytes=world.ring_from_bytes, check_calls=world.check_calls,
-                             scattered_below_bytes=world.scattered_below_bytes,
-                             flight_recorder=world.flight_recorder, name=world.name)
-    return Shrunk(survivors, gone, rank_map)
+    return ProcessGroup(transport, backend=world.backend, trace=world.trace, debug=world.debug,
+                        threshold_bytes=world.threshold_bytes, segment_bytes=world.segment_bytes,
+                        ring_from_bytes=world.ring_from_bytes, check_calls=world.check_calls,
+                        scattered_below_bytes=world.scattered_below_bytes,
+                        flight_recorder=world.flight_recorder, name=world.name)
 
 
 def leave(survivors: ProcessGroup, code: int = 0) -> None:
     """End this process of a world that shrank: once every survivor is here (a barrier), flush and
     exit with ``code``, without MPI_Finalize. After a failure Open MPI's finalize may wait for the
-    dead rank forever (open-mpi/ompi#11404; seen here in about one run in four).
+    dead rank forever (open-mpi/ompi#11404; seen here in about one run in four). A process that
+    :func:`grow` started finalizes (its own job lost no rank; without it mpiexec exits 1).
 
     What it sends: a barrier over ``survivors``."""
+    from mpi4py import MPI
     survivors.barrier(label="setup: every survivor is done")
+    if MPI.Comm.Get_parent() != MPI.COMM_NULL:
+        sys.exit(code)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
