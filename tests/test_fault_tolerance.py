@@ -15,19 +15,18 @@ import numpy as np
 import pytest
 
 from minidist.comm.fault_tolerance import LAUNCH
-from minidist.launchers import mpiexec_flavour
+from minidist.launchers import fault_tolerance_flags, mpiexec_flavour
 from tests.mpi.harness import find_mpiexec, run_mpi
 from tests.test_drop_replicas import DROP, reference
 
 MPIEXEC = find_mpiexec()
 FLAVOUR = mpiexec_flavour(MPIEXEC) if MPIEXEC else None
-FT = LAUNCH.split()[1:]  # mpiexec's own flags
+FT = fault_tolerance_flags(MPIEXEC, 30.0) if MPIEXEC else []  # the rank scripts' comm timeout
 needs_ulfm = pytest.mark.skipif(FLAVOUR != "openmpi", reason="needs Open MPI 5's fault-tolerance interface (ULFM; "
                                 "bash .ci/openmpi): this mpiexec is " + str(FLAVOUR))
 
 
-DETECT_S = 2.0  # Open MPI's failure detector: a rank silent this long is dead (it needs a period under a third)
-HUNG = ["--mca", "mpi_ft_detector_timeout", str(DETECT_S), "--mca", "mpi_ft_detector_period", str(DETECT_S / 4)]
+DETECT_S = 2.0  # a rank silent this long is dead (Open MPI's failure detector)
 
 
 @needs_ulfm
@@ -35,7 +34,8 @@ HUNG = ["--mca", "mpi_ft_detector_timeout", str(DETECT_S), "--mca", "mpi_ft_dete
 def test_survivors_of_a_dead_or_hung_rank_see_the_call_and_the_dead_rank_then_shrink_and_reduce_exactly(how):
     """A killed rank (SIGKILL) is seen at once; a hung one (alive, silent: no MPI call) when Open MPI's
     detector has heard nothing from it for ``mpi_ft_detector_timeout`` seconds."""
-    run = run_mpi(4, "fault_tolerance.py", how, timeout=90, launcher_args=FT + HUNG * (how == "hang"))
+    flags = fault_tolerance_flags(MPIEXEC, DETECT_S if how == "hang" else 30.0)
+    run = run_mpi(4, "fault_tolerance.py", how, timeout=90, launcher_args=flags)
     failed = re.findall(r"FAILED rank=(\d) op=(\w+) seq=(\d+) dead=\[([\d, ]*)\] revoked=(\w+) :: (.*)", run.stdout)
     assert sorted(int(r) for r, *_ in failed) == [0, 1, 3], run.output
     for rank, op, seq, dead, revoked, message in failed:
@@ -65,7 +65,7 @@ def test_an_mpi_without_the_interface_says_so_on_every_rank():
     if MPIEXEC is None:
         pytest.skip("mpiexec not found")
     run = run_mpi(2, "fault_tolerance.py", "problem", timeout=60)
-    said = re.findall(r"PROBLEM rank=(\d) (.*)", run.stdout)
+    said = re.findall(r"PROBLEM rank=(\d) (.*?)(?=PROBLEM|\n|$)", run.stdout)  # hydra may join two ranks' lines
     assert sorted(r for r, _ in said) == ["0", "1"], run.output
     expected = (f"Open MPI's fault tolerance is off in this job: start it with {LAUNCH}" if FLAVOUR == "openmpi"
                 else "has no fault-tolerance interface (ULFM): a dead rank ends the job")
@@ -95,3 +95,15 @@ def test_a_zero_run_that_loses_a_replica_mid_step_goes_on_live_like_one_process(
     assert sorted(r for r, _ in losses) == survivors, run.output
     for _, values in losses:
         np.testing.assert_allclose(json.loads(values), ref_losses, rtol=1e-10, atol=0)
+
+
+def test_the_launch_flags_turn_ulfm_and_its_detector_on_under_open_mpi_only():
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    flags = fault_tolerance_flags(MPIEXEC, 300.0)
+    if FLAVOUR != "openmpi":
+        assert flags == []
+    else:
+        assert " ".join(flags) == ("--with-ft ulfm --mca mpi_ft_detector true --mca mpi_ft_detector_timeout 300 "
+                                   "--mca mpi_ft_detector_period 75")
+        assert " ".join(flags).startswith(" ".join(LAUNCH.split()[1:]))  # what ulfm_problem tells a user
