@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import minidist
+from minidist.comm import CommTimeoutError
 from minidist.comm.fault_tolerance import Shrunk
 from minidist.data import get_batch, inputs_and_targets
 from minidist.model import GPT
@@ -100,6 +101,27 @@ def test_losing_a_replica_mid_run_trains_like_one_process_on_the_same_global_bat
     for losses, state in [run for run in runs if run is not None]:
         np.testing.assert_allclose(losses, ref_losses, rtol=1e-10, atol=0)
         assert max_relative_error(state, ref_state) <= 1e-10
+
+
+def test_a_replica_that_dies_while_the_copies_are_sent_stops_every_survivor_with_one_clear_error():
+    """Its part of this step reached no one whole: the survivors agree to stop, none goes on alone."""
+    def run(world):
+        model = GPT(CONFIG, seed=SEED, dtype="float64")
+        mesh = DeviceMesh(world, dp=3)
+        survivors = world.split(-1 if world.rank == DIES else 0)  # made early: shrink() under MPI
+        copies = ShardCopies(ZeroOptimizer(model, mesh.dp_group, 1, "sgd", **HYPER["sgd"]))
+        copies.save()  # step 0's copies, whole everywhere; then the step
+        copies.zero.step_count += 1  # (what an update does to the count)
+        if world.rank == DIES:
+            return None  # gone before step 1's copies
+        with pytest.raises(CommTimeoutError):
+            copies.save()
+        shrunk = Shrunk(survivors, (DIES,), {0: 0, 2: 1})
+        make = lambda mesh: ZeroOptimizer(model, mesh.dp_group, 1, "sgd", **HYPER["sgd"])  # noqa: E731
+        with pytest.raises(RuntimeError, match="ZeRO part of step 1 was not copied whole before it died"):
+            drop_replicas(shrunk, mesh, copies, make, batch_size=BATCH)
+        return "refused"
+    assert minidist.run_local(run, 3, timeout=10.0) == ["refused", None, "refused"]
 
 
 def test_only_whole_replicas_can_be_dropped_and_the_batch_must_still_divide():

@@ -36,7 +36,7 @@ class ShardCopies:
             raise ValueError("shard copies need every unit over the dp group (no experts' own group)")
         self.zero, self.group = zero, zero.group
         self.slots = zero.optimizer.slots
-        self.own, self.previous, self.step_count = [], [], -1
+        self.own, self.previous, self.step_count, self.previous_step = [], [], -1, -1
 
     def save(self) -> None:
         """Copy this rank's parts, and swap copies with the dp ring: call at the start of each step.
@@ -46,16 +46,14 @@ class ShardCopies:
         g, zero = self.group, self.zero
         self.step_count = zero.step_count
         self.own = [[a.copy() for a in state_arrays(s, self.slots)] for s in zero.shards]
-        if g.size == 1:
-            self.previous = []
-            return
         before, after = (g.rank - 1) % g.size, (g.rank + 1) % g.size
-        self.previous = []
-        for s, mine in zip(zero.shards, self.own):
+        received = []
+        for s, mine in zip(zero.shards, self.own if g.size > 1 else []):
             theirs = [s.unit.xp.empty(s.unit.counts[before], dtype=a.dtype) for a in mine]  # (their part,)
             for a, b in zip(mine, theirs):
                 g.sendrecv(a, after, b, before, label=f"parameter: ZeRO part copied to the next replica {s.name}")
-            self.previous.append(theirs)
+            received.append(theirs)
+        self.previous, self.previous_step = received, self.step_count  # only once whole: a peer may die meanwhile
 
 
 def recut(copies: ShardCopies, gone: set[int], survivors, new_zero) -> None:
@@ -64,14 +62,21 @@ def recut(copies: ShardCopies, gone: set[int], survivors, new_zero) -> None:
     every unit's masters and slots, and the model's parameters, whole. ``gone``: the old dp ranks
     that died; each one's part comes from the copy on the next old dp rank, which must be alive.
 
-    What it sends: each unit's masters and slots, full length, summed over the survivors (every
-    element is held by exactly one of them, the others add zeros): an all-reduce per array."""
+    What it sends: one number, whether every survivor holds what it must (a lost replica's copy of
+    this step: it may have died while the copies were sent), the minimum over the survivors; then
+    each unit's masters and slots, full length, summed over the survivors (every element is held by
+    exactly one of them, the others add zeros): an all-reduce per array."""
     old_size, old_rank = copies.group.size, copies.group.rank
     lost = [d for d in sorted(gone) if (d + 1) % old_size in gone]
     if lost:
         raise RuntimeError(f"the ZeRO parts of dp ranks {lost} are lost: the next dp rank, which held their "
                            f"copies, died too; resume from a checkpoint")
     before = (old_rank - 1) % old_size
+    holds = before not in gone or copies.previous_step == copies.step_count
+    xp = copies.zero.shards[0].unit.xp
+    if survivors.all_reduce(xp.array([float(holds)]), op="min", label="metric: every lost ZeRO part copied")[0] == 0:
+        raise RuntimeError(f"a lost replica's ZeRO part of step {copies.step_count} was not copied whole before it "
+                           f"died (it died while the copies were sent); resume from a checkpoint")
     for s_old, own, previous, s_new in zip(copies.zero.shards, copies.own, copies.previous or [None] * len(copies.own),
                                            new_zero.shards):
         counts, starts = s_old.unit.counts, offsets(s_old.unit.counts)
