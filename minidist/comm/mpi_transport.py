@@ -74,15 +74,26 @@ class MPIRequest(Request):
         waited = poll(self.test, self.transport.timeout)
         if waited is not None:
             if self.kind == "recv":
-                self.request.Cancel()  # the buffer may be reused: never fill it late
+                withdraw(self.transport.MPI, self.request, wait=False)  # the buffer may be reused: never fill it late
             raise PeerTimeout(self.transport.rank, self.peer, self.kind, waited)
 
     def cancel(self) -> None:
         """Cancel a receive that has not completed (``MPI_Cancel``), so it never fills its buffer late."""
         if self.kind == "recv" and not self.done:
-            self.request.Cancel()
-            self.request.Wait()  # completes at once: cancelled, or the message had just arrived
+            withdraw(self.transport.MPI, self.request)
             self.done = True
+
+
+def withdraw(MPI, request, wait: bool = True) -> None:
+    """Cancel a receive (``MPI_Cancel``) and, with ``wait``, let it complete (at once: cancelled, or
+    its message had just arrived). One that a dead peer or a revoked communicator ended (ULFM) has
+    nothing left to withdraw."""
+    try:
+        request.Cancel()
+        if wait:
+            request.Wait()
+    except MPI.Exception:
+        pass
 
 
 def poll(test, timeout: float) -> float | None:
@@ -186,8 +197,12 @@ class MPITransport(Transport):
                 failed.peer = dst
             raise failed from e
         if waited is not None:  # a Testall that says False leaves both requests as they were
-            if not requests[0].Test():
-                requests[0].Cancel()  # the buffer may be reused: never fill it late
+            try:
+                received = requests[0].Test()
+            except MPI.Exception as e:  # ULFM's, in the moment since the last poll
+                raise self.failure(e, src, "recv") from e
+            if not received:
+                withdraw(MPI, requests[0], wait=False)  # the buffer may be reused: never fill it late
                 raise PeerTimeout(self.rank, src, "recv", waited)
             raise PeerTimeout(self.rank, dst, "send", waited)
         got = statuses[0].Get_count(MPI.BYTE)

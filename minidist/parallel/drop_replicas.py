@@ -11,7 +11,7 @@ and every step after it, is the step of a run that had dp - k replicas from ther
     try:
         copies.save()                                  # the step's start, kept twice
         loss, norm = train_step(model, zero, batch, lr, clip, mesh=mesh)
-    except ProcessFailedError:
+    except CommTimeoutError:                           # ProcessFailedError too: a dead peer, or a hung one
         shrunk = shrink(mesh.world, [mesh.tp_group, mesh.pp_group, mesh.dp_group])
         mesh, zero = drop_replicas(shrunk, mesh, copies, make_zero, batch_size=B)
         copies = ShardCopies(zero)                     # then redo the step, on the new mesh's rows

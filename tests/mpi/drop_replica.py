@@ -17,7 +17,7 @@ import numpy as np
 
 import minidist
 from minidist.comm.fault_tolerance import leave, shrink, ulfm_problem
-from minidist.comm.transport import ProcessFailedError
+from minidist.comm.transport import CommTimeoutError
 from minidist.model import GPT
 from minidist.parallel.compose.gradients import apply_gradients
 from minidist.parallel.data.sampler import dp_rows
@@ -58,7 +58,7 @@ while step < STEPS:
             os.kill(os.getpid(), signal.SIGKILL)
         apply_gradients(zero, lr(step, optimizer), CLIP, mesh=mesh)
         mean = mesh.dp_group.all_reduce(np.array([loss.item()]), op="avg", label="metric: mean loss")[0]
-    except ProcessFailedError as e:
+    except CommTimeoutError as e:  # a dead peer (ProcessFailedError), or a hung one past the deadline
         start = time.monotonic()
         shrunk = shrink(mesh.world, [mesh.tp_group, mesh.dp_group])
         mesh, zero = drop_replicas(shrunk, mesh, copies, make_zero, batch_size=BATCH)
