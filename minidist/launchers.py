@@ -65,6 +65,17 @@ def mpiexec_flags(mpiexec: str, allow_root: bool = False, hostfile: str | None =
     return (["--oversubscribe"] + ["--allow-run-as-root"] * allow_root if openmpi else []) + hosts
 
 
+def fault_tolerance_flags(mpiexec: str, comm_timeout: float) -> list:
+    """``mpiexec``'s arguments for a job whose survivors shrink its world (``comm/fault_tolerance.py``):
+    under Open MPI, ULFM and its failure detector on, a rank silent (no MPI call) for ``comm_timeout``
+    seconds declared dead, so a hung rank is dropped as a dead one (the detector's period is a quarter
+    of it: it must be under a third). Other MPIs: none (``ulfm_problem`` says so at start-up)."""
+    if mpiexec_flavour(mpiexec) != "openmpi":
+        return []
+    return ["--with-ft", "ulfm", "--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_timeout",
+            f"{comm_timeout:g}", "--mca", "mpi_ft_detector_period", f"{comm_timeout / 4:g}"]
+
+
 def launcher_command(launcher: str, hostfile: str | None, extra: list) -> list:
     """The launcher and its options, before ``-n``: ``mpiexec`` with :func:`mpiexec_flags` (the
     hostfile among them) and ``extra``; or ``srun --kill-on-bad-exit=1`` (a rank that fails ends

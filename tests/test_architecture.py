@@ -28,8 +28,7 @@ LAYERS = [
                            "minidist.parallel.expert", "minidist.parallel.zero", "minidist.parallel.pipeline",
                            "minidist.parallel.ps"]),
     ("composition", ["minidist.parallel.step", "minidist.parallel.state", "minidist.parallel.spec",
-                     "minidist.parallel.whole_model",
-                     "minidist.checkpoint"]),
+                     "minidist.parallel.whole_model", "minidist.parallel.drop_replicas", "minidist.checkpoint"]),
     ("entry points", ["minidist.train", "minidist.run", "minidist.plan", "minidist.support_matrix", "minidist"]),
 ]
 ROOMS = LAYERS[6][1]

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 from minidist.comm import census
 from minidist.comm.fingerprint import check_call
-from minidist.comm.transport import CommTimeoutError, PeerTimeout
+from minidist.comm.transport import CommTimeoutError, PeerFailed, PeerTimeout, ProcessFailedError
 from minidist.device import device_of, is_cupy
 
 DEFAULT_THRESHOLD_BYTES = 256 * 1024
@@ -109,9 +109,12 @@ class Dispatch:
     def _timeouts(self, name, seq, collective=False):
         """Turn a transport's PeerTimeout into CommTimeoutError; for a collective, first take a census
         of the group (``census.py``, at most ``census.GRACE_SECONDS``) to name the ranks that never
-        arrived. The flight recorder dumps the error, census included."""
+        arrived. The flight recorder dumps the error, census included. A transport's PeerFailed (a
+        dead peer, by MPI's fault-tolerance interface) becomes ProcessFailedError, with no census."""
         try:
             yield
+        except PeerFailed as e:
+            raise ProcessFailedError(name, seq, e, self.name) from e
         except PeerTimeout as e:
             found, missing = "", []
             if collective and self.size > 1:

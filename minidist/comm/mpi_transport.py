@@ -28,7 +28,7 @@ import sys
 import time
 import traceback
 
-from minidist.comm.transport import PeerTimeout, Request, Transport, check_timeout, exit_code_for
+from minidist.comm.transport import PeerFailed, PeerTimeout, Request, Transport, check_timeout, exit_code_for
 from minidist.device import copy_to_device, copy_to_host, is_cupy, pinned_empty, synchronize
 
 YIELD_SECONDS = 5e-3   # poll, offering the core to others (sched_yield) between polls, this long;
@@ -54,7 +54,11 @@ class MPIRequest(Request):
         self.done = False
 
     def test(self) -> bool:
-        if not self.done and self.request.Test(self.status):
+        try:
+            finished = self.done or self.request.Test(self.status)
+        except self.transport.MPI.Exception as e:
+            raise self.transport.failure(e, self.peer, self.kind) from e
+        if finished and not self.done:
             self.done = True
             if self.status is not None:
                 got = self.status.Get_count(self.transport.MPI.BYTE)
@@ -70,15 +74,26 @@ class MPIRequest(Request):
         waited = poll(self.test, self.transport.timeout)
         if waited is not None:
             if self.kind == "recv":
-                self.request.Cancel()  # the buffer may be reused: never fill it late
+                withdraw(self.transport.MPI, self.request, wait=False)  # the buffer may be reused: never fill it late
             raise PeerTimeout(self.transport.rank, self.peer, self.kind, waited)
 
     def cancel(self) -> None:
         """Cancel a receive that has not completed (``MPI_Cancel``), so it never fills its buffer late."""
         if self.kind == "recv" and not self.done:
-            self.request.Cancel()
-            self.request.Wait()  # completes at once: cancelled, or the message had just arrived
+            withdraw(self.transport.MPI, self.request)
             self.done = True
+
+
+def withdraw(MPI, request, wait: bool = True) -> None:
+    """Cancel a receive (``MPI_Cancel``) and, with ``wait``, let it complete (at once: cancelled, or
+    its message had just arrived). One that a dead peer or a revoked communicator ended (ULFM) has
+    nothing left to withdraw."""
+    try:
+        request.Cancel()
+        if wait:
+            request.Wait()
+    except MPI.Exception:
+        pass
 
 
 def poll(test, timeout: float) -> float | None:
@@ -174,10 +189,20 @@ class MPITransport(Transport):
         requests = [self.comm.Irecv([recvbuf, MPI.BYTE], source=src, tag=tag),
                     self.comm.Isend([sendbuf, MPI.BYTE], dest=dst, tag=tag)]
         statuses = [MPI.Status(), MPI.Status()]
-        waited = poll(lambda: MPI.Request.Testall(requests, statuses), self.timeout)
+        try:
+            waited = poll(lambda: MPI.Request.Testall(requests, statuses), self.timeout)
+        except MPI.Exception as e:  # ULFM's: which of the two peers is one of the dead ranks, if known
+            failed = self.failure(e, src, "sendrecv")
+            if isinstance(failed, PeerFailed) and dst in failed.failed:
+                failed.peer = dst
+            raise failed from e
         if waited is not None:  # a Testall that says False leaves both requests as they were
-            if not requests[0].Test():
-                requests[0].Cancel()  # the buffer may be reused: never fill it late
+            try:
+                received = requests[0].Test()
+            except MPI.Exception as e:  # ULFM's, in the moment since the last poll
+                raise self.failure(e, src, "recv") from e
+            if not received:
+                withdraw(MPI, requests[0], wait=False)  # the buffer may be reused: never fill it late
                 raise PeerTimeout(self.rank, src, "recv", waited)
             raise PeerTimeout(self.rank, dst, "send", waited)
         got = statuses[0].Get_count(MPI.BYTE)
@@ -196,6 +221,26 @@ class MPITransport(Transport):
         """End every process of the job (``MPI_Abort``)."""
         self.comm.Abort(code)
 
+    def failure(self, error, peer: int, kind: str) -> Exception:
+        """``error`` (an ``MPI.Exception`` from a request with ``peer``) as :class:`PeerFailed` when it is
+        the fault-tolerance interface's (a dead peer, a revoked communicator), else as it is. An MPI
+        without the interface (mpi4py then gives its classes MPI_ERR_UNKNOWN's number) never says so."""
+        MPI = self.MPI
+        code = error.Get_error_class()
+        if MPI.ERR_PROC_FAILED == MPI.ERR_UNKNOWN or code not in (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED):
+            return error
+        return PeerFailed(self.rank, peer, kind, self.failed_ranks(), code == MPI.ERR_REVOKED)
+
+    def failed_ranks(self) -> list[int]:
+        """The ranks of this communicator that MPI has told this rank are dead (``MPI_Comm_get_failed``)."""
+        try:
+            dead = self.comm.Get_failed()
+        except (NotImplementedError, self.MPI.Exception):  # an MPI without the interface
+            return []
+        ranks = self.MPI.Group.Translate_ranks(dead, list(range(dead.Get_size())), self.comm.Get_group())
+        dead.Free()
+        return sorted(ranks)
+
 
 def query_cuda_aware() -> bool:
     """Whether the MPI library in this process reads and writes GPU memory itself.
@@ -206,15 +251,19 @@ def query_cuda_aware() -> bool:
     ``mpich`` wheel answers 0.
     """
     try:
-        with open("/proc/self/maps") as maps:
-            paths = sorted(set(re.findall(r"(/\S*libmpi\S*\.so[.\d]*)", maps.read())))
-        for path in paths:
+        for path in loaded_libmpi():
             query = getattr(ctypes.CDLL(path), "MPIX_Query_cuda_support", None)
             if query is not None:
                 return bool(query())
     except OSError:
         pass
     return False
+
+
+def loaded_libmpi() -> list[str]:
+    """The paths of the ``libmpi`` shared libraries this process has loaded (read from /proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        return sorted(set(re.findall(r"(/\S*libmpi\S*\.so[.\d]*)", maps.read())))
 
 
 def _abort_on_uncaught_exception(transport: MPITransport):

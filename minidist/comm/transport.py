@@ -44,6 +44,32 @@ class CommTimeoutError(TimeoutError):
             f"which never answered (did it skip this call, crash, or hang?)" + (f". Census: {census}" if census else ""))
 
 
+class PeerFailed(Exception):
+    """The MPI's fault-tolerance interface (ULFM) ended a request: a peer died (MPI_ERR_PROC_FAILED), or
+    a survivor revoked the communicator after one did (MPI_ERR_REVOKED). ``failed``: the ranks this
+    rank knows to be dead, which may be none when it saw only the revoke."""
+
+    def __init__(self, rank: int, peer: int, kind: str, failed: list[int], revoked: bool):
+        self.rank, self.peer, self.kind, self.failed, self.revoked = rank, peer, kind, list(failed), revoked
+        why = "the communicator was revoked" if revoked else "the peer failed"
+        super().__init__(f"rank {rank}: {kind} with peer {peer} ended: {why}; dead ranks known here: {self.failed}")
+
+
+class ProcessFailedError(CommTimeoutError):
+    """A call ended because a rank of its group died (``missing``: the dead ranks this rank knows of), or
+    a survivor revoked the group after one did. A lost peer, as a timeout is: the same exit status, 3;
+    a fault-tolerant job catches it and shrinks its world (``fault_tolerance.py``)."""
+
+    def __init__(self, op: str, seq: int, error: PeerFailed, group: str = "world"):
+        CommTimeoutError.__init__(self, op, seq, error.rank, error.peer, 0.0, group, missing=error.failed)
+        self.revoked = error.revoked
+        how = ("a survivor revoked the group (MPI_ERR_REVOKED)" if error.revoked
+               else f"rank {error.peer} failed (MPI_ERR_PROC_FAILED)")
+        dead = ",".join(map(str, error.failed)) or "none known here yet"
+        self.args = (f"{op} #{seq} on group '{group}': rank {error.rank}'s {error.kind} with rank {error.peer} "
+                     f"ended because {how}; dead ranks: {dead}",)
+
+
 class CollectiveMismatchError(RuntimeError):
     """The ranks of a group did not all call the same collective the same way (``fingerprint.py``)."""
 

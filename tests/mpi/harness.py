@@ -69,13 +69,14 @@ class MPIRun:
         return ranks_said(self.stderr)
 
 
-def run_mpi(n: int, script, *args, timeout: float = 60.0, check: bool = True) -> MPIRun:
+def run_mpi(n: int, script, *args, timeout: float = 60.0, check: bool = True, launcher_args=()) -> MPIRun:
     """Run ``script`` (a path, a name in ``tests/mpi/``, or ``"-m"`` followed by a module name in
     ``args``, as in ``run_mpi(4, "-m", "minidist.train", "--dp", 2)``) on ``n`` ranks.
 
     With ``check`` a non-zero exit raises ``AssertionError`` carrying the output; without it the
     caller inspects :class:`MPIRun` (used by tests that expect the job to fail). A launch still
     running after ``timeout`` seconds is killed, group and all, and raises ``AssertionError``.
+    ``launcher_args`` go to mpiexec before ``-n`` (e.g. Open MPI's ``--with-ft ulfm``).
     """
     mpiexec = find_mpiexec()
     if mpiexec is None:
@@ -84,7 +85,8 @@ def run_mpi(n: int, script, *args, timeout: float = 60.0, check: bool = True) ->
         target = "-m"
     else:
         target = str(Path(script) if Path(script).is_absolute() or Path(script).exists() else HERE / script)
-    cmd = [*mpiexec_command(mpiexec, n), sys.executable, target, *map(str, args)]
+    launch = mpiexec_command(mpiexec, n)
+    cmd = [*launch[:-2], *launcher_args, *launch[-2:], sys.executable, target, *map(str, args)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,

@@ -88,10 +88,14 @@ class DataParallel:
         self.buckets = _fill_buckets(named[::-1], bucket_bytes, dtypes.pop(), group_of)
         self._sync = True
         self._next_launch = 0  # buckets launch strictly in index order, identical on every rank
-        for bucket in self.buckets:
-            for p, view in zip(bucket.params, bucket.views):
-                p.register_grad_ready_hook(self._make_hook(bucket, view))
+        self._hooks = [p.register_grad_ready_hook(self._make_hook(bucket, view))
+                       for bucket in self.buckets for p, view in zip(bucket.params, bucket.views)]
         self.zero_grad()
+
+    def close(self) -> None:
+        """Unhook from the model, so that a new DataParallel can take it over (e.g. on the survivors of a lost replica)."""
+        for hook in self._hooks:
+            hook.remove()
 
     def zero_grad(self) -> None:
         """Zero the buckets and point every ``p.grad`` at its view (use this, not

@@ -99,10 +99,8 @@ class ZeroOptimizer:
         for s in self.shards:  # the state the storage placed (on the device, the host or in files)
             for slot, array in s.state.items():
                 self.optimizer.state[slot][s.name] = array
-        if self.partitions.gradients:
-            for s in self.shards:
-                for _, p in s.unit.params:
-                    p.register_grad_ready_hook(lambda p, s=s: self._grad_ready(s))
+        self._hooks = [p.register_grad_ready_hook(lambda p, s=s: self._grad_ready(s))
+                       for s in self.shards for _, p in s.unit.params] if self.partitions.gradients else []
         self.gatherer = (stage3.fully_shard(model, self.shards, reshard_after_forward, offload)
                          if self.partitions.parameters else None)
         self.zero_grad()
@@ -239,7 +237,10 @@ class ZeroOptimizer:
             self.gatherer.free_all()
 
     def close(self) -> None:
-        """Remove the offload files, if any (the end of a run)."""
+        """Remove the offload files, if any, and the gradient hooks (the end of a run, or of this
+        optimizer when a new one takes the model over, e.g. on the survivors of a lost replica)."""
+        for hook in self._hooks:
+            hook.remove()
         self.storage.close()
 
 

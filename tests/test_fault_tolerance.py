@@ -1,0 +1,116 @@
+"""Live fault tolerance at the collectives layer (``minidist/comm/fault_tolerance.py``).
+
+Under Open MPI 5 started with ``--with-ft ulfm``: a rank SIGKILLs itself, every survivor's collective
+ends with ProcessFailedError naming the call and the dead rank (or the revoke that woke it), the
+survivors shrink to a world without it, the same on every rank, and the hand-written collectives
+are exact on it. A new rank joins the survivors,
+live (MPI_Comm_spawn, then a merge). A ZeRO run that loses a replica mid-step goes on with dp - 1, live, its losses those of one process on the full batch.
+Under any other MPI, ``ulfm_problem()`` says why not, on every rank. Run them under Open MPI with
+``bash .ci/openmpi -k fault_tolerance``.
+"""
+import json
+import re
+
+import numpy as np
+import pytest
+
+from minidist.comm.fault_tolerance import LAUNCH
+from minidist.launchers import fault_tolerance_flags, mpiexec_flavour
+from tests.mpi.harness import find_mpiexec, run_mpi
+from tests.test_drop_replicas import DROP, reference
+
+MPIEXEC = find_mpiexec()
+FLAVOUR = mpiexec_flavour(MPIEXEC) if MPIEXEC else None
+FT = fault_tolerance_flags(MPIEXEC, 30.0) if MPIEXEC else []  # the rank scripts' comm timeout
+needs_ulfm = pytest.mark.skipif(FLAVOUR != "openmpi", reason="needs Open MPI 5's fault-tolerance interface (ULFM; "
+                                "bash .ci/openmpi): this mpiexec is " + str(FLAVOUR))
+
+
+DETECT_S = 3.0  # a rank silent this long is dead (Open MPI's failure detector)
+
+
+@needs_ulfm
+@pytest.mark.parametrize("how, group_timeout", [("kill", 30.0), ("hang", 30.0), ("hang", 1.0)])
+def test_survivors_of_a_dead_or_hung_rank_see_the_call_and_the_dead_rank_then_shrink_and_reduce_exactly(
+        how, group_timeout):
+    """A killed rank (SIGKILL) is seen at once; a hung one (alive, silent: no MPI call) when Open MPI's
+    detector has heard nothing from it for DETECT_S seconds. When the group's own deadline comes
+    first (1 s), the survivors' CommTimeoutError names it (the census), and the shrink waits for the
+    detector."""
+    flags = fault_tolerance_flags(MPIEXEC, DETECT_S if how == "hang" else 30.0)
+    run = run_mpi(4, "fault_tolerance.py", how, group_timeout, timeout=90, launcher_args=flags)
+    failed = re.findall(r"FAILED rank=(\d) (\w+) op=(\w+) seq=(\d+) dead=\[([\d, ]*)\] revoked=(\w+) :: (.*)",
+                        run.stdout)
+    assert sorted(int(r) for r, *_ in failed) == [0, 1, 3], run.output
+    for rank, kind, op, seq, dead, revoked, message in failed:
+        assert (op, seq) == ("all_reduce", "2"), run.output  # the call in progress, the same on every rank
+        assert f"all_reduce #2 on group 'world': rank {rank}" in message, run.output
+        if group_timeout < DETECT_S:  # our deadline: the census names the hung rank
+            assert (kind, dead) == ("CommTimeoutError", "2"), run.output
+        else:  # MPI's word: the death, or the revoke that woke this survivor
+            assert kind == "ProcessFailedError" and (dead == "2" or revoked == "True" and dead == ""), run.output
+    assert any(dead == "2" for _, _, _, _, dead, _, _ in failed), run.output  # someone knew rank 2 was gone
+    shrunk = re.findall(r"SHRUNK rank=(\d) new=(\d) size=(\d) gone=\[2\] map=\[\(0, 0\), \(1, 1\), \(3, 2\)\]",
+                        run.stdout)
+    assert sorted(shrunk) == [("0", "0", "3"), ("1", "1", "3"), ("3", "2", "3")], run.output
+    assert len(re.findall(r"OK rank=\d 21 checks on 3 ranks", run.stdout)) == 3, run.output
+    times = re.findall(r"detect_s=([\d.]+) shrink_s=([\d.]+)", run.stdout)
+    if how == "hang":  # dropped once the detector's timeout passed, well before the scripts' own (30 s)
+        assert all(DETECT_S * 0.9 <= float(d) + float(s) < 15 for d, s in times), run.output
+
+
+@needs_ulfm
+def test_a_new_rank_joins_the_survivors_live_and_the_collectives_are_exact_on_the_grown_world():
+    """After the shrink to 3, the survivors start one process (MPI_Comm_spawn) and merge it in."""
+    run = run_mpi(4, "fault_tolerance.py", "spare", timeout=90, launcher_args=FT)
+    grew = re.findall(r"GREW rank=(\d) size=4 in [\d.]+s OK 21 checks", run.stdout)
+    assert sorted(grew) == ["0", "1", "2"], run.output
+    assert re.search(r"JOINED rank=3 size=4 OK 21 checks", run.stdout), run.output
+
+
+def test_an_mpi_without_the_interface_says_so_on_every_rank():
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    run = run_mpi(2, "fault_tolerance.py", "problem", timeout=60)
+    said = re.findall(r"PROBLEM rank=(\d) (.*?)(?=PROBLEM|\n|$)", run.stdout)  # hydra may join two ranks' lines
+    assert sorted(r for r, _ in said) == ["0", "1"], run.output
+    expected = (f"Open MPI's fault tolerance is off in this job: start it with {LAUNCH}" if FLAVOUR == "openmpi"
+                else "has no fault-tolerance interface (ULFM): a dead rank ends the job")
+    assert all(expected in line for _, line in said), run.output
+
+
+@needs_ulfm
+def test_open_mpi_started_with_ulfm_has_no_problem():
+    run = run_mpi(2, "fault_tolerance.py", "problem", timeout=60, launcher_args=FT)
+    assert run.stdout.count("None") == 2, run.output
+
+
+@needs_ulfm
+@pytest.mark.parametrize("stage, optimizer, dp, tp", [(1, "sgd", 3, 1), (2, "adamw", 3, 1), (1, "adamw", 2, 2)])
+def test_a_zero_run_that_loses_a_replica_mid_step_goes_on_live_like_one_process(stage, optimizer, dp, tp):
+    """Replica 1 (its tp ranks) dies (SIGKILL) after its backward at step DROP; the survivors shrink,
+    re-form dp - 1, rebuild the step's start from their copies and redo it (tests/mpi/drop_replica.py)."""
+    run = run_mpi(dp * tp, "drop_replica.py", stage, optimizer, dp, tp, timeout=120, launcher_args=FT)
+    gone = ", ".join(str(r) for r in range(tp, 2 * tp))
+    recovered = re.findall(rf"RECOVERED rank=(\d) at step {DROP} from '(.*)' gone=\[{gone}\] dp={dp - 1} tp={tp}",
+                           run.stdout)
+    survivors = [str(r) for r in range((dp - 1) * tp)]
+    assert sorted(r for r, _ in recovered) == survivors, run.output
+    assert all(re.match(r"reduce_scatter #\d+ on group 'dp\[pp0,tp\d\]'", why) for _, why in recovered), run.output
+    ref_losses, _ = reference(optimizer)
+    losses = re.findall(r"LOSSES rank=(\d) (.*)", run.stdout)
+    assert sorted(r for r, _ in losses) == survivors, run.output
+    for _, values in losses:
+        np.testing.assert_allclose(json.loads(values), ref_losses, rtol=1e-10, atol=0)
+
+
+def test_the_launch_flags_turn_ulfm_and_its_detector_on_under_open_mpi_only():
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found")
+    flags = fault_tolerance_flags(MPIEXEC, 300.0)
+    if FLAVOUR != "openmpi":
+        assert flags == []
+    else:
+        assert " ".join(flags) == ("--with-ft ulfm --mca mpi_ft_detector true --mca mpi_ft_detector_timeout 300 "
+                                   "--mca mpi_ft_detector_period 75")
+        assert " ".join(flags).startswith(" ".join(LAUNCH.split()[1:]))  # what ulfm_problem tells a user
