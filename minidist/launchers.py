@@ -76,6 +76,29 @@ def fault_tolerance_flags(mpiexec: str, comm_timeout: float) -> list:
             f"{comm_timeout:g}", "--mca", "mpi_ft_detector_period", f"{comm_timeout / 4:g}"]
 
 
+def script_value(script_args: list, flag: str) -> str | None:
+    """The value of ``flag`` (``--flag V`` or ``--flag=V``) in a job's script arguments, if any."""
+    for i, a in enumerate(script_args):
+        if a == flag and i + 1 < len(script_args):
+            return script_args[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def fault_tolerance_launch(launcher: list, script_args: list) -> list:
+    """``launcher`` and, for a trainer given ``--fault-tolerant`` under Open MPI's mpiexec, the flags that
+    let its survivors shrink the world (:func:`fault_tolerance_flags`, the detector at the run's
+    ``--comm-timeout``); ``launcher`` itself otherwise."""
+    if "--fault-tolerant" not in script_args or not launcher or Path(launcher[0]).name != "mpiexec":
+        return launcher
+    try:
+        timeout = float(script_value(script_args, "--comm-timeout") or 300.0)
+    except ValueError:  # the trainer refuses it, with the rest of its flags
+        timeout = 300.0
+    return launcher + fault_tolerance_flags(launcher[0], timeout)
+
+
 def launcher_command(launcher: str, hostfile: str | None, extra: list) -> list:
     """The launcher and its options, before ``-n``: ``mpiexec`` with :func:`mpiexec_flags` (the
     hostfile among them) and ``extra``; or ``srun --kill-on-bad-exit=1`` (a rank that fails ends

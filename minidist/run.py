@@ -61,8 +61,8 @@ import time
 from minidist.checkpoint.reader import latest_valid
 from minidist.comm.transport import EXIT_COMM_TIMEOUT, EXIT_CONFIG, EXIT_DIVERGED, EXIT_MISMATCH
 from minidist.hosts import MAX_SLOTS, hostfile_problem, launcher_args_problem, names_machines
-from minidist.launchers import (LAUNCHERS, SRUN_MISSING, find_mpiexec, job_command, launcher_command,
-                                mpiexec_flavour)
+from minidist.launchers import (LAUNCHERS, SRUN_MISSING, fault_tolerance_launch, find_mpiexec, job_command,
+                                launcher_command, mpiexec_flavour, script_value)
 from minidist.process_tree import descendants, signal_processes, started, wait_gone
 
 MAX_RANKS = MAX_SLOTS
@@ -234,12 +234,7 @@ def signal_job(proc: subprocess.Popen, job: list, signum: int) -> list:
 
 def checkpoint_dir(script_args: list) -> str | None:
     """The value of ``--ckpt-dir`` in the script's arguments, if any."""
-    for i, a in enumerate(script_args):
-        if a == "--ckpt-dir" and i + 1 < len(script_args):
-            return script_args[i + 1]
-        if a.startswith("--ckpt-dir="):
-            return a.split("=", 1)[1]
-    return None
+    return script_value(script_args, "--ckpt-dir")
 
 
 def describe_exit(code: int, timeout: float | None) -> str:
@@ -346,6 +341,7 @@ def stays_here(args) -> bool:
 def supervise(args) -> int:
     """The attempts of :func:`main`: run, and on a failure that a restart can cure, restart."""
     launcher, ckpt = launcher_command(args.launcher, args.hostfile, args.launcher_args), checkpoint_dir(args.script)
+    launcher = fault_tolerance_launch(launcher, args.script)
     n, resume = args.n, False
     for attempt in range(args.max_restarts + 1):
         cmd = job_command(launcher, n, args.script, resume)

@@ -114,3 +114,72 @@ def test_the_launch_flags_turn_ulfm_and_its_detector_on_under_open_mpi_only():
         assert " ".join(flags) == ("--with-ft ulfm --mca mpi_ft_detector true --mca mpi_ft_detector_timeout 300 "
                                    "--mca mpi_ft_detector_period 75")
         assert " ".join(flags).startswith(" ".join(LAUNCH.split()[1:]))  # what ulfm_problem tells a user
+
+
+# --- the trainer: --fault-tolerant (minidist/train/fault_tolerant.py)
+
+TRAIN = ["--n-layer", "2", "--n-head", "4", "--n-embd", "16", "--block-size", "16", "--batch-size", "6",
+         "--eval-iters", "1", "--eval-every", "100", "--sample-tokens", "0", "--dtype", "float64", "--zero", "1",
+         "--lr", "1e-2", "--warmup", "1"]
+
+
+def steps_alone(cfg, world, until: int) -> list[dict]:
+    """``cfg``'s records up to step ``until``, on ``world`` (threads), saving a checkpoint at the end."""
+    from minidist.train import Run
+    with Run(cfg, world, quiet=True, progress=False) as run:
+        return run.advance(until)
+
+
+@needs_ulfm
+def test_the_trainer_drops_a_dead_replica_and_goes_on_as_a_run_with_one_replica_fewer(tmp_path):
+    """dp 3 with ZeRO-1; rank 2 (replica 2) dies at the start of step 3. The survivors shrink, re-form
+    dp 2, re-cut the optimizer state from their copies and redo step 3: every step's loss equals that
+    of a run that had 3 replicas up to step 3 and 2 from it on (a checkpoint in between), in float64."""
+    import dataclasses
+    from minidist import run_local
+    from minidist.train.config import TrainConfig
+    from minidist.train.cli import parse_args
+    out, data = tmp_path / "out", tmp_path / "data"
+    args = [*TRAIN, "--dp", "3", "--steps", "6", "--fault-tolerant", "--fail-at-step", "3", "--fail-rank", "2",
+            "--out", str(out), "--data-dir", str(data)]
+    run = run_mpi(3, "-m", "minidist.train", *args, timeout=180, launcher_args=FT, check=False)
+    assert run.returncode == 0, run.output
+    assert re.search(r"step +4  ranks 2 lost \(ProcessFailedError\); going on with dp 2 on 2 ranks, the step redone",
+                     run.stdout), run.output
+    ours = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in ours] == list(range(6)), ours
+    cfg = dataclasses.replace(parse_args(args), fault_tolerant=False, fail_at_step=-1, out=None)
+    first = dataclasses.replace(cfg, ckpt_dir=str(tmp_path / "ref"), save_every=3)
+    before = run_local(lambda g: steps_alone(first, g, 3), 3)[0]
+    after = run_local(lambda g: steps_alone(dataclasses.replace(first, dp=2, resume=True), g, 6), 2)[0]
+    expected = [r["loss"] for r in before + after]
+    assert isinstance(cfg, TrainConfig) and len(expected) == 6
+    np.testing.assert_allclose([r["loss"] for r in ours], expected, rtol=1e-10, atol=0)
+
+
+def test_fault_tolerance_is_refused_where_it_cannot_drop_a_replica_yet():
+    from minidist.train.config import ConfigError, TrainConfig, check_config
+    for changes, said in [(dict(zero=0), "a state other than ZeRO-1 or 2"), (dict(zero=3), "ZeRO-1 or 2"),
+                          (dict(dp=1), "one replica"), (dict(pp=2, dp=2, micro_batches=2), "pipeline"),
+                          (dict(dtype="bfloat16"), "--dtype bfloat16"), (dict(mode="ps"), "--mode ps")]:
+        cfg = TrainConfig(**{**dict(dp=2, zero=1, fault_tolerant=True), **changes})
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            check_config(cfg, cfg.world if cfg.mode != "ps" else 2)
+
+
+@pytest.mark.skipif(FLAVOUR != "mpich", reason="the MPI without the interface here is MPICH's")
+def test_without_the_interface_the_trainer_says_so_and_trains_as_without_the_flag(tmp_path):
+    run = run_mpi(2, "-m", "minidist.train", *TRAIN, "--dp", "2", "--steps", "2", "--fault-tolerant",
+                  "--data-dir", tmp_path / "data", timeout=120)
+    assert "--fault-tolerant: this MPI (MPICH" in run.stdout and "no fault-tolerance interface (ULFM)" in run.stdout, \
+        run.output
+
+
+def test_the_restarting_launcher_starts_a_fault_tolerant_trainer_with_ulfm_under_open_mpi_only():
+    from minidist.launchers import fault_tolerance_launch
+    script = ["-m", "minidist.train", "--dp", "3", "--zero", "1", "--fault-tolerant", "--comm-timeout", "60"]
+    assert fault_tolerance_launch(["mpiexec"], script[:-3] + ["--comm-timeout", "60"]) == ["mpiexec"]  # no flag
+    if FLAVOUR == "openmpi":
+        assert fault_tolerance_launch([MPIEXEC, "--oversubscribe"], script)[2:] == fault_tolerance_flags(MPIEXEC, 60.0)
+    elif MPIEXEC:
+        assert fault_tolerance_launch([MPIEXEC], script) == [MPIEXEC]  # MPICH: nothing to turn on

@@ -147,6 +147,8 @@ GROUPS = {  # the flags of --help, by what they are about: field -> help
         "async_save": "write checkpoints in a background thread while training goes on",
         "comm_timeout": "seconds a collective or point-to-point call waits for a peer before the job fails "
                         "(exit status 3) naming the rank that never arrived",
+        "fault_tolerant": "a lost data-parallel replica is dropped and the run goes on, live (Open MPI 5 started "
+                          "with --with-ft ulfm --mca mpi_ft_detector true; ZeRO-1 or 2)",
         "fail_at_step": "fault injection: rank --fail-rank kills itself at the start of this step (-1: never; "
                         "not when resuming)", "fail_rank": "the rank --fail-at-step kills"},
     "output and inspection": {

@@ -104,6 +104,7 @@ class TrainConfig(Layout):
     async_save: bool = False
     fail_at_step: int = -1
     fail_rank: int = 0
+    fault_tolerant: bool = False  # a lost replica dropped live (train/fault_tolerant.py)
 
     def __post_init__(self):
         """An unset --min-lr is :data:`MIN_LR`, or --lr where that is lower: the cosine never rises,
@@ -202,7 +203,7 @@ def check_flags(cfg, world_size: int) -> None:
               if cfg.mode != "search" and getattr(cfg, f"{n}_range") is not None]
     found += optimizer_problems(cfg.optimizer) + hugging_face_problems(cfg) + comm_timeout_problems(cfg)
     found += checkpoint_problems(cfg, world_size) + mixed_precision_problems(cfg) + device_problems(cfg)
-    found += offload_dir_problems(cfg) + output_problems(cfg) + recompute_problems(cfg)
+    found += offload_dir_problems(cfg) + output_problems(cfg) + recompute_problems(cfg) + fault_tolerance_problems(cfg)
     if found:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(found))
 
@@ -295,6 +296,27 @@ def parameter_server_problems(cfg, world_size: int) -> list[str]:
     if collective:
         problems.append(f"--mode ps trains whole models on its workers: {', '.join(collective)} do not apply")
     return problems
+
+
+def fault_tolerance_problems(cfg) -> list[str]:
+    """What ``--fault-tolerant`` (train/fault_tolerant.py) cannot drop a replica of yet, and why: it keeps
+    each step's start as ZeRO-1 or 2 shards with a copy on the next replica, re-forms the dp axis alone,
+    and keeps no loss scaler's state across a drop."""
+    if not cfg.fault_tolerant:
+        return []
+    why = []
+    if cfg.mode != "collective":
+        why.append(f"--mode {cfg.mode} (it drops the replicas of one collective run)")
+    if cfg.zero not in (1, 2) or cfg.offload != "none":
+        why.append("a state other than ZeRO-1 or 2 on the device (each replica's part of the optimizer state is "
+                   "kept on the next replica at every step's start: add --zero 1 or 2, without --offload)")
+    if cfg.dp < 2:
+        why.append("one replica (nothing to go on with: add --dp 2 or more)")
+    if cfg.pp > 1 or cfg.cp > 1 or cfg.n_experts:
+        why.append("pipeline, context or expert parallelism (their groups would be re-formed too, not done yet)")
+    if cfg.dtype not in ("float32", "float64"):
+        why.append(f"--dtype {cfg.dtype} (the loss scaler's state is not kept across a drop yet)")
+    return [f"--fault-tolerant is not done with {w}" for w in why]
 
 
 def recompute_problems(cfg) -> list[str]:

@@ -97,7 +97,7 @@ def _run(cfg, stopping):
                      keep_history=False) as run:
                 history = run.advance(run.cfg.steps)
                 run.finish()
-            model = run.model
+            model, world = run.model, run.world  # (--fault-tolerant: the survivors' world, if replicas were lost)
     except (ConfigError, ResumeRefused, FoldersInUse, FolderNotShared) as e:
         if world.rank == 0:
             print(f"python -m minidist.train: {e}", file=sys.stderr)
@@ -128,4 +128,6 @@ def _run(cfg, stopping):
         text = sample(model, "The ", cfg.sample_tokens, seed=cfg.seed, pp_group=pp_group, tokenizer=tokenizer)
         if world.rank == 0:
             print("sample:\n" + text)
+    if cfg.mode == "collective" and run.tolerance is not None:
+        run.tolerance.leave()  # a world that shrank ends without MPI_Finalize (train/fault_tolerant.py)
 

@@ -31,6 +31,7 @@ import time
 
 from minidist.checkpoint.identity import run_identity
 from minidist.checkpoint.training import TrainingCheckpoints, crash_here
+from minidist.comm import CommTimeoutError
 from minidist.comm.machines import machines_of
 from minidist.data.prefetch import Prefetcher
 from minidist.optim import lr_at
@@ -42,6 +43,7 @@ from minidist.train.build import build_parallel, load_data, select_device, with_
 from minidist.train.config import ConfigError, check_flags, fault_injection_armed
 from minidist.train.describe import describe_data, describe_layout, memory_table
 from minidist.train.divergence import DivergenceWatch
+from minidist.train.fault_tolerant import FaultTolerance
 from minidist.train.feed import dropout_key, next_batch, rank_spans, read_batch
 from minidist.train.folders import held_folders
 from minidist.train.memory import memory_problems
@@ -109,14 +111,28 @@ class Run:
             print(describe_data(cfg, self.corpus))
             if world.size > 1:
                 print(describe_layout(cfg, mesh, self.model))
-        if cfg.ckpt_dir:
-            self.ckpts = TrainingCheckpoints(cfg.ckpt_dir, mesh, run_identity(cfg, self.corpus.identity, explored),
-                                             save_every=cfg.save_every, keep=cfg.keep, async_save=cfg.async_save,
-                                             quiet=quiet)
+        self._identity, self._quiet = run_identity(cfg, self.corpus.identity, explored), quiet
+        self.ckpts = self._checkpoints()
         self.step = self.first = self.ckpts.resume(self.state)[0] if cfg.resume else 0
         self.metrics = self._held.enter_context(open_metrics(cfg.out if world.rank == 0 else None, self.step))
         self._held.enter_context(trace_file(cfg, world.trace))
         self.watch = DivergenceWatch(mixed_precision=self.state.scaler is not None)
+        self.tolerance = FaultTolerance(self) if cfg.fault_tolerant else None  # its copies of the step's start
+
+    def _checkpoints(self):
+        """The run's checkpoints (``--ckpt-dir``), on its mesh, or None; building it is collective."""
+        cfg = self.cfg
+        return (TrainingCheckpoints(cfg.ckpt_dir, self.mesh, self._identity, save_every=cfg.save_every, keep=cfg.keep,
+                                    async_save=cfg.async_save, quiet=self._quiet) if cfg.ckpt_dir else None)
+
+    def survived(self) -> None:
+        """After lost replicas were dropped (train/fault_tolerant.py re-formed the world, mesh, model, state
+        and sampler): what else depends on the world, made again on the survivors: who speaks, the
+        checkpoints' writer, and the metrics file on the new rank 0 (the earlier steps' rows kept)."""
+        self.speaks = self.world.rank == 0 and not self._quiet
+        self.ckpts = self._checkpoints()
+        if self.world.rank == 0 and self.metrics is None:
+            self.metrics = self._held.enter_context(open_metrics(self.cfg.out, self.step))
 
     def advance(self, until: int) -> list[dict]:
         """Run steps ``step`` .. ``until - 1`` (evaluating the last), saving when due. Returns one dict
@@ -126,7 +142,7 @@ class Run:
         cfg, world, mesh, state = self.cfg, self.world, self.mesh, self.state
         history = []
         reads = Prefetcher(lambda s: read_batch(self.sampler, s, cfg.device), range(self.step, until), not cfg.no_prefetch)
-        with reads:
+        with reads:  # (after a drop the run reads its new rows itself: reads None)
             # rank 0's progress: a bar on a terminal; under mpiexec or piped, a line every few seconds
             shown = Progress(self.step, until, cfg.batch_size * cfg.block_size, every_s=self.progress_every,
                              enabled=self.progress)
@@ -134,13 +150,24 @@ class Run:
                 if step == cfg.fail_at_step and fault_injection_armed(cfg) and mesh.rank == cfg.fail_rank:
                     crash_here()
                 lr = lr_at(step, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr)
-                t0 = time.perf_counter()
-                with world.trace.capture() as step_events:  # every event of the step, for --explain
-                    batch, data_wait_s = next_batch(reads, step, world.trace)  # (B/dp, T+1): this rank's rows
-                    loss_scale = state.scaler.scale if state.scaler else None  # the scale this step's backward uses
-                    loss, grad_norm = train_step(self.model, state, batch, lr, cfg.grad_clip, engine=self.engine,
-                                                 mesh=mesh, n_micro=cfg.micro_batches, trace=world.trace,
-                                                 dropout=dropout_key(cfg, step, self.sampler))
+                while True:  # once; again after lost replicas were dropped (--fault-tolerant)
+                    t0 = time.perf_counter()
+                    try:
+                        with world.trace.capture() as step_events:  # every event of the step, for --explain
+                            batch, data_wait_s = (next_batch(reads, step, world.trace) if reads is not None  # (B/dp, T+1)
+                                                  else (read_batch(self.sampler, step, cfg.device)[0], 0.0))
+                            loss_scale = state.scaler.scale if state.scaler else None  # this step's backward's
+                            loss, grad_norm = train_step(self.model, state, batch, lr, cfg.grad_clip, engine=self.engine,
+                                                         mesh=mesh, n_micro=cfg.micro_batches, trace=world.trace,
+                                                         dropout=dropout_key(cfg, step, self.sampler))
+                        break
+                    except CommTimeoutError as lost:  # a dead peer (ProcessFailedError), or a hung one
+                        if self.tolerance is None or not self.tolerance.able:
+                            raise
+                        self.tolerance.drop(lost, step)  # the survivors' world, mesh, model, state and rows
+                        cfg, world, mesh, state, reads = self.cfg, self.world, self.mesh, self.state, None
+                if self.tolerance is not None:
+                    self.tolerance.step_ends()  # the next step's start, kept here and on the next replica
                 tokens_per_s = cfg.batch_size * cfg.block_size / (time.perf_counter() - t0)
                 if step == self.first and cfg.explain:
                     explain_step(mesh, self.model, step_events, batch.shape, state)

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -26,8 +27,9 @@ from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.tensor.apply import tensor_parallel
 from minidist.parallel.zero.optimizer import ZeroOptimizer
 from minidist.parallel.zero.shard_copies import ShardCopies
-from tests.mpi.zero_reference import CLIP, CONFIG, HYPER, SEED, lr
-from tests.test_drop_replicas import BATCH, DIES, DROP, STEPS, batch
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for `tests.`
+from tests.mpi.zero_reference import CLIP, CONFIG, HYPER, SEED, lr  # noqa: E402
+from tests.test_drop_replicas import BATCH, DIES, DROP, STEPS, batch  # noqa: E402
 
 stage, optimizer, dp, tp = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 world = minidist.init(timeout=60.0)
