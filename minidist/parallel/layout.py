@@ -102,7 +102,12 @@ class Layout:
 LAYOUT_FIELDS = tuple(f.name for f in dataclasses.fields(Layout))
 
 
+def layout_fields(holder) -> dict:
+    """{field: value} of the layout a config, a planner's run or a matrix cell holds (each is one: a
+    subclass of :class:`Layout`): what another holder of the same layout is built from."""
+    return {name: getattr(holder, name) for name in LAYOUT_FIELDS}
+
+
 def layout_of(holder) -> Layout:
-    """The :class:`Layout` a config, a planner's run or a matrix cell holds (each is one: a subclass),
-    as the plain value: for a key, a comparison, or what a checkpoint records."""
-    return Layout(**{name: getattr(holder, name) for name in LAYOUT_FIELDS})
+    """The :class:`Layout` ``holder`` holds, as the plain value: for a key, or a comparison."""
+    return Layout(**layout_fields(holder))

@@ -16,7 +16,6 @@ gives their general reason, which the support matrix counts as a meaningless cel
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 from types import SimpleNamespace
@@ -24,7 +23,7 @@ from types import SimpleNamespace
 from minidist.device import DEVICES
 from minidist.optim.state_bytes import ITEMSIZE
 from minidist.parallel.context.context_parallel import ALGORITHMS, tokens_multiple
-from minidist.parallel.layout import LAYOUT_FIELDS, RECOMPUTE, Layout
+from minidist.parallel.layout import RECOMPUTE, Layout, layout_fields
 from minidist.parallel.pipeline.schedules import SCHEDULES
 from minidist.parallel.zero.offload import CHOICES as OFFLOADS
 
@@ -61,8 +60,7 @@ class Needs:
 def _spec(layout: Layout, needs: Needs, world_size: int | None) -> SimpleNamespace:
     """One namespace the rules below read: the layout's fields and ``world``, what they need of the
     model and batch, and the world they are given (None: as many ranks as the layout needs)."""
-    return SimpleNamespace(**{name: getattr(layout, name) for name in LAYOUT_FIELDS}, world=layout.world,
-                           **dataclasses.asdict(needs), world_size=world_size)
+    return SimpleNamespace(**layout_fields(layout), world=layout.world, **vars(needs), world_size=world_size)
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,10 @@ positions) and, for a layout that can run, the bounds of its own work (``limits.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from minidist.optim.state_bytes import ITEMSIZE, optimizer_problems
-from minidist.parallel.layout import Layout, layout_of
+from minidist.parallel.layout import Layout, layout_fields
 from minidist.parallel.spec import Needs, numbers_out_of_range, problems
 from minidist.plan.limits import own_number_problems, work_problems
 
@@ -89,6 +88,6 @@ def layout_problems(model, run: RunSpec) -> list[str]:
 def run_spec_of(cfg) -> RunSpec:
     """The planner's RunSpec of a trainer's config: the same layout (both are one), its global batch
     cut over dp and micro-batches, its optimizer, and offload to disk when it names a folder."""
-    return RunSpec(**dataclasses.asdict(layout_of(cfg)), seq=cfg.block_size,
+    return RunSpec(**layout_fields(cfg), seq=cfg.block_size,
                    micro_batch_size=cfg.batch_size // (cfg.dp * cfg.micro_batches), optimizer=cfg.optimizer,
                    offload_to="disk" if cfg.offload_dir else "host")

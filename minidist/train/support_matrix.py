@@ -41,7 +41,7 @@ import itertools
 import textwrap
 from functools import lru_cache
 
-from minidist.parallel.layout import Layout, layout_of
+from minidist.parallel.layout import Layout, layout_fields
 from minidist.parallel.spec import lacks
 from minidist.train.config import ConfigError, TrainConfig, check_config, needs_of
 
@@ -102,13 +102,16 @@ def meaningless(cell: Cell) -> str | None:
     layout: a problem the trainer refuses it with), or None. Recompute, checkpoints, the precision and
     dropout are not part of what a layout lacks (no ``lacks`` reads them): the cells that differ only in
     them share one answer, found once."""
-    return _layout_meaningless(dataclasses.replace(cell, recompute="none", dtype="float32", checkpoint=False,
-                                                   dropout=False))
+    return _layout_meaningless(tuple(getattr(cell, name) for name in LACKING))
+
+
+LACKING = ("dp", "tp", "pp", "cp", "cp_algorithm", "zero", "sequence_parallel", "schedule", "moe", "offload")
+"""The fields of a cell that ``spec.lacks`` can read (the others keep their defaults in its key)."""
 
 
 @lru_cache(maxsize=None)
-def _layout_meaningless(cell: Cell) -> str | None:
-    cfg = config_for(cell)
+def _layout_meaningless(key: tuple) -> str | None:
+    cfg = config_for(Cell(**dict(zip(LACKING, key))))
     found = lacks(cfg, needs_of(cfg))
     return found[0] if found else None
 
@@ -120,7 +123,7 @@ def config_for(cell: Cell, **sizes) -> TrainConfig:
     written here); a dropout cell drops with p = 0.1."""
     base = dict(n_layer=4, n_head=4, n_embd=16, block_size=16, batch_size=8)
     base.update(sizes)
-    return TrainConfig(**base, **dataclasses.asdict(layout_of(cell)),
+    return TrainConfig(**base, **layout_fields(cell),
                        ckpt_dir="ckpt" if cell.checkpoint else None, save_every=2 if cell.checkpoint else 0,
                        n_experts=0 if cell.moe == "none" else 4, moe_every=2,
                        offload_dir="offload" if cell.offload == "optimizer,params" else None,
