@@ -16,43 +16,30 @@ import shutil
 from pathlib import Path
 
 from minidist.checkpoint.format import step_dir, step_dirs, step_of
-from minidist.checkpoint.hf import CONFIG, WEIGHTS
 from minidist.checkpoint.training import ResumeRefused
 from minidist.files import create, real_folder, write_atomically
+from minidist.train.outputs import copy_final_model
 from minidist.train.population import EXPLORABLE, POPULATION, Member, ranked
 from minidist.untrusted import read_json
 
 
-def final_exports(cfg, k: int) -> dict:
-    """Where member ``k``'s last segment writes its final model for ``--export`` / ``--export-hf``: in
-    its checkpoint folder, in the format the asked path names ({TrainConfig field: path})."""
-    folder = Path(cfg.ckpt_dir) / f"member-{k}"
-    found = {}
-    if cfg.export is not None:
-        found["export"] = str(folder / ("final.safetensors" if cfg.export.endswith(".safetensors") else "final.npz"))
-    if cfg.export_hf is not None:
-        found["export_hf"] = str(folder / "final-hf")
-    return found
+def member_folder(cfg, k: int) -> Path:
+    """Member ``k``'s checkpoint folder, where its last segment writes its final model."""
+    return Path(cfg.ckpt_dir) / f"member-{k}"
 
 
 def export_best(cfg, world, last_rows: list[dict]) -> None:
     """Rank 0: the best member's final model (lowest validation loss in ``last_rows``, the last ready
-    point's) copied from where its last segment wrote it (:func:`final_exports`) to ``--export`` and
+    point's) copied from where its last segment wrote it (outputs.py: ``final_exports``) to ``--export`` and
     ``--export-hf``, each file written atomically, never through a link. Every member had written
     its own before the last ready point's all-gather. Sends nothing."""
     if world.rank != 0 or (cfg.export is None and cfg.export_hf is None):
         return
     best = last_ranked(last_rows)[0]["member"]
     losses = {row["member"]: row["val_loss"] for row in last_rows}
-    for field, written in final_exports(cfg, best).items():
-        asked = getattr(cfg, field)
-        if field == "export":
-            write_atomically(real_folder(Path(asked).parent) / Path(asked).name, Path(written).read_bytes())
-        else:
-            for name in (WEIGHTS, CONFIG):
-                write_atomically(real_folder(asked) / name, (Path(written) / name).read_bytes())
-        print(f"--{field.replace('_', '-')}: member {best}'s final model (the best: val loss {losses[best]:.4f}), "
-              f"copied from {written} to {asked}", flush=True)
+    for flag, (written, asked) in copy_final_model(cfg, member_folder(cfg, best)).items():
+        print(f"{flag}: member {best}'s final model (the best: val loss {losses[best]:.4f}), copied from {written} "
+              f"to {asked}", flush=True)
 
 
 def copy_checkpoints(cfg, group, world, k: int, copies: dict, step: int) -> None:

@@ -11,7 +11,7 @@ import numpy as np
 
 from minidist.autograd import no_grad
 from minidist.checkpoint import save_state_dict
-from minidist.checkpoint.hf import write_hf
+from minidist.checkpoint.hf import CONFIG, WEIGHTS, write_hf
 from minidist.data import ByteTokenizer, inputs_and_targets
 from minidist.device import to_device
 from minidist.files import create, real_folder, write_atomically
@@ -137,6 +137,34 @@ def write_outputs(cfg, model, state, mesh, quiet=False):
         held = state.held_bytes()
         write_memory_report(cfg.trace, mesh.rank, [dict(label="after last step", **held,
                                                         peak=step_peak_bytes(mesh.world.trace, held))])
+
+
+def final_exports(cfg, folder) -> dict:
+    """Where a run among several (a population member, a search trial) writes its final model for
+    ``--export`` / ``--export-hf``: in its own ``folder``, in the format the asked path names
+    ({TrainConfig field: path})."""
+    found = {}
+    if cfg.export is not None:
+        found["export"] = str(Path(folder) / ("final.safetensors" if cfg.export.endswith(".safetensors") else "final.npz"))
+    if cfg.export_hf is not None:
+        found["export_hf"] = str(Path(folder) / "final-hf")
+    return found
+
+
+def copy_final_model(cfg, folder) -> dict:
+    """The final model that a run among several wrote in ``folder`` (:func:`final_exports`) copied to
+    ``--export`` and ``--export-hf``, each file atomically, never through a link: {flag: (from, to)}.
+    The caller is rank 0 of the world; sends nothing."""
+    copied = {}
+    for field, written in final_exports(cfg, folder).items():
+        asked = getattr(cfg, field)
+        if field == "export":
+            write_atomically(real_folder(Path(asked).parent) / Path(asked).name, Path(written).read_bytes())
+        else:
+            for name in (WEIGHTS, CONFIG):
+                write_atomically(real_folder(asked) / name, (Path(written) / name).read_bytes())
+        copied["--" + field.replace("_", "-")] = (written, asked)
+    return copied
 
 
 def export(state: dict, path: str, config, quiet: bool = False) -> None:

@@ -50,7 +50,8 @@ from minidist.files import create, real_folder
 from minidist.train.config import check_flags
 from minidist.train.divergence import Diverged
 from minidist.train.life import Run
-from minidist.train.lineage import copy_checkpoints, export_best, final_exports, record, resumed, start_row
+from minidist.train.lineage import copy_checkpoints, export_best, member_folder, record, resumed, start_row
+from minidist.train.outputs import final_exports
 from minidist.train.population import Member, draw, generation
 from minidist.train.stopping import Stopping
 
@@ -124,7 +125,7 @@ def train_pbt(cfg, world, machines=None, memory_bytes=None, stopping=None):
             try:
                 val_loss = run.advance(seg_end)[-1]["val_loss"]
                 if seg_end == cfg.steps:
-                    run.finish(**final_exports(cfg, k))  # the member's final model, when asked for
+                    run.finish(**final_exports(cfg, member_folder(cfg, k)))  # the member's final model, when asked for
             except Diverged:  # every rank of the member at once, no checkpoint of this step: it copies another
                 val_loss = float("nan")
             losses = agree(world, k, val_loss, cfg.population)

@@ -36,12 +36,12 @@ from pathlib import Path
 import numpy as np
 
 from minidist.checkpoint.format import step_dirs, step_of
-from minidist.checkpoint.hf import CONFIG, WEIGHTS
 from minidist.checkpoint.training import ResumeRefused
 from minidist.files import real_folder, write_atomically
 from minidist.train.config import check_flags
 from minidist.train.stopping import Stopping
-from minidist.train.trials import final_exports, start_trial, trial_folder
+from minidist.train.outputs import copy_final_model
+from minidist.train.trials import start_trial, trial_folder
 from minidist.tune.asha import goes_on, rungs, segment
 from minidist.tune.samplers import results, suggest
 from minidist.tune.space import SEARCHABLE, space_of
@@ -189,14 +189,8 @@ def export_best(cfg, world, state: SearchState) -> None:
     best = state.best()
     if world.rank != 0 or best is None or (cfg.export is None and cfg.export_hf is None):
         return
-    for field, written in final_exports(cfg, best.index).items():
-        asked = getattr(cfg, field)
-        if field == "export":
-            write_atomically(real_folder(Path(asked).parent) / Path(asked).name, Path(written).read_bytes())
-        else:
-            for name in (WEIGHTS, CONFIG):
-                write_atomically(real_folder(asked) / name, (Path(written) / name).read_bytes())
-        print(f"--{field.replace('_', '-')}: trial {best.index}'s final model (the best), copied to {asked}", flush=True)
+    for flag, (_, asked) in copy_final_model(cfg, trial_folder(cfg.ckpt_dir, best.index)).items():
+        print(f"{flag}: trial {best.index}'s final model (the best), copied to {asked}", flush=True)
 
 
 def final_line(state: SearchState) -> str:

@@ -20,23 +20,12 @@ from pathlib import Path
 
 from minidist.train.divergence import Diverged
 from minidist.train.life import Run
+from minidist.train.outputs import final_exports
 
 
 def trial_folder(root, index: int) -> str | None:
     """Trial ``index``'s folder under ``root`` (None: none)."""
     return str(Path(root) / f"trial-{index}") if root is not None else None
-
-
-def final_exports(cfg, index: int) -> dict:
-    """Where trial ``index``'s last segment writes its final model for ``--export`` / ``--export-hf``:
-    in its checkpoint folder, in the format the asked path names ({TrainConfig field: path})."""
-    folder = Path(trial_folder(cfg.ckpt_dir, index))
-    found = {}
-    if cfg.export is not None:
-        found["export"] = str(folder / ("final.safetensors" if cfg.export.endswith(".safetensors") else "final.npz"))
-    if cfg.export_hf is not None:
-        found["export_hf"] = str(folder / "final-hf")
-    return found
 
 
 def trial_config(cfg, index: int, hparams: dict, segment: int):
@@ -68,7 +57,7 @@ class TrialRun:
         try:
             loss = float(self.run.advance(to_step)[-1]["val_loss"])
             if to_step == self.run.cfg.steps:
-                self.run.finish(**final_exports(self.search, self.index))  # its final model, when asked for
+                self.run.finish(**final_exports(self.search, trial_folder(self.search.ckpt_dir, self.index)))  # its final model, when asked for
             return loss
         except Diverged:
             return float("nan")
