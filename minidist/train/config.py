@@ -180,9 +180,7 @@ def check_config(cfg, world_size: int, memory_bytes: int | None = None) -> None:
     (None: int64's sizes; train/memory.py). A run's start (train/life.py) asks the two apart, the data
     read between them (its vocabulary sizes the embeddings)."""
     check_flags(cfg, world_size)
-    found = memory_problems(cfg, memory_bytes)
-    if found:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(found))
+    refuse(memory_problems(cfg, memory_bytes))
 
 
 def check_flags(cfg, world_size: int) -> None:
@@ -204,6 +202,11 @@ def check_flags(cfg, world_size: int) -> None:
     found += optimizer_problems(cfg.optimizer) + hugging_face_problems(cfg) + comm_timeout_problems(cfg)
     found += checkpoint_problems(cfg, world_size) + mixed_precision_problems(cfg) + device_problems(cfg)
     found += offload_dir_problems(cfg) + output_problems(cfg) + recompute_problems(cfg) + fault_tolerance_problems(cfg)
+    refuse(found)
+
+
+def refuse(found: list[str]) -> None:
+    """:class:`ConfigError` listing ``found`` (every problem, one line each), unless there is none."""
     if found:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(found))
 

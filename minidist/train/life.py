@@ -40,7 +40,7 @@ from minidist.parallel.expert.experts import expert_load
 from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.step import train_step
 from minidist.train.build import build_parallel, load_data, select_device, with_hf_model, world_of_one
-from minidist.train.config import ConfigError, check_flags, fault_injection_armed
+from minidist.train.config import check_flags, fault_injection_armed, refuse
 from minidist.train.describe import describe_data, describe_layout, memory_table
 from minidist.train.divergence import DivergenceWatch
 from minidist.train.fault_tolerant import FaultTolerance
@@ -60,9 +60,7 @@ def started(cfg, world_size: int, memory_bytes: int | None = None):
     cfg = with_hf_model(cfg)  # --init-from-hf: the model's size from the folder
     check_flags(cfg, world_size)
     cfg, corpus = load_data(cfg)
-    found = memory_problems(cfg, memory_bytes)
-    if found:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(found))
+    refuse(memory_problems(cfg, memory_bytes))
     return cfg, corpus
 
 
@@ -86,18 +84,18 @@ class Run:
         self.cfg, self.corpus = started(cfg, self.world.size, memory_bytes)  # nothing sent before this
         self.machines = machines if machines is not None else machines_of(self.world)
         self.stopping = stopping if stopping is not None else Stopping()
-        self.speaks = self.world.rank == 0 and not quiet
+        self._quiet, self.speaks = quiet, self.world.rank == 0 and not quiet
         self.progress, self.progress_every, self.keep_history = progress and self.world.rank == 0, progress_every, keep_history
         self.state = self.ckpts = None
         self._held = contextlib.ExitStack()
         try:
             with self.stopping.deferred():  # its splits are collective: a stop waits for the start-up's end
-                self._build(explored, quiet)
+                self._build(explored)
         except BaseException:
             self.close()
             raise
 
-    def _build(self, explored, quiet) -> None:
+    def _build(self, explored) -> None:
         cfg, world = self.cfg, self.world
         self._held.enter_context(held_folders(cfg, world, self.machines))  # --ckpt-dir, --offload-dir: this run's alone
         select_device(cfg, self.machines.local_rank(world.rank))
@@ -111,7 +109,7 @@ class Run:
             print(describe_data(cfg, self.corpus))
             if world.size > 1:
                 print(describe_layout(cfg, mesh, self.model))
-        self._identity, self._quiet = run_identity(cfg, self.corpus.identity, explored), quiet
+        self._identity = run_identity(cfg, self.corpus.identity, explored)
         self.ckpts = self._checkpoints()
         self.step = self.first = self.ckpts.resume(self.state)[0] if cfg.resume else 0
         self.metrics = self._held.enter_context(open_metrics(cfg.out if world.rank == 0 else None, self.step))

@@ -49,7 +49,6 @@ class TrialRun:
         mine = dataclasses.replace(trial_config(cfg, index, hparams, segment), resume=step > 0)
         self.run = Run(mine, group, machines=machines, memory_bytes=memory_bytes, stopping=stopping, quiet=True,
                        progress=False, keep_history=False)
-        self.diverged = False
 
     def advance(self, to_step: int) -> float:
         """Train from the trial's step to ``to_step``: the validation loss after it, NaN when the run
