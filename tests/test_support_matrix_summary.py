@@ -44,7 +44,7 @@ def test_the_summary_and_the_table_say_the_same_of_every_pair(verdicts):
 
 
 def test_the_command_prints_the_summary_and_the_table_with_markdown(monkeypatch, capsys, verdicts):
-    monkeypatch.setattr(matrix, "grid", lambda: SAMPLE)
+    monkeypatch.setattr(matrix, "verdicts", lambda cells=None: verdicts)  # the sample's, not the whole grid's
     assert main([]) == 0
     assert capsys.readouterr().out.strip() == matrix.summary(verdicts).strip()
     assert main(["--markdown"]) == 0

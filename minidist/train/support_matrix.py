@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import textwrap
 from functools import lru_cache
 
@@ -97,6 +98,21 @@ def grid() -> list[Cell]:
             for layout, cp, a, z, sp, s, r, d, c, e, o, dr in itertools.product(*AXES.values())]
 
 
+def meaningful() -> list[Cell]:
+    """The cells of :func:`grid` that are not :func:`meaningless` (77,760), in its order: each is
+    judged by its :data:`LACKING` key before it is made, so the 336,960 meaningless cells never are."""
+    return [Cell(**layout, cp=cp, cp_algorithm=a, zero=z, sequence_parallel=sp, schedule=s, recompute=r, dtype=d,
+                 checkpoint=c, moe=e, offload=o, dropout=dr)
+            for layout, cp, a, z, sp, s, r, d, c, e, o, dr in itertools.product(*AXES.values())
+            if _layout_meaningless((layout["dp"], layout["tp"], layout["pp"], cp, a, z, sp, s, e, o)) is None]
+
+
+def layout_keys():
+    """Every value the grid's cells take in the :data:`LACKING` fields, as those fields' tuples."""
+    for layout, *rest in itertools.product(*(AXES[name] for name in ("layout",) + LACKING[3:])):
+        yield (layout["dp"], layout["tp"], layout["pp"], *rest)
+
+
 def meaningless(cell: Cell) -> str | None:
     """Why ``cell`` names a combination that does not exist (the first of ``spec.lacks`` of its
     layout: a problem the trainer refuses it with), or None. Recompute, checkpoints, the precision and
@@ -134,7 +150,7 @@ def refusals(cells: list[Cell] | None = None) -> dict:
     """{cell: the trainer's message} for every meaningful cell of ``cells`` (default: the whole
     :func:`grid`) :func:`check_config` refuses."""
     refused = {}
-    for cell in grid() if cells is None else cells:
+    for cell in meaningful() if cells is None else cells:
         if meaningless(cell) is None:
             try:
                 check_config(config_for(cell), cell.world)
@@ -177,14 +193,18 @@ class Verdicts:
 
 def verdicts(cells: list[Cell] | None = None) -> Verdicts:
     """The :class:`Verdicts` of ``cells`` (default: the whole :func:`grid`)."""
-    cells = grid() if cells is None else cells
-    valid = [c for c in cells if meaningless(c) is None]
+    if cells is None:  # every layout's verdict once, and only the meaningful cells made
+        valid, count = meaningful(), math.prod(map(len, AXES.values()))
+        kinds = {_layout_meaningless(key) for key in layout_keys()}
+    else:
+        valid, count = [c for c in cells if meaningless(c) is None], len(cells)
+        kinds = {meaningless(c) for c in cells}
     refused = refusals(valid)
     having = {name: {i for i, c in enumerate(valid) if has(c)} for name, has in FEATURES.items()}
     bad = {i for i, c in enumerate(valid) if c in refused}
     marks = {(a, b): "·" if a == b or not having[a] & having[b] else "✗" if having[a] & having[b] & bad else "✓"
              for a in FEATURES for b in FEATURES}
-    return Verdicts(marks, len(cells), len(valid), refused, sorted({meaningless(c) for c in cells} - {None}))
+    return Verdicts(marks, count, len(valid), refused, sorted(kinds - {None}))
 
 
 def counts_line(v: Verdicts) -> str:
