@@ -56,7 +56,6 @@ from minidist.comm.machines import machines_of
 from minidist.comm.mpi_transport import MPITransport
 from minidist.parallel.data.sampler import DistributedSampler
 from minidist.parallel.drop_replicas import drop_replicas
-from minidist.parallel.mesh import DeviceMesh
 from minidist.parallel.zero.hand_over import hand_over
 from minidist.parallel.zero.shard_copies import ShardCopies, state_arrays
 from minidist.process_tree import Process, read_process, signal_processes
@@ -206,28 +205,31 @@ class FaultTolerance:
             old_state.close()  # its hooks off the old model: the new state's take over
             run.world, run.cfg = grown, joining.config(cfg)
             run.rebuild()  # the grown mesh, a new model and state on it, the rows, the checkpoints' writer
-            nbytes = self.receive(joining, parts, old_state.step_count)
+            nbytes, sent_s = self.receive(joining, parts, old_state.step_count)
         self.spares, self.changed = joining.spares, True
         if run.world.rank == 0:
             ranks = f"rank {grown.size - 1}" if grown.size - old_mesh.shape.world == 1 else \
                 f"ranks {old_mesh.shape.world}-{grown.size - 1}"
-            print(f"step {step + 1:5d}  {k} replica{'s' * (k > 1)} joined ({ranks}, started in {spawn_s:.3f} s); going on with dp {joining.dp} on {grown.size} "
-                  f"ranks, the weights and optimizer state handed over ({nbytes / 2**20:.3f} MiB to each new rank, "
+            print(f"step {step + 1:5d}  {k} replica{'s' * (k > 1)} joined ({ranks}, started in {spawn_s:.3f} s); "
+                  f"going on with dp {joining.dp} on {grown.size} ranks, the weights and optimizer state handed over "
+                  f"({nbytes / 2**20:.3f} MiB to each new rank in {sent_s:.3f} s; joined in "
                   f"{time.monotonic() - start:.3f} s)", flush=True)
         return True
 
     def receive(self, joining: Joining, parts=None, step_count: int = 0) -> int:
         """Collective over the grown run (every rank, old and new, once its state is built): the state
         handed over (``parts``: an old rank's, None on a new one; parallel/zero/hand_over.py), then the
-        next step's start kept (``ShardCopies``). Returns the bytes a new rank receives (the largest)."""
+        next step's start kept (``ShardCopies``). Returns the bytes a new rank receives (the largest) and
+        the seconds the hand-over took (the longest)."""
         run = self.run
         self.pids = self.census()
+        start = time.monotonic()
         received = hand_over(parts, step_count, joining.old_dp, run.mesh.dp_group, run.state)
-        counted = np.array([received], np.int64)  # (1,)
-        run.world.all_reduce(counted, op="max", label="metric: the bytes a joining rank received")
+        counted = np.array([received, time.monotonic() - start], np.float64)  # (2,)
+        run.world.all_reduce(counted, op="max", label="metric: the bytes a joining rank received, the seconds")
         self.copies = ShardCopies(run.state)
         self.copies.save()  # the step's start, on the grown ring
-        return int(counted[0])
+        return int(counted[0]), float(counted[1])
 
     def leave(self, code: int = 0) -> None:
         """A job whose world shrank or grew ends here (comm/fault_tolerance.py's ``leave``: the old ranks
