@@ -9,7 +9,7 @@ state, and the old ranks re-cut theirs.
 
     parts = [state_arrays(s, slots) for s in zero.shards]   # an old rank's, before the join (None: a joiner's)
     new_zero = make_zero(grown_mesh)                        # ZeRO over the grown dp group, same model
-    received = hand_over(parts, N, grown_mesh.dp_group, new_zero)
+    received = hand_over(parts, zero.step_count, N, grown_mesh.dp_group, new_zero)
 
 What it costs: every rank receives the whole state once ((1 + slots) x P elements), minus its own part.
 """
