@@ -183,3 +183,95 @@ def test_the_restarting_launcher_starts_a_fault_tolerant_trainer_with_ulfm_under
         assert fault_tolerance_launch([MPIEXEC, "--oversubscribe"], script)[2:] == fault_tolerance_flags(MPIEXEC, 60.0)
     elif MPIEXEC:
         assert fault_tolerance_launch([MPIEXEC], script) == [MPIEXEC]  # MPICH: nothing to turn on
+
+
+# --- replicas that join a running job: --spares, --grow-at (minidist/train/fault_tolerant.py)
+
+def reference_losses(tmp_path, cfg, segments) -> list[float]:
+    """The losses of runs of ``cfg`` (threads) with dp changing at step boundaries: ``segments`` is
+    [(dp, until), ...], each segment resumed from the checkpoint the previous one saved at its end."""
+    import dataclasses
+    from minidist import run_local
+    losses, start = [], 0
+    for i, (dp, until) in enumerate(segments):
+        part = dataclasses.replace(cfg, dp=dp, ckpt_dir=str(tmp_path / "ref"), save_every=until - start,
+                                   resume=i > 0)
+        losses += [r["loss"] for r in run_local(lambda g: steps_alone(part, g, until), dp * cfg.tp)[0]]
+        start = until
+    return losses
+
+
+def trained(tmp_path, n, *flags, timeout=240, detect_s=30.0):
+    """The trainer on ``n`` ranks under Open MPI with ULFM, its detector's timeout ``detect_s`` (the
+    trainer's --comm-timeout, as python -m minidist.run sets it): (the job, its metrics, its config)."""
+    import dataclasses
+    from minidist.train.cli import parse_args
+    out = tmp_path / "out"
+    args = [*TRAIN, *map(str, flags), "--fault-tolerant", "--out", str(out), "--data-dir", str(tmp_path / "data")]
+    run = run_mpi(n, "-m", "minidist.train", *args, timeout=timeout, check=False,
+                  launcher_args=fault_tolerance_flags(MPIEXEC, detect_s))
+    assert run.returncode == 0, run.output
+    metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    cfg = dataclasses.replace(parse_args(args), fault_tolerant=False, fail_at_step=-1, spares=0, grow_at=-1, out=None)
+    return run, metrics, cfg
+
+
+@needs_ulfm
+def test_a_spare_replica_joins_at_the_step_asked_and_the_run_goes_on_as_one_with_a_replica_more(tmp_path):
+    """dp 2 with ZeRO-1 (AdamW: its moments handed over too) and --spares 1 --grow-at 3: at step 3's
+    start the two ranks spawn a third trainer, merge it in and hand it the weights and optimizer state;
+    every step's loss equals that of a run that had 2 replicas up to step 3 and 3 from it on, in float64."""
+    run, ours, cfg = trained(tmp_path, 2, "--dp", 2, "--steps", 6, "--spares", 1, "--grow-at", 3)
+    said = re.search(r"step +4  1 replica joined \(rank 2, started in [\d.]+ s\); going on with dp 3 on 3 ranks, "
+                     r"the weights and optimizer state handed over \(([\d.]+) MiB to each new rank", run.stdout)
+    assert said, run.output
+    assert float(said[1]) == pytest.approx(10_944 * 8 * 3 / 2**20, abs=1e-3)  # masters, AdamW's m and v: float64
+    assert [r["step"] for r in ours] == list(range(6)), ours
+    expected = reference_losses(tmp_path, cfg, [(2, 3), (3, 6)])
+    np.testing.assert_allclose([r["loss"] for r in ours], expected, rtol=1e-10, atol=0)
+
+
+@needs_ulfm
+def test_a_spare_replaces_a_dead_replica_at_once_and_the_run_keeps_its_replicas(tmp_path):
+    """dp 3 with ZeRO-2 and SGD, --spares 1; rank 1 dies at step 3. The survivors drop it, re-form dp
+    2, then start a spare, which joins as the third replica, and the step is redone with dp 3: every
+    step's loss is that of a run with 3 replicas throughout (the dp 2 segment is empty)."""
+    run, ours, cfg = trained(tmp_path, 3, "--dp", 3, "--zero", 2, "--optimizer", "sgd", "--steps", 6, "--spares", 1,
+                             "--fail-at-step", 3, "--fail-rank", 1)
+    assert re.search(r"step +4  ranks 1 lost \(ProcessFailedError\); going on with dp 2 on 2 ranks", run.stdout), \
+        run.output
+    assert re.search(r"step +4  1 replica joined \(rank 2, .*\); going on with dp 3 on 3 ranks", run.stdout), run.output
+    assert [r["step"] for r in ours] == list(range(6)), ours
+    np.testing.assert_allclose([r["loss"] for r in ours], reference_losses(tmp_path, cfg, [(3, 6)]), rtol=1e-10, atol=0)
+
+
+@needs_ulfm
+def test_a_hung_replica_is_dropped_as_a_dead_one_once_it_misses_the_comm_timeout(tmp_path):
+    """dp 3 with ZeRO-1, --comm-timeout 4; rank 2 hangs (sleeps, no MPI call) at step 3. Open MPI's
+    detector, set to the same timeout by the launch flags, declares it dead; the survivors drop it and
+    go on with dp 2, every loss that of a dp 3 -> dp 2 run. The job ends (the hung rank is ended too)."""
+    flags = ["--dp", 3, "--steps", 5, "--fail-at-step", 3, "--fail-rank", 2, "--fail-hang", "--comm-timeout", 4]
+    run, ours, cfg = trained(tmp_path, 3, *flags, timeout=120, detect_s=4.0)
+    assert re.search(r"step +4  ranks 2 lost \((ProcessFailedError|CommTimeoutError)\); going on with dp 2",
+                     run.stdout), run.output
+    expected = reference_losses(tmp_path, cfg, [(3, 3), (2, 5)])
+    np.testing.assert_allclose([r["loss"] for r in ours], expected, rtol=1e-10, atol=0)
+
+
+def test_spares_are_refused_without_fault_tolerance_or_a_batch_that_divides():
+    from minidist.train.config import ConfigError, TrainConfig, check_config
+    for changes, said in [(dict(fault_tolerant=False), "add --fault-tolerant"),
+                          (dict(spares=0), "add --spares S"),
+                          (dict(batch_size=8), "does not divide over 3 replicas")]:
+        cfg = TrainConfig(**{**dict(dp=2, zero=1, fault_tolerant=True, spares=1, grow_at=3, batch_size=6), **changes})
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            check_config(cfg, cfg.world)
+
+
+def test_after_a_loss_as_many_spares_join_as_were_lost_and_the_batch_allows():
+    from minidist.train.fault_tolerant import refill
+    assert refill(dp=2, lost=1, spares=3, batch_size=6) == 1
+    assert refill(dp=1, lost=2, spares=1, batch_size=6) == 1
+    assert refill(dp=2, lost=2, spares=2, batch_size=6) == 1  # 4 replicas would not divide 6 rows
+    assert refill(dp=2, lost=1, spares=0, batch_size=6) == 0
+

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 from minidist.checkpoint.format import MANIFEST, step_dir
 from minidist.checkpoint.identity import identity_differences
@@ -109,3 +110,10 @@ def _trainer_meta(manifest: dict, folder) -> None:
 def crash_here() -> None:
     """Die at once, as a lost node does: SIGKILL, no clean-up, no message (fault injection)."""
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hang_here() -> None:
+    """Hang, as a stuck rank does: sleep, making no MPI call, until something kills this process (fault
+    injection; under Open MPI's failure detector the peers declare it dead)."""
+    while True:
+        time.sleep(60)

@@ -10,7 +10,8 @@ MPI_Comm_shrink agrees, among the survivors, on who is gone and builds a communi
 the same survivors on every rank. The hand-written collectives run on it as on any.
 
 New ranks join live: :func:`grow` starts them (MPI_Comm_spawn) and merges them into the world
-(MPI_Intercomm_merge); each new process finds the grown world with :func:`joined`.
+(MPI_Intercomm_merge); in each new process ``minidist.init`` makes the other half of the merge, so it
+starts on the grown world (:func:`spawned` says it was started so).
 
 A rank that hangs is alive to MPI. Open MPI's failure detector declares it dead once it has been
 silent (no MPI call) for ``mpi_ft_detector_timeout`` seconds: launched with that set to the run's
@@ -77,7 +78,7 @@ def shrink(world: ProcessGroup, others=()) -> Shrunk:
 
 def grow(world: ProcessGroup, count: int, command: list[str]) -> ProcessGroup:
     """Collective over ``world``: start ``count`` new processes running ``command`` (a program and its
-    arguments; each calls :func:`joined`) and return the world with them, its own ranks first.
+    arguments; each calls ``minidist.init``) and return the world with them, its own ranks first.
 
     What it sends: MPI_Comm_spawn's and MPI_Intercomm_merge's messages (inside MPI)."""
     inter = world.transport.comm.Spawn(command[0], args=command[1:], maxprocs=count, root=0)
@@ -86,16 +87,11 @@ def grow(world: ProcessGroup, count: int, command: list[str]) -> ProcessGroup:
     return _group_like(world, merged)
 
 
-def joined(timeout: float = 300.0) -> ProcessGroup | None:
-    """In a process that :func:`grow` started: the grown world, the old ranks first (this starts MPI).
-    None in a process that ``mpiexec`` started.
-
-    What it sends: MPI_Intercomm_merge's messages (inside MPI)."""
+def spawned() -> bool:
+    """Whether :func:`grow` started this process (MPI_Comm_spawn), so that ``minidist.init`` gave it the
+    grown world (the old ranks first), not a world of its own. Asks MPI; sends nothing."""
     from mpi4py import MPI
-    parent = MPI.Comm.Get_parent()
-    if parent == MPI.COMM_NULL:
-        return None
-    return ProcessGroup(MPITransport(parent.Merge(high=True), timeout))
+    return MPI.Comm.Get_parent() != MPI.COMM_NULL
 
 
 def _group_like(world: ProcessGroup, comm) -> ProcessGroup:

@@ -136,7 +136,9 @@ class MPITransport(Transport):
 
     @classmethod
     def world(cls, timeout: float = 300.0, cuda_aware: bool | None = None) -> "MPITransport":
-        """Start MPI (if needed) and wrap a duplicate of ``COMM_WORLD``.
+        """Start MPI (if needed) and wrap a duplicate of ``COMM_WORLD``; in a process that a running job
+        started (``comm/fault_tolerance.py``'s ``grow``: MPI_Comm_spawn), the job's world with this
+        process's (MPI_Intercomm_merge with its parents, theirs first).
 
         The duplicate has its own message space, so a user's MPI messages never match ours. Also
         installs an exception hook: an uncaught exception on any rank prints its traceback tagged
@@ -147,7 +149,10 @@ class MPITransport(Transport):
         from mpi4py import MPI
         if cuda_aware is None:
             cuda_aware = query_cuda_aware()
-        transport = cls(MPI.COMM_WORLD.Dup(), timeout, cuda_aware=cuda_aware)
+        parent = MPI.Comm.Get_parent()
+        comm = MPI.COMM_WORLD.Dup() if parent == MPI.COMM_NULL else parent.Merge(high=True)
+        comm.Set_errhandler(MPI.ERRORS_RETURN)  # (mpi4py's on COMM_WORLD; a merged world's is set here)
+        transport = cls(comm, timeout, cuda_aware=cuda_aware)
         sys.excepthook = _abort_on_uncaught_exception(transport)
         return transport
 

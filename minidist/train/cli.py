@@ -150,7 +150,12 @@ GROUPS = {  # the flags of --help, by what they are about: field -> help
         "fault_tolerant": "a lost data-parallel replica is dropped and the run goes on, live (Open MPI 5 started "
                           "with --with-ft ulfm --mca mpi_ft_detector true; ZeRO-1 or 2)",
         "fail_at_step": "fault injection: rank --fail-rank kills itself at the start of this step (-1: never; "
-                        "not when resuming)", "fail_rank": "the rank --fail-at-step kills"},
+                        "not when resuming)", "fail_rank": "the rank --fail-at-step kills",
+        "fail_hang": "fault injection: rank --fail-rank hangs at --fail-at-step instead (sleeps, no MPI call)",
+        "spares": "--fault-tolerant: replicas the run may start live (MPI_Comm_spawn, Open MPI 5), each joining at "
+                  "once when a replica is lost, with the weights and optimizer state of a live one",
+        "grow_at": "with --spares: the spares join as new replicas at this step's start (dp + S; -1: only to "
+                   "replace lost ones)"},
     "output and inspection": {
         "out": "directory for metrics.jsonl", "sample_tokens": "tokens sampled at the end",
         "export": "write the consolidated full-model state_dict here at the end (.npz or .safetensors; nanoGPT / "

@@ -105,6 +105,9 @@ class TrainConfig(Layout):
     fail_at_step: int = -1
     fail_rank: int = 0
     fault_tolerant: bool = False  # a lost replica dropped live (train/fault_tolerant.py)
+    fail_hang: bool = False  # --fail-rank hangs at --fail-at-step (no MPI call) instead of dying
+    spares: int = 0  # --fault-tolerant: replicas it may start live (MPI_Comm_spawn), each to replace a lost one
+    grow_at: int = -1  # ... or all to join at this step's start (-1: never)
 
     def __post_init__(self):
         """An unset --min-lr is :data:`MIN_LR`, or --lr where that is lower: the cosine never rises,
@@ -133,7 +136,8 @@ RANGES = {
     "dropout": "[0, 1)", "capacity_factor": "[0, 1e6]", "aux_loss_coef": "[0, inf)", "vocab_size": "[0, 1048576]",  # a capacity factor >= E keeps every assignment
     "eval_every": "[1, inf)", "eval_iters": "[1, inf)", "sample_tokens": "[0, inf)",
     "servers": "[1, inf)", "staleness": "[-1, inf)", "straggler": "[0, inf)",
-    "bucket_mb": "(0, inf)", "fail_at_step": "[-1, inf)", "fail_rank": "[0, inf)",
+    "bucket_mb": "(0, inf)", "fail_at_step": "[-1, inf)", "fail_rank": "[0, inf)", "spares": "[0, inf)",
+    "grow_at": "[-1, inf)",
     "population": "[2, inf)", "ready_every": "[1, inf)", "quantile": "(0, 0.5]",
     "trials": "[1, inf)", "parallel": "[1, inf)", "grace": "[1, inf)", "reduction": "[2, inf)",
 }
@@ -306,7 +310,9 @@ def fault_tolerance_problems(cfg) -> list[str]:
     each step's start as ZeRO-1 or 2 shards with a copy on the next replica, re-forms the dp axis alone,
     and keeps no loss scaler's state across a drop."""
     if not cfg.fault_tolerant:
-        return []
+        return ["--spares and --grow-at start replicas that join a --fault-tolerant run: add --fault-tolerant"] \
+            if cfg.spares or cfg.grow_at >= 0 else []
+    found = spare_problems(cfg)
     why = []
     if cfg.mode != "collective":
         why.append(f"--mode {cfg.mode} (it drops the replicas of one collective run)")
@@ -319,7 +325,18 @@ def fault_tolerance_problems(cfg) -> list[str]:
         why.append("pipeline, context or expert parallelism (their groups would be re-formed too, not done yet)")
     if cfg.dtype not in ("float32", "float64"):
         why.append(f"--dtype {cfg.dtype} (the loss scaler's state is not kept across a drop yet)")
-    return [f"--fault-tolerant is not done with {w}" for w in why]
+    return found + [f"--fault-tolerant is not done with {w}" for w in why]
+
+
+def spare_problems(cfg) -> list[str]:
+    """What is wrong with --spares and --grow-at: the step to grow at needs spares to start, and the
+    global batch must divide over the replicas it grows to."""
+    if cfg.grow_at >= 0 and not cfg.spares:
+        return [f"--grow-at {cfg.grow_at} starts the spares as new replicas: add --spares S (S >= 1)"]
+    if cfg.grow_at >= 0 and cfg.batch_size % (cfg.dp + cfg.spares):
+        return [f"--grow-at {cfg.grow_at} grows dp {cfg.dp} by --spares {cfg.spares}, and the global batch of "
+                f"{cfg.batch_size} rows does not divide over {cfg.dp + cfg.spares} replicas"]
+    return []
 
 
 def recompute_problems(cfg) -> list[str]:

@@ -12,6 +12,7 @@ import sys
 from minidist.allocator import keep_freed_memory
 from minidist.checkpoint.training import ResumeRefused
 from minidist.comm import init
+from minidist.comm.fault_tolerance import spawned
 from minidist.comm.machines import machines_of
 from minidist.comm.transport import EXIT_CONFIG, EXIT_DIVERGED
 from minidist.data.tokens import DataError
@@ -22,6 +23,7 @@ from minidist.train.build import sample_tokenizer
 from minidist.train.cli import launcher_rank, parse_args
 from minidist.train.config import ConfigError, TrainConfig, comm_timeout_problems
 from minidist.train.divergence import Diverged
+from minidist.train.fault_tolerant import announced
 from minidist.train.folders import FolderNotShared, FoldersInUse
 from minidist.train.life import Run
 from minidist.train.memory import memory_available
@@ -49,7 +51,7 @@ def main(argv=None):
         cfg = parse_args(argv, quiet=stopping.rank != 0)
         with stopping:
             try:
-                _run(cfg, stopping)
+                _run(cfg, stopping, sys.argv[1:] if argv is None else list(argv))
             except Stopped as stop:  # every rank, at once
                 if stopping.rank == 0:
                     steps = cfg.steps if cfg.mode != "ps" else None  # the parameter servers count their own
@@ -63,8 +65,9 @@ def main(argv=None):
         leave_after_rank_0(leaving.code, os.environ)
 
 
-def _run(cfg, stopping):
-    """:func:`main` once its stop signals are held: start MPI, train, print the result and the sample."""
+def _run(cfg, stopping, argv):
+    """:func:`main` once its stop signals are held: start MPI, train, print the result and the sample.
+    ``argv``: the trainer's arguments, which a spare replica (--spares) is started with."""
     if not cfg.system_allocator:
         keep_freed_memory()  # the process's malloc setting, made here at the entry point, never by the library
     # the MPI world: under mpiexec, its ranks; run alone, a world of one. A timeout's flight record
@@ -93,8 +96,11 @@ def _run(cfg, stopping):
         elif cfg.mode == "ps":
             model, history = train_ps(cfg, world, memory_bytes=memory_available())
         else:  # one run's life (train/life.py); only the last record kept
+            joining = announced(world) if cfg.fault_tolerant and spawned() else None  # a spare a job started
+            cfg = joining.config(cfg, new=True) if joining else cfg
             with Run(cfg, world, machines=machines, memory_bytes=memory_available(), stopping=stopping,
-                     keep_history=False) as run:
+                     keep_history=False, command=[sys.executable, "-m", "minidist.train", *argv],
+                     joining=joining) as run:
                 history = run.advance(run.cfg.steps)
                 run.finish()
             model, world = run.model, run.world  # (--fault-tolerant: the survivors' world, if replicas were lost)
@@ -129,5 +135,5 @@ def _run(cfg, stopping):
         if world.rank == 0:
             print("sample:\n" + text)
     if cfg.mode == "collective" and run.tolerance is not None:
-        run.tolerance.leave()  # a world that shrank ends without MPI_Finalize (train/fault_tolerant.py)
+        run.tolerance.leave()  # a world that shrank or grew ends together (train/fault_tolerant.py)
 

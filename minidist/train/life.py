@@ -30,7 +30,7 @@ import dataclasses
 import time
 
 from minidist.checkpoint.identity import run_identity
-from minidist.checkpoint.training import TrainingCheckpoints, crash_here
+from minidist.checkpoint.training import TrainingCheckpoints, crash_here, hang_here
 from minidist.comm import CommTimeoutError
 from minidist.comm.machines import machines_of
 from minidist.data.prefetch import Prefetcher
@@ -72,14 +72,17 @@ class Run:
     it prints nothing (its metrics are still written); ``progress``: rank 0 shows a bar on a terminal,
     else a line every ``progress_every`` seconds. ``explored``: the hyper-parameters its checkpoints'
     identity leaves out (a population member's). ``keep_history`` False: :meth:`advance` returns only
-    the last step's record, so a long run's memory stays flat.
+    the last step's record, so a long run's memory stays flat. ``--fault-tolerant``: ``command`` is the
+    trainer's own, which a spare replica runs (None: no spare started); ``joining``, on a rank that joined
+    a running job, what it learned (train/fault_tolerant.py): it resumes nothing, holds no folder, and
+    takes the step and the state from the old ranks.
 
     After the start: ``cfg`` (with the data's vocabulary), ``corpus``, ``mesh``, ``model`` (this rank's
     part), ``state`` (the model's state, parallel/state.py), ``engine`` (the pipeline's, or None) and
     ``step`` (the next step to run)."""
 
     def __init__(self, cfg, world=None, *, machines=None, memory_bytes=None, stopping=None, quiet=False,
-                 progress=True, progress_every=5.0, explored=(), keep_history=True):
+                 progress=True, progress_every=5.0, explored=(), keep_history=True, command=None, joining=None):
         self.world = world if world is not None else world_of_one()
         self.cfg, self.corpus = started(cfg, self.world.size, memory_bytes)  # nothing sent before this
         self.machines = machines if machines is not None else machines_of(self.world)
@@ -90,19 +93,18 @@ class Run:
         self._held = contextlib.ExitStack()
         try:
             with self.stopping.deferred():  # its splits are collective: a stop waits for the start-up's end
-                self._build(explored)
+                self._build(explored, command, joining)
         except BaseException:
             self.close()
             raise
 
-    def _build(self, explored) -> None:
+    def _build(self, explored, command, joining) -> None:
         cfg, world = self.cfg, self.world
-        self._held.enter_context(held_folders(cfg, world, self.machines))  # --ckpt-dir, --offload-dir: this run's alone
+        if joining is None:  # (a joining rank's folders are the old ranks')
+            self._held.enter_context(held_folders(cfg, world, self.machines))  # --ckpt-dir, --offload-dir: this run's alone
         select_device(cfg, self.machines.local_rank(world.rank))
-        self.mesh = mesh = DeviceMesh.of(world, cfg, self.machines)  # its groups: the layout's (parallel/layout.py)
-        self.sampler = DistributedSampler(self.corpus.train, cfg.batch_size, cfg.block_size, cfg.seed, mesh.dp_rank,
-                                          cfg.dp, spans=rank_spans(cfg, mesh))  # this rank's rows, only what it uses
-        self.model, self.state, self.engine = build_parallel(cfg, mesh)
+        self._form()
+        mesh = self.mesh
         if self.speaks:
             print(f"{self.state.parameter_count():,} parameters on rank 0, {len(self.corpus.train):,} train / "
                   f"{len(self.corpus.val):,} val tokens, {cfg.batch_size} x {cfg.block_size} tokens per step, {mesh!r}")
@@ -111,12 +113,27 @@ class Run:
                 print(describe_layout(cfg, mesh, self.model))
         self._identity = run_identity(cfg, self.corpus.identity, explored)
         self.ckpts = self._checkpoints()
-        self.step = self.first = self.ckpts.resume(self.state)[0] if cfg.resume else 0
+        self.step = self.first = joining.step if joining else self.ckpts.resume(self.state)[0] if cfg.resume else 0
         self.metrics = self._held.enter_context(open_metrics(cfg.out if world.rank == 0 else None, self.step))
         self._held.enter_context(trace_file(cfg, world.trace))
         self.watch = DivergenceWatch(mixed_precision=self.state.scaler is not None)
-        self.tolerance = FaultTolerance(self) if cfg.fault_tolerant else None  # its copies of the step's start
+        self.tolerance = (FaultTolerance(self, command, joining) if cfg.fault_tolerant  # its copies of the step's
+                          else None)  # start (a joining rank: its state handed over first)
 
+    def _form(self) -> None:
+        """The mesh's groups split, this rank's rows, the model and its state built on ``world``.
+        Sends the splits and the state's own."""
+        cfg = self.cfg
+        self.mesh = mesh = DeviceMesh.of(self.world, cfg, self.machines)  # its groups: the layout's (parallel/layout.py)
+        self.sampler = DistributedSampler(self.corpus.train, cfg.batch_size, cfg.block_size, cfg.seed, mesh.dp_rank,
+                                          cfg.dp, spans=rank_spans(cfg, mesh))  # this rank's rows, only what it uses
+        self.model, self.state, self.engine = build_parallel(cfg, mesh)
+
+    def rebuild(self) -> None:
+        """On a grown world (train/fault_tolerant.py set ``world``, ``cfg`` and ``machines``): the mesh,
+        model, state and rows formed again, then what :meth:`survived` makes again. Sends what each sends."""
+        self._form()
+        self.survived()
     def _checkpoints(self):
         """The run's checkpoints (``--ckpt-dir``), on its mesh, or None; building it is collective."""
         cfg = self.cfg
@@ -124,8 +141,8 @@ class Run:
                                     async_save=cfg.async_save, quiet=self._quiet) if cfg.ckpt_dir else None)
 
     def survived(self) -> None:
-        """After lost replicas were dropped (train/fault_tolerant.py re-formed the world, mesh, model, state
-        and sampler): what else depends on the world, made again on the survivors: who speaks, the
+        """After lost replicas were dropped or new ones joined (train/fault_tolerant.py re-formed the world,
+        mesh, model, state and sampler): what else depends on the world, made again on it: who speaks, the
         checkpoints' writer, and the metrics file on the new rank 0 (the earlier steps' rows kept)."""
         self.speaks = self.world.rank == 0 and not self._quiet
         self.ckpts = self._checkpoints()
@@ -145,8 +162,10 @@ class Run:
             shown = Progress(self.step, until, cfg.batch_size * cfg.block_size, every_s=self.progress_every,
                              enabled=self.progress)
             for step in shown:
+                if self.tolerance is not None and self.tolerance.step_starts(step):  # --grow-at: spares joined
+                    cfg, world, mesh, state, reads = self.cfg, self.world, self.mesh, self.state, None
                 if step == cfg.fail_at_step and fault_injection_armed(cfg) and mesh.rank == cfg.fail_rank:
-                    crash_here()
+                    hang_here() if cfg.fail_hang else crash_here()
                 lr = lr_at(step, cfg.lr, cfg.warmup, cfg.steps, cfg.min_lr)
                 while True:  # once; again after lost replicas were dropped (--fault-tolerant)
                     t0 = time.perf_counter()
@@ -162,7 +181,7 @@ class Run:
                     except CommTimeoutError as lost:  # a dead peer (ProcessFailedError), or a hung one
                         if self.tolerance is None or not self.tolerance.able:
                             raise
-                        self.tolerance.drop(lost, step)  # the survivors' world, mesh, model, state and rows
+                        self.tolerance.drop(lost, step)  # the survivors' world, mesh, model, state and rows (and spares)
                         cfg, world, mesh, state, reads = self.cfg, self.world, self.mesh, self.state, None
                 if self.tolerance is not None:
                     self.tolerance.step_ends()  # the next step's start, kept here and on the next replica

@@ -37,7 +37,10 @@ import sys
 import threading
 from pathlib import Path
 
+import numpy as np
+
 from minidist.checkpoint.reader import latest_valid
+from minidist.comm.transport import CommTimeoutError
 from minidist.train.population import POPULATION
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -103,6 +106,29 @@ class Stopping:
         if not outer and self._pending is not None:
             signum, self._pending = self._pending, None
             raise Stopped(signum)
+
+    @contextlib.contextmanager
+    def agreed(self, world):
+        """A :meth:`deferred` block that every rank of ``world`` enters, or none: before a collective
+        with no deadline that no rank can leave (MPI_Comm_spawn). A stop signal pending on any rank
+        stops every rank here (:class:`Stopped`, the largest pending signal's); one that comes inside
+        waits for the block's end. Sends one all-reduce (max) of one int64: the pending signal's number
+        (0: none). A rank whose peer stopped before it sent (its all-reduce fails) and has a stop of its
+        own pending stops with it."""
+        with self.deferred():
+            pending = np.array([self._pending or 0], np.int64)  # (1,)
+            try:
+                world.all_reduce(pending, op="max", label="setup: a stop signal pending on any rank")
+            except CommTimeoutError:
+                if self._pending is None:
+                    raise
+                pending[0] = self._pending
+            if pending[0]:
+                for s in STOP_SIGNALS:  # one stop, as _stop's
+                    signal.signal(s, signal.SIG_IGN)
+                self._pending = None
+                raise Stopped(int(pending[0]))
+            yield
 
 
 def stop_line(stopped: Stopped, done: int | None, steps: int | None, ckpt_dir, population: bool = False) -> str:

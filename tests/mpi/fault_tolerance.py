@@ -6,7 +6,7 @@
 all-reduce (``hang``: sleeps HANG_S seconds instead, its MPI silent, then leaves); every survivor prints the error it got (FAILED ...), shrinks (SHRUNK ...), checks the
 hand-written all-reduces on the new world against exact sums (OK ...), and prints how long detection
 and the shrink took (TIMES ...). ``spare``: as ``kill``, then the survivors start one new rank
-(``grow``), which joins them (``joined``: JOINED ...), and all four check the collectives (GREW ...).
+(``grow``), which joins them (its ``minidist.init`` is the grown world: JOINED ...), and all four check the collectives (GREW ...).
 """
 import os
 import signal
@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 import minidist
-from minidist.comm.fault_tolerance import grow, joined, leave, shrink, ulfm_problem
+from minidist.comm.fault_tolerance import grow, leave, shrink, spawned, ulfm_problem
 from minidist.comm.transport import CommTimeoutError
 
 DIES = 2
@@ -41,7 +41,8 @@ def check(group) -> int:
 
 
 if mode == "joined":  # a spare that the survivors started
-    grown = joined(timeout=30.0)
+    assert spawned()
+    grown = minidist.init(timeout=30.0)
     print(f"JOINED rank={grown.rank} size={grown.size} OK {check(grown)} checks", flush=True)
     leave(grown)
 world = minidist.init(timeout=float(sys.argv[2]) if len(sys.argv) > 2 else 30.0)  # [TIMEOUT]: the group's
