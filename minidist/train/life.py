@@ -134,6 +134,7 @@ class Run:
         model, state and rows formed again, then what :meth:`survived` makes again. Sends what each sends."""
         self._form()
         self.survived()
+
     def _checkpoints(self):
         """The run's checkpoints (``--ckpt-dir``), on its mesh, or None; building it is collective."""
         cfg = self.cfg
