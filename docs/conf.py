@@ -48,4 +48,7 @@ lessons_without_picture = {
     "08": "this lesson needs CuPy and an NVIDIA GPU, and the machine that built this site has none. "
           "It then says so in one line and exits 0 without drawing (on a GPU machine its page shows "
           "the times of part 2 as bars).",
+    "21": "this lesson needs Open MPI 5's fault-tolerance interface (ULFM), and the site was built under an MPI "
+          "without it (MPICH). It then says so in one line and exits 0 without drawing (under Open MPI its page "
+          "shows the world before the death, after the drop and after the join).",
 }

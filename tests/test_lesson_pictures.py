@@ -247,3 +247,36 @@ def test_lesson_19_draws_each_round_the_process_chose_at_its_trials_and_the_prin
     final = re.search(r"final: (.*)", printed).group(1)
     assert key.texts[0].get_text() == final.replace("; ", "\n")
     assert overlapping(fig) == []
+
+
+# ---- lesson 21: the worlds before the death, after the drop, after the join -------------------------
+
+FT_LINES = ["step     4  ranks 1 lost (ProcessFailedError); going on with dp 2 on 2 ranks, the step redone (0.031 s)",
+            "step     4  1 replica joined (rank 2, started in 3.734 s); going on with dp 3 on 3 ranks, the weights and "
+            "optimizer state handed over (0.250 MiB to each new rank in 0.015 s; joined in 0.110 s)"]
+
+
+def test_lesson_21_draws_each_world_from_the_trainers_lines_the_lost_and_joined_processes_marked(tmp_path, saved):
+    """From the trainer's two lines (no MPI job): three panels titled with the step and dp, ranks in
+    their replica's box, p1 crossed out after the drop, the spare s0 joined as rank 2."""
+    module = lesson("21_fault_tolerance.py")
+    found = module["worlds"](3, 3, ["unrelated line", *FT_LINES])
+    assert [(w.step, w.dp, w.processes, w.lost, w.joined) for w in found] == [
+        (1, 3, ["p0", "p1", "p2"], [], []), (4, 2, ["p0", "p2"], ["p1"], []), (4, 3, ["p0", "p2", "s0"], [], ["s0"])]
+    assert module["text_drawing"](found[1]) == "replica 0 [rank 0=p0]  replica 1 [rank 1=p2]   lost: p1"
+    module["draw"](str(tmp_path / "ft.png"), found)
+    (fig,) = saved
+    assert [ax.get_title() for ax in fig.axes] == ["step 1: the start\ndp 3 on 3 ranks",
+                                                   "step 4: rank 1 lost\ndp 2 on 2 ranks",
+                                                   "step 4: 1 replica joined\ndp 3 on 3 ranks"]
+    for ax, world in zip(fig.axes, found):
+        texts = [t for t, _ in extents(ax)]
+        assert [t for t in texts if t.startswith("replica")] == [f"replica {i}" for i in range(world.dp)]
+        assert [t for t in texts if t.startswith("rank")] == [f"rank {r}\n({p})" for r, p in enumerate(world.processes)]
+        assert [t for t in texts if t.endswith("lost")] == [f"{p}\nlost" for p in world.lost]
+        boxes = [p for p in ax.patches if isinstance(p, Rectangle)]
+        assert len(boxes) == world.dp
+    green = [t.get_text() for t in fig.axes[2].texts
+             if t.get_bbox_patch() is not None and t.get_bbox_patch().get_facecolor()[:3] != (1.0, 1.0, 1.0)]
+    assert green == ["rank 2\n(s0)"]
+    assert overlapping(fig) == []
