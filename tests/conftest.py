@@ -26,9 +26,19 @@ def passed_in(log: str) -> set[str]:
         return {line.split(" PASSED ", 1)[1].strip() for line in f if " PASSED " in line}
 
 
+# The modules whose tests take longest (pytest --durations): run first, so that pytest-xdist's workers,
+# which take the tests in this order, end together instead of one running the lessons while the other
+# waits (the longest first: a greedy schedule's last test is a short one).
+LONGEST_FIRST = ("test_tutorials.py", "test_composition.py", "test_mpi_pipeline.py", "test_train_parallel_mpi.py",
+                 "test_labels.py", "test_train_zero.py", "test_train_checkpoint_mpi.py", "test_mpi.py")
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``slow`` (the full composition grid) are deselected unless ``--slow``; with
-    ``--skip-passed LOG``, so are the tests LOG reports passed."""
+    ``--skip-passed LOG``, so are the tests LOG reports passed. The modules of :data:`LONGEST_FIRST` run
+    first, in that order (the rest keep theirs)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a module's own order kept
     done = set().union(*map(passed_in, config.getoption("--skip-passed")))
     slow = not config.getoption("--slow")
     skip = [item.nodeid in done or (slow and "slow" in item.keywords) for item in items]

@@ -13,6 +13,7 @@ on edge layouts that break each rule:
 """
 import dataclasses
 import random
+from functools import lru_cache
 
 import pytest
 
@@ -24,7 +25,10 @@ from minidist.plan.layout import run_spec_of
 from minidist.train.config import ConfigError, TrainConfig, check_config, needs_of
 from minidist.train.support_matrix import AXES, config_for, grid, meaningless
 
-CELLS = grid()
+@lru_cache(maxsize=None)
+def all_cells() -> tuple:
+    """The grid's 414,720 cells, made once, when a test first asks (not at collection, on every worker)."""
+    return tuple(grid())
 
 
 def trainer(cfg) -> list[str]:
@@ -41,11 +45,12 @@ def planner(cfg) -> list[str]:
     return layout_problems(from_gpt_config(cfg), run_spec_of(cfg))
 
 
+@lru_cache(maxsize=None)
 def sample(n: int, seed: int = 34, scanned: int = 30000) -> list:
     """``n`` cells of a seeded shuffle of the grid: first, for every value of every axis and every
     verdict of the matrix (accepted, or a kind of meaningless), a cell of the first ``scanned`` that
     has both, where one does; then the others in order."""
-    cells = CELLS[:]
+    cells = list(all_cells())
     random.Random(seed).shuffle(cells)
     chosen, covered = [], set()
     for c in cells[:scanned]:
@@ -94,7 +99,7 @@ def test_the_trainer_the_planner_and_the_matrix_agree_on_a_sample_of_the_cells()
 
 @pytest.mark.slow
 def test_the_trainer_the_planner_and_the_matrix_agree_on_every_cell():
-    wrong = [d for d in map(disagreement, CELLS) if d is not None]
+    wrong = [d for d in map(disagreement, all_cells()) if d is not None]
     assert not wrong, "\n".join(wrong[:10])
 
 

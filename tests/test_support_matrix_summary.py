@@ -12,12 +12,10 @@ import pytest
 import minidist.train.support_matrix as matrix
 from minidist.support_matrix import main
 
-SAMPLE = matrix.grid()[::97]
-
-
 @pytest.fixture(scope="module")
 def verdicts():
-    return matrix.verdicts(SAMPLE)
+    """The matrix of every 97th cell of the grid (made when a test asks, not at collection)."""
+    return matrix.verdicts(matrix.grid()[::97])
 
 
 def marks_of(text: str, row: str, split) -> dict:
