@@ -1,6 +1,11 @@
 """Session-wide: the test report's header says which GPU, if any, the GPU tests ran on; ``--slow``;
-``--skip-passed``; and ``cp``, the fake CuPy with the fake NCCL (tests/doubles), for the tests of
-backend "nccl"."""
+``--skip-passed``; compiled code kept for the session's processes; and ``cp``, the fake CuPy with the
+fake NCCL (tests/doubles), for the tests of backend "nccl"."""
+import os
+import shutil
+import sys
+import tempfile
+
 import pytest
 
 
@@ -11,6 +16,24 @@ def pytest_report_header(config):
     import cupy
     name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     return f"GPU: {gpu_count()} x {name}, CuPy {cupy.__version__}, CUDA runtime {cupy.cuda.runtime.runtimeGetVersion()}"
+
+
+def pytest_configure(config):
+    """Where Python may not write its compiled code (``PYTHONDONTWRITEBYTECODE``, set in some CI and
+    sandbox shells), every process the suite starts (a lesson, a trainer, each rank of an MPI job:
+    about 500) would compile minidist again from source, ~0.2 s of CPU each: about a tenth of the
+    suite. Then the session's processes keep their compiled code in a folder of their own
+    (``PYTHONPYCACHEPREFIX``), removed at the end: nothing is written beside the sources, as the
+    setting asks. Set in the main process, before pytest-xdist starts its workers, which inherit it."""
+    if sys.dont_write_bytecode and not os.environ.get("PYTHONPYCACHEPREFIX") and not hasattr(config, "workerinput"):
+        config.pycache_made = tempfile.mkdtemp(prefix="minidist-pycache-")
+        os.environ["PYTHONPYCACHEPREFIX"] = config.pycache_made
+        os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "pycache_made", None):
+        shutil.rmtree(config.pycache_made, ignore_errors=True)
 
 
 def pytest_addoption(parser):

@@ -64,10 +64,10 @@ def test_a_rank_that_skips_a_collective_ends_in_a_timeout_naming_call_rank_and_p
             timed_out.release()
         return info.value
 
-    for rank, error in enumerate(run_local(fn, 3, timeout=0.3)):
+    for rank, error in enumerate(run_local(fn, 3, timeout=1.0)):  # 1 s: collective #1 on a loaded machine
         if rank != 1:  # recursive doubling on 3 ranks: both others wait on rank 1 directly
             assert (error.op, error.seq, error.rank, error.peer, error.group) == ("all_reduce", 2, rank, 1, "world")
-            assert error.waited >= 0.3
+            assert error.waited >= 1.0
             assert str(error).startswith(f"all_reduce #2 on group 'world': rank {rank} waited")
 
 
