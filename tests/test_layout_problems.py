@@ -25,6 +25,7 @@ from minidist.plan.layout import run_spec_of
 from minidist.train.config import ConfigError, TrainConfig, check_config, needs_of
 from minidist.train.support_matrix import AXES, config_for, grid, meaningless
 
+
 @lru_cache(maxsize=None)
 def all_cells() -> tuple:
     """The grid's 414,720 cells, made once, when a test first asks (not at collection, on every worker)."""

@@ -12,6 +12,7 @@ import pytest
 import minidist.train.support_matrix as matrix
 from minidist.support_matrix import main
 
+
 @pytest.fixture(scope="module")
 def verdicts():
     """The matrix of every 97th cell of the grid (made when a test asks, not at collection)."""
