@@ -104,8 +104,8 @@ def write_atomically(path, data: bytes) -> None:
     path = Path(path)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.unlink(missing_ok=True)  # a crashed writer's leftover (or a link: only the link goes)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | os.O_CLOEXEC, 0o644)
-    try:
+    try:  # the open inside: a stop signal's Stopped raised as it returns must not leave the file behind
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | os.O_CLOEXEC, 0o644)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

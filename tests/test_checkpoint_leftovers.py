@@ -6,13 +6,18 @@ and it stayed until the next complete save of a later run; a run stopped before 
 """
 import json
 import shutil
+import signal
 
+import numpy as np
 import pytest
 
+import minidist
+from minidist.checkpoint import CheckpointError, Piece
+from minidist.checkpoint.format import SaveStopped
 from minidist.checkpoint.writer import CheckpointWriter
 from minidist.train import train
 from minidist.train.config import TrainConfig
-from minidist.train.stopping import Stopped
+from minidist.train.stopping import Stopped, Stopping
 
 TINY = dict(n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4, steps=4, eval_every=100, eval_iters=1,
             sample_tokens=0, save_every=2)
@@ -52,6 +57,42 @@ def test_a_stop_during_a_save_leaves_no_unfinished_save(tmp_path, monkeypatch, a
               progress=False)
     assert [n for n in hidden(ckpt) if not n.endswith(".lock")] == [], hidden(ckpt)
     assert not list(ckpt.glob("step-*"))  # and nothing half-saved counts as a checkpoint
+
+
+@pytest.mark.parametrize("when", ["before its files", "before its commit"])
+def test_a_save_that_a_stop_on_rank_0_interrupts_stops_rank_1_with_that_signal(tmp_path, monkeypatch, when):
+    """A stop signal reaches rank 0 during an asynchronous save (its handler abandons the save), and
+    rank 1's save hears which signal: SaveStopped, which rank 1 then stops by as rank 0 did (train/entry.py).
+    Was: rank 1 raised "rank 0 could not commit the checkpoint", a traceback and MPI_Abort, when the
+    error reached it before its own signal did (1 run of the stop matrix in a suite)."""
+    real = CheckpointWriter._commit
+
+    def stopped_before_commit(self, staging, step, meta):
+        self.abandon(signal.SIGINT)  # what rank 0's stop does, here between its files and its commit
+        real(self, staging, step, meta)
+
+    if when == "before its commit":
+        monkeypatch.setattr(CheckpointWriter, "_commit", stopped_before_commit)
+
+    def rank_fn(group):
+        writer = CheckpointWriter(tmp_path / "ckpt", group)
+        if when == "before its files" and group.rank == 0:
+            writer.abandon(signal.SIGINT)
+        writer.save(1, [Piece("w", np.full(3, float(group.rank)), (6,), ((3 * group.rank, 3 * group.rank + 3),))],
+                    async_=True)
+        with pytest.raises(CheckpointError) as failed:
+            writer.wait()
+        return failed.value
+
+    rank_0, rank_1 = minidist.run_local(rank_fn, 2)
+    assert not isinstance(rank_0, SaveStopped)  # its own error, which a stopping rank 0 never raises
+    assert isinstance(rank_1, SaveStopped) and rank_1.signum == signal.SIGINT and "rank 0 was stopped" in str(rank_1)
+    stop = Stopping().as_stop(rank_1)  # how the entry point takes it (outside a Stopping block: no handler to restore)
+    assert isinstance(stop, Stopped) and stop.status == 128 + signal.SIGINT
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # one stop: later signals are ignored
+        assert signal.getsignal(s) == signal.SIG_IGN
+        signal.signal(s, signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL)
+    assert [n for n in hidden(tmp_path / "ckpt")] == [] and not list((tmp_path / "ckpt").glob("step-*"))
 
 
 def test_a_resume_keeps_the_earlier_metrics_and_drops_what_it_cannot_read(tmp_path):

@@ -39,6 +39,15 @@ class CheckpointError(Exception):
     asked of it). The message names the file and what is wrong with it."""
 
 
+class SaveStopped(CheckpointError):
+    """A save that did not complete because a stop signal (``signum``) reached another rank while it
+    was under way: the rank that hears it stops as that rank did (train/entry.py)."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
+
+
 class NonFiniteError(CheckpointError):
     """A checkpoint whose tensors hold NaN or inf: the run had diverged. Never written (writer.py
     refuses it on every rank), and skipped like any other damage when read (a checkpoint written

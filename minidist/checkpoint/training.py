@@ -97,9 +97,10 @@ class TrainingCheckpoints:
         """Wait for an asynchronous save in flight (re-raising its error)."""
         self.writer.wait()
 
-    def abandon(self) -> None:
-        """The run stops before its saves are complete: no unfinished save folder is left (writer.py)."""
-        self.writer.abandon()
+    def abandon(self, signum: int = 0) -> None:
+        """The run stops before its saves are complete: no unfinished save folder is left (writer.py);
+        ``signum``: the stop signal that stopped it, if one did (its peers then stop alike)."""
+        self.writer.abandon(signum)
 
 
 def _trainer_meta(manifest: dict, folder) -> None:

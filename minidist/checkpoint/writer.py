@@ -17,7 +17,9 @@ OWN group, split off the training group when the writer is built (with one broad
 number). That is what lets an asynchronous save run in a background thread while training keeps
 calling collectives on its own groups: the two threads never share a group, so their collectives
 cannot interleave in different orders on different ranks (the reason PyTorch's async checkpointing
-also wants a separate process group).
+also wants a separate process group). A stop signal that reaches a rank during a save (its
+:meth:`CheckpointWriter.abandon`) travels in those two integers: every other rank's save then raises
+:class:`~minidist.checkpoint.format.SaveStopped`, and it stops as that rank did, instead of failing.
 
     writer = CheckpointWriter("ckpt", world, keep=2)
     writer.save(step, pieces, meta={"layout": {...}, "data_position": step})   # blocking
@@ -36,7 +38,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save as safetensors_bytes
 
-from minidist.checkpoint.format import (FORMAT, MANIFEST, VERSION, CheckpointError, NonFiniteError,
+from minidist.checkpoint.format import (FORMAT, MANIFEST, VERSION, CheckpointError, NonFiniteError, SaveStopped,
                                         manifest_digest, non_finite, piece_key, rank_file, rank_meta_file, sha256_bytes,
                                         step_dir, step_dirs, step_of, to_json)
 from minidist.checkpoint.paths import check_folder, check_regular, read_json_bytes, remove_entry
@@ -48,6 +50,7 @@ from minidist.waiting import join
 
 LEFTOVERS = (".saving-", ".replaced-", ".abandoned-")  # hidden folders of saves that crashed or stopped half-way
 NON_FINITE = 2  # a rank's failure code when its tensors hold NaN or inf (any other failure: 1)
+STOPPED = 100  # ... and STOPPED + n when stop signal n reached it during the save (its abandon(n))
 
 
 class CheckpointWriter:
@@ -69,6 +72,7 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._abandoned, self._abandoning = False, threading.Lock()  # a stop: no save folder made or committed after it
+        self._stop_signal = 0  # the stop signal that abandoned the saves (0: none, or not a signal)
 
     def save(self, step: int, pieces, meta: dict | None = None, rank_meta: dict | None = None,
              async_: bool = False) -> None:
@@ -113,16 +117,19 @@ class CheckpointWriter:
             remove_entry(entry)
         return found
 
-    def abandon(self) -> None:
+    def abandon(self, signum: int = 0) -> None:
         """The run stops (a signal, a failure) with a save perhaps under way: this session's unfinished
         save folders are taken away, each by one atomic rename (so rank 0's commit, also a rename of the
         folder, and a removal by any rank cannot both happen: one of the two renames finds nothing) and
         then removed. This rank's background save can neither write into a save folder nor commit one
         after this returns (both happen under the lock this takes); the last rank to abandon removes what
         any rank wrote. The background save is not waited for: its peers may be gone, and a stop does not
-        wait on them. Sends nothing."""
+        wait on them. ``signum``: the stop signal's number, when one stopped the run: a background save
+        that meets the stop tells the other ranks so in its collectives (:data:`STOPPED`), and each of them
+        raises :class:`~minidist.checkpoint.format.SaveStopped`, to stop alike instead of failing.
+        Sends nothing itself."""
         with self._abandoning:
-            self._abandoned = True
+            self._abandoned, self._stop_signal = True, signum
             for entry in self.root.glob(f".saving-{self._session}-*") if self.root.is_dir() else ():
                 dead = entry.with_name(f".abandoned-{self.group.rank}-{entry.name}")
                 try:
@@ -145,12 +152,15 @@ class CheckpointWriter:
         try:
             self._write_rank_files(staging, rank, step, entries, rank_meta)
         except Exception as e:  # noqa: BLE001 -- the other ranks must hear of it, not hang
-            problem, failed[rank] = e, NON_FINITE if isinstance(e, NonFiniteError) else 1
+            problem, failed[rank] = e, self._stopped_code() or (NON_FINITE if isinstance(e, NonFiniteError) else 1)
         self.group.all_reduce(failed, op="max", label="setup: which ranks failed to write their checkpoint files")
         if failed.any() and rank == 0:
             remove_entry(staging)  # every rank is past its writes
         if problem is not None:
             raise problem
+        if failed.max() >= STOPPED:  # a stop signal reached a rank during its writes: stop alike
+            raise SaveStopped(f"checkpoint {step} not saved: rank {int(failed.argmax())} was stopped",
+                              int(failed.max()) - STOPPED)
         if (failed == NON_FINITE).any():  # every rank raises the same kind of error: the run diverged
             raise NonFiniteError(f"checkpoint {step} not written: rank(s) {np.flatnonzero(failed == NON_FINITE).tolist()} "
                                  "hold NaN or inf values (the run had diverged)")
@@ -163,11 +173,13 @@ class CheckpointWriter:
                 self._commit(staging, step, meta)
                 ok[0] = 1
             except Exception as e:  # noqa: BLE001 -- the other ranks must hear of it, not hang
-                problem = e
+                problem, ok[0] = e, self._stopped_code()
                 remove_entry(staging)
         self.group.broadcast(ok, src=0, label="setup: whether rank 0 committed the checkpoint")
         if problem is not None:
             raise problem
+        if ok[0] >= STOPPED:  # a stop signal reached rank 0 before its commit: stop alike
+            raise SaveStopped(f"checkpoint {step} not committed: rank 0 was stopped", int(ok[0]) - STOPPED)
         if not ok[0]:
             raise CheckpointError(f"{staging}: rank 0 could not commit the checkpoint (see rank 0's error)")
         if rank == 0:
@@ -175,6 +187,10 @@ class CheckpointWriter:
                 self._remove_old(step)
             except OSError as e:  # the new checkpoint counts; an old one left behind is no reason to stop
                 print(f"checkpoint: could not remove old checkpoints in {self.root}: {e}", file=sys.stderr, flush=True)
+
+    def _stopped_code(self) -> int:
+        """STOPPED + the signal's number if a stop signal abandoned this rank's saves, else 0."""
+        return STOPPED + self._stop_signal if self._abandoned and self._stop_signal else 0
 
     def _write_rank_files(self, staging: Path, rank: int, step: int, entries: dict, rank_meta: dict) -> None:
         """This rank's tensors and their description, into the save folder (made by whichever rank

@@ -10,6 +10,7 @@ import os
 import sys
 
 from minidist.allocator import keep_freed_memory
+from minidist.checkpoint.format import SaveStopped
 from minidist.checkpoint.training import ResumeRefused
 from minidist.comm import init
 from minidist.comm.fault_tolerance import spawned
@@ -52,7 +53,8 @@ def main(argv=None):
         with stopping:
             try:
                 _run(cfg, stopping, sys.argv[1:] if argv is None else list(argv))
-            except Stopped as stop:  # every rank, at once
+            except (Stopped, SaveStopped) as error:  # every rank, at once (SaveStopped: a peer's, met in a save)
+                stop = stopping.as_stop(error)
                 if stopping.rank == 0:
                     steps = cfg.steps if cfg.mode != "ps" else None  # the parameter servers count their own
                     line = stop_line(stop, stopping.done, steps, cfg.ckpt_dir, population=cfg.mode == "pbt")

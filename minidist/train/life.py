@@ -49,7 +49,7 @@ from minidist.train.folders import held_folders
 from minidist.train.memory import memory_problems
 from minidist.train.outputs import estimate_val_loss, explain_step, metrics_line, open_metrics, trace_file, write_outputs
 from minidist.train.progress import Progress
-from minidist.train.stopping import Stopping
+from minidist.train.stopping import Stopping, stop_signal
 
 
 def started(cfg, world_size: int, memory_bytes: int | None = None):
@@ -240,19 +240,20 @@ class Run:
                 self.ckpts.wait()
         write_outputs(dataclasses.replace(self.cfg, **outputs), self.model, self.state, self.mesh, quiet=not self.speaks)
 
-    def close(self) -> None:
+    def close(self, signum: int = 0) -> None:
         """The stop (module docstring): offload files, an unfinished save, locks and open files, each
-        removed or closed here; sends nothing. Safe to call twice."""
+        removed or closed here; sends nothing. ``signum``: the stop signal that ended the run, if one
+        did (a save it interrupted tells the other ranks, writer.py). Safe to call twice."""
         try:
             if self.state is not None:
                 self.state.close()
             if self.ckpts is not None:
-                self.ckpts.abandon()  # (a run that finished has no save in flight: nothing to remove)
+                self.ckpts.abandon(signum)  # (a run that finished has no save in flight: nothing to remove)
         finally:
             self._held.close()
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, kind, error, traceback) -> None:
+        self.close(stop_signal(error))

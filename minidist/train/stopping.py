@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from minidist.checkpoint.format import SaveStopped
 from minidist.checkpoint.reader import latest_valid
 from minidist.comm.transport import CommTimeoutError
 from minidist.train.population import POPULATION
@@ -53,6 +54,12 @@ class Stopped(BaseException):
     def __init__(self, signum: int):
         self.signum, self.status = signum, 128 + signum
         super().__init__(signal.Signals(signum).name)
+
+
+def stop_signal(error: BaseException | None) -> int:
+    """The number of the stop signal that ``error`` (an exception ending a run, or None) stands
+    for: a :class:`Stopped`, or a save a peer's stop interrupted (SaveStopped); 0 for anything else."""
+    return error.signum if isinstance(error, (Stopped, SaveStopped)) else 0
 
 
 class Stopping:
@@ -83,9 +90,17 @@ class Stopping:
         for s, handler in self.previous.items():
             signal.signal(s, handler)
 
+    def as_stop(self, error: BaseException) -> Stopped:
+        """``error`` as this rank's stop: a :class:`Stopped` as it is; a save that a peer's stop signal
+        interrupted (SaveStopped, writer.py: the peer was stopped first, the same signal on its way here)
+        as that signal's stop, after which the stop signals are ignored, as after the first one."""
+        if isinstance(error, Stopped):
+            return error
+        _ignore_stop_signals()
+        return Stopped(error.signum)
+
     def _stop(self, signum, frame):
-        for s in STOP_SIGNALS:  # one stop: a second signal must not interrupt the way out
-            signal.signal(s, signal.SIG_IGN)
+        _ignore_stop_signals()
         if self._deferring:
             self._pending = signum  # raised when the start-up's splits are made (deferred)
             return
@@ -124,11 +139,16 @@ class Stopping:
                     raise
                 pending[0] = self._pending
             if pending[0]:
-                for s in STOP_SIGNALS:  # one stop, as _stop's
-                    signal.signal(s, signal.SIG_IGN)
+                _ignore_stop_signals()
                 self._pending = None
                 raise Stopped(int(pending[0]))
             yield
+
+
+def _ignore_stop_signals() -> None:
+    """One stop: once a run stops, a second signal must not interrupt its way out."""
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
 
 
 def stop_line(stopped: Stopped, done: int | None, steps: int | None, ckpt_dir, population: bool = False) -> str:
