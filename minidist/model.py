@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from minidist import nn
-from minidist.autograd import cross_entropy, gelu, get_array_module, no_grad, scaled_dot_product_attention, to_numpy
+from minidist.autograd import (cross_entropy, gelu, get_array_module, merge_heads, no_grad, scaled_dot_product_attention,
+                               split_heads, to_numpy)
 from minidist.nn.dropout import Dropout
 from minidist.moe import MoE, is_moe_layer
 
@@ -63,16 +64,10 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(C, C, bias=config.bias, dtype=dtype)
 
     def forward(self, x, dropout=None):  # dropout: the probabilities' AttentionDropout, or None
-        B, T, _ = x.shape
-        width = self.c_attn.out_features // 3  # n_head * head_dim (local heads only under TP)
-        n_head, hs = width // self.head_dim, self.head_dim
-        q, k, v = self.c_attn(x).split(width, axis=2)  # 3 x (B, T, nh * hs)
-        q = q.reshape(B, T, n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.reshape(B, T, n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.reshape(B, T, n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        n_head = self.c_attn.out_features // 3 // self.head_dim  # local heads only under TP
+        q, k, v = split_heads(self.c_attn(x), n_head)  # 3 x (B, nh, T, hs)
         y = self.attend(q, k, v, dropout)  # (B, nh, T, hs)
-        y = y.transpose(1, 2).reshape(B, T, width)  # (B, T, nh * hs): heads side by side
-        return self.c_proj(y)  # (B, T, C)
+        return self.c_proj(merge_heads(y))  # (B, T, nh * hs) -> (B, T, C)
 
     def attend(self, q, k, v, dropout=None):
         """Causal attention of q over k, v (B, nh, T, hs): query t sees keys 0..t."""

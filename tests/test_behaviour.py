@@ -8,7 +8,11 @@ all-reduce of 8 bytes on the world group. In the three layouts that write such f
 ``all_reduce world`` grew by that call and those bytes on every rank; nothing else moved. And once
 for a fix: ZeRO's weight-decay mask under float16 was itself float16, so ``1 - lr * rate`` was
 rounded to float16 and the decay vanished or grew; in the two float16 ZeRO layouts the losses, norms
-and weights moved (towards one process: tests/test_zero.py), their collective calls did not."""
+and weights moved (towards one process: tests/test_zero.py), their collective calls did not. And once
+for speed (issue 49): GELU's and LayerNorm's backward take fewer passes over their arrays and causal
+attention runs in query blocks, the same arithmetic rounded in another order. The losses and norms of
+the float32 layouts moved by at most 2.1e-16 relative, of the 16-bit ones by at most 7.6e-4 (one
+float16 step); the weights' bytes moved in every layout; no collective call or byte moved."""
 import json
 
 import pytest

@@ -8,8 +8,10 @@ from hypothesis import given, settings, strategies as st
 
 from minidist.autograd import (Tensor, cross_entropy, embedding, gelu, layer_norm, linear,
                                scaled_dot_product_attention)
-from minidist.autograd.attention import causal_mask
+from minidist.autograd import attention
+from minidist.autograd.attention import causal_mask, kept_probabilities, query_blocks
 from minidist.autograd.backend import sum_last, sum_rows
+from minidist.nn.dropout import Dropout, DropoutKey
 from tests.gradcheck import check_gradients
 
 rng = np.random.default_rng(0)
@@ -80,6 +82,31 @@ def test_causal_attention_never_looks_ahead():
     y[:, :, 2].sum().backward()  # the output at position 2 ...
     for t in (k, v):              # ... depends on keys and values 0..2 only
         assert np.all(t.grad[:, :, 3:] == 0) and np.any(t.grad[:, :, :3] != 0)
+
+
+@pytest.mark.parametrize("with_dropout", [False, True])
+def test_causal_attention_by_query_blocks_equals_one_block_of_every_query(monkeypatch, with_dropout):
+    """T = 70 runs as blocks of 32, 32 and 6 queries, each over the keys up to its last; as one block
+    of all 70 queries over all 70 keys (a block size past T) it gives the same output and gradients,
+    with dropout the same masks."""
+    q, k, v, grad = (rng.standard_normal((2, 3, 70, 8)) for _ in range(4))
+    drop = Dropout(DropoutKey(0.3, 5, 3, (0, 1), 70), np.arange(70), range(3)).attention(1) if with_dropout else None
+
+    def run():
+        ts = [Tensor(a, requires_grad=True) for a in (q, k, v)]
+        y = scaled_dot_product_attention(*ts, is_causal=True, dropout=drop)
+        y.backward(grad)
+        return [y.data] + [t.grad for t in ts]
+
+    assert query_blocks(70, 70, True) == [(0, 32, 32), (32, 64, 64), (64, 70, 70)]
+    assert kept_probabilities(70, 70) == 32 * 32 + 32 * 64 + 6 * 70 and kept_probabilities(128, 128) == 128 * 160 // 2
+    blocked = run()
+    if not with_dropout:
+        np.testing.assert_allclose(blocked[0], attention_reference(q, k, v, True), rtol=1e-12, atol=1e-12)
+    monkeypatch.setattr(attention, "QUERY_BLOCK", 1024)
+    assert query_blocks(70, 70, True) == [(0, 70, 70)]
+    for got, whole in zip(blocked, run()):
+        np.testing.assert_allclose(got, whole, rtol=1e-12, atol=1e-14)
 
 
 def test_embedding_gathers_rows_and_adds_gradients_of_repeats():

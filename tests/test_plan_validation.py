@@ -28,6 +28,7 @@ from minidist.train.config import TrainConfig
 TINY = dict(n_layer=4, n_head=4, n_embd=32, block_size=16, batch_size=8)
 LAYOUTS = {
     "dp2": dict(dp=2),
+    "dp2 T 80 (attention's query blocks of 32, 32 and 16)": dict(dp=2, block_size=80),
     "dp2 float16": dict(dp=2, dtype="float16"),
     "dp2 zero1 float64": dict(dp=2, zero=1, dtype="float64"),
     "dp2 zero2 2 micro-batches": dict(dp=2, zero=2, micro_batches=2),

@@ -305,7 +305,7 @@ def part4():
     states = lambda p: sum(p["per_rank_bytes"][k] for k in STATES)  # noqa: E731
     largest = lambda p: max(COMPONENTS, key=p["per_rank_bytes"].get)  # noqa: E731
     probs = one["activation_terms"]["attention probabilities"]
-    assert probs == 2 * a * s * s, "a s^2 b probabilities of 2 bytes"
+    assert probs == 2 * a * s * (s + 32) / 2, "a s (s + 32) b / 2 probabilities of 2 bytes (causal blocks of 32 queries)"
     assert abs(states(one) - 16 * psi / GPUS) < 16 * 2 * (L + 4), "ZeRO-3: 16 Psi / N (+ array_split's rounding)"
     assert largest(one) == largest(tp8) == "activations" and not one["fits"] and not tp8["fits"]
     assert full["activation_bytes_per_layer"] == 2 * s * h, "full recompute keeps the block's input"
@@ -324,7 +324,9 @@ def part4():
     print("\nwhat dominates, and why:")
     why = [
         f"activations, {human(one['per_rank_bytes']['activations'])}: each layer's attention probabilities alone are "
-        f"a s^2 b x 2 B = {a} x {s:,}^2 x 2 B = {human(probs)}, x {L} layers. ZeRO-3 has cut the model states to "
+        f"a s (s + 32) b / 2 x 2 B = {a} x {s:,} x {s + 32:,} / 2 x 2 B = {human(probs)}, x {L} layers (causal "
+        "attention keeps its scores in blocks of 32 queries, each over the keys up to its last: about half the "
+        "s x s square). ZeRO-3 has cut the model states to "
         f"16 Psi / N = 16 x {psi / 1e9:.2f} B / {GPUS:,} = {human(states(one))}, but no ZeRO stage touches "
         "activations: only recompute, or cutting the sequence (tp with SP, cp), does.",
         f"full recompute keeps each block's input only (s b h x 2 B = {human(full['activation_bytes_per_layer'])} a "
@@ -337,7 +339,7 @@ def part4():
         f"tp 8 cuts the matrices by 8, but ZeRO-1 shards only the optimizer: parameters and gradients, "
         f"{human(tp8['per_rank_bytes']['parameters'])} each, are whole on every dp rank. The activations "
         f"({human(tp8['per_rank_bytes']['activations'])}) still keep "
-        f"{human(tp8['activation_terms']['attention probabilities'])} of probabilities a layer (a s^2 b / t), and "
+        f"{human(tp8['activation_terms']['attention probabilities'])} of probabilities a layer (a s (s + 32) b / 2t), and "
         "minidist's column-parallel Linears save their all-gathered input, 2 s b h x 2 B = "
         f"{human(tp8['activation_terms']['norm outputs (Linear inputs; gathered under SP)'])} a layer, which sequence "
         "parallelism does not cut.",

@@ -317,9 +317,9 @@ def lesson(world, png=None):
         if png:
             draw(png, measured, totals, times)
         print("\nTry:")
-        print("  1. CONFIG with block_size=128. Expect a block to keep 14352.0 KiB without recomputation (2.3x: the")
-        print("     attention probabilities grow with T^2, the rest with T) and 512.0 KiB with it (2x: B x T x C),")
-        print("     28.0x less; the whole model 60506.0 -> 5146.0 KiB; the extra time still the blocks' forward, ~35%.")
+        print("  1. CONFIG with block_size=128. Expect a block to keep 12816.0 KiB without recomputation (2.2x: the")
+        print("     attention probabilities grow about with T^2, the rest with T) and 512.0 KiB with it (2x: B x T x C),")
+        print("     25.0x less; the whole model 54362.0 -> 5146.0 KiB; the extra time still the blocks' forward, ~35%.")
         print("  2. --local 4 (dp 2 x tp 2). Expect the same losses and weights, and still 22 -> 30 tp all-reduces.")
         print(f"\nRecomputation keeps {measured[False] / measured[True]:.1f}x less per block for one more forward "
               f"of each block (here {100 * ((sum(times[True]) / sum(times[False])) - 1):+.0f}% time); gradients "

@@ -1,4 +1,5 @@
-"""Ops that move data around without arithmetic: reshape, permute, indexing, split, concatenate.
+"""Ops that move data around without arithmetic: reshape, permute, indexing, split, concatenate, and
+attention's heads cut out of the fused q|k|v and put side by side again.
 
 Their backward moves the gradient back the same way: reshape it back, permute by the inverse
 permutation, scatter it into zeros at the indexed places, concatenate the pieces, split the whole.
@@ -96,6 +97,54 @@ def split(a: Tensor, split_size_or_sections, axis: int = 0):
         if sum(sizes) != n:
             raise ValueError(f"split sizes {sizes} do not add up to {n} along axis {axis}")
     return Split.apply(a, sizes, axis)
+
+
+class SplitHeads(Function):
+    """The fused projection (B, T, 3 nh hs), laid out q | k | v with heads side by side in each, as
+    q, k, v (B, nh, T, hs): three views, no copy. Backward writes the three gradients into one
+    (B, T, 3, nh, hs) array: one copy each, where split, reshape and transpose as separate ops copied
+    twice (the heads back side by side, then the three pieces concatenated)."""
+
+    @staticmethod
+    def forward(ctx, qkv, n_head: int):
+        B, T, width = qkv.shape
+        ctx.shape, ctx.n_head = qkv.shape, n_head
+        parts = qkv.reshape(B, T, 3, n_head, width // (3 * n_head))
+        return tuple(parts[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+
+    @staticmethod
+    def backward(ctx, *grads):  # 3 x (B, nh, T, hs), or None
+        B, T, width = ctx.shape
+        some = next(g for g in grads if g is not None)
+        out = get_array_module(some).empty((B, T, 3, ctx.n_head, width // (3 * ctx.n_head)), dtype=some.dtype)
+        for i, g in enumerate(grads):
+            out[:, :, i] = 0 if g is None else g.transpose(0, 2, 1, 3)
+        return out.reshape(ctx.shape), None
+
+
+def split_heads(qkv: Tensor, n_head: int):
+    """q, k, v (B, nh, T, hs) of attention's fused projection ``qkv`` (B, T, 3 nh hs), laid out q | k | v."""
+    return SplitHeads.apply(qkv, n_head)
+
+
+class MergeHeads(Function):
+    """Attention's output (B, nh, T, hs) with its heads side by side, (B, T, nh hs): forward copies
+    once, backward is a view."""
+
+    @staticmethod
+    def forward(ctx, y):
+        B, n_head, T, hs = ctx.shape = y.shape
+        return y.transpose(0, 2, 1, 3).reshape(B, T, n_head * hs)
+
+    @staticmethod
+    def backward(ctx, grad):  # (B, T, nh hs)
+        B, n_head, T, hs = ctx.shape
+        return grad.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)
+
+
+def merge_heads(y: Tensor) -> Tensor:
+    """(B, nh, T, hs) -> (B, T, nh hs): the heads side by side."""
+    return MergeHeads.apply(y)
 
 
 class Cat(Function):

@@ -1,7 +1,8 @@
 """Activation recomputation (gradient checkpointing): trade compute for activation memory.
 
 A transformer block normally keeps a dozen activations alive from its forward until its backward
-(LayerNorm outputs, q/k/v, the attention probabilities (B, nh, T, T), the MLP's (B, T, 4C) ...).
+(LayerNorm outputs, q/k/v, the attention probabilities (about half of (B, nh, T, T): the causal
+blocks), the MLP's (B, T, 4C) ...).
 Through :func:`checkpoint`, the block runs its forward under ``no_grad`` (nothing is saved) and
 keeps only its INPUT (B, T, C). When backward reaches it, it runs the block's forward again, this
 time building the graph, and back-propagates through that: the same operations on the same values,

@@ -19,26 +19,30 @@ sequences, h hidden, a heads, t tensor-parallel ranks; bytes), two models:
 
     without dropout (minidist's GPT: what its autograd saves, in the compute dtype), per layer
         LayerNorm x-hat, 2 LayerNorm outputs (Linear inputs)     4 s b h   replicated over tp
-        q, k, v; attention output; GELU input and tanh; GELU out 16 s b h / t   (with an MLP of 4h;
+        q, k, v; attention output; GELU input and gate; GELU out 16 s b h / t   (with an MLP of 4h;
                                                                   its 12 scale with the width;
                                                                   k, v with the kv heads;
                                                                   SwiGLU keeps 4 of width F)
-        attention probabilities                                  a s^2 b / t
+        attention probabilities                                  a s (s + 32) b / (2 t)
+                                                                  (blocks of 32 queries, each over the
+                                                                  keys up to its last one, when 32
+                                                                  divides s; kept_probabilities)
         LayerNorm 1 / std                                        2 s b
     sequence parallelism cuts all but the two LayerNorm outputs (the column-parallel Linears save
     their all-gathered inputs); recompute keeps the block's input s b h; ring attention keeps its
     output and log-sum-exp (float32 under 16-bit) instead of the probabilities.
 
 Context parallelism gives each rank s = seq / cp tokens (their queries still score every key of the
-sequence where scores are kept: a s^2 b becomes a s^2 b / cp). A pipeline rank holds a stage's activations
-from its forward to its backward (its W in a zero-bubble schedule) for the micro-batches in flight:
-the schedule's own simulator says how many (``Timeline.peak_held``).
+sequence where scores are kept: Ulysses' a / cp heads keep the whole sequence's blocks). A pipeline
+rank holds a stage's activations from its forward to its backward (its W in a zero-bubble schedule)
+for the micro-batches in flight: the schedule's own simulator says how many (``Timeline.peak_held``).
 """
 from __future__ import annotations
 
 import dataclasses
 from functools import lru_cache
 
+from minidist.autograd.attention import kept_probabilities
 from minidist.inspect import accounting
 from minidist.parallel.pipeline import build_schedule, placement_of, rank_stages, simulate
 from minidist.optim.zero_stages import STAGES
@@ -133,7 +137,7 @@ def layer_activation_terms(model: ModelSpec, run: RunSpec, layer: int = 0) -> li
         b = run.itemsize
         terms = [("norm x-hat", 2 * b * sbh / sp), ("norm outputs (Linear inputs; gathered under SP)", 2 * b * sbh),
                  ("q, k, v and the attention output", (2 + 2 * kv) * b * sbh / t),
-                 ("MLP hidden activations (" + ("gate, SiLU, up, product" if model.gated else "GELU's input, tanh, output")
+                 ("MLP hidden activations (" + ("gate, SiLU, up, product" if model.gated else "GELU's input, gate, output")
                   + ")", (3 + model.gated) * mlp * b * sbh / t),
                  *moe_terms(model, run, layer, b),
                  ("norm 1/std", 2 * b * s * bsz / sp)]
@@ -144,7 +148,7 @@ def layer_activation_terms(model: ModelSpec, run: RunSpec, layer: int = 0) -> li
             keys = s * run.cp  # every key of the sequence (Ulysses: all tokens, a / cp heads)
             heads = a / t / (run.cp if run.cp_algorithm == "ulysses" and run.cp > 1 else 1)
             rows = keys if run.cp_algorithm == "ulysses" and run.cp > 1 else s
-            core = [("attention probabilities", b * heads * rows * keys * bsz)]
+            core = [("attention probabilities", b * heads * kept_probabilities(rows, keys) * bsz)]
     return terms + ([] if run.recompute == "selective" else core)
 
 
