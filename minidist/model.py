@@ -15,8 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from minidist import nn
-from minidist.autograd import (cross_entropy, gelu, get_array_module, merge_heads, no_grad, scaled_dot_product_attention,
-                               split_heads, to_numpy)
+from minidist.autograd import cross_entropy, gelu, get_array_module, no_grad, self_attention, to_numpy
 from minidist.nn.dropout import Dropout
 from minidist.moe import MoE, is_moe_layer
 
@@ -65,13 +64,12 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, dropout=None):  # dropout: the probabilities' AttentionDropout, or None
         n_head = self.c_attn.out_features // 3 // self.head_dim  # local heads only under TP
-        q, k, v = split_heads(self.c_attn(x), n_head)  # 3 x (B, nh, T, hs)
-        y = self.attend(q, k, v, dropout)  # (B, nh, T, hs)
-        return self.c_proj(merge_heads(y))  # (B, T, nh * hs) -> (B, T, C)
+        return self.c_proj(self.attend(self.c_attn(x), n_head, dropout))  # (B, T, 3 nh hs) -> (B, T, nh hs) -> (B, T, C)
 
-    def attend(self, q, k, v, dropout=None):
-        """Causal attention of q over k, v (B, nh, T, hs): query t sees keys 0..t."""
-        return scaled_dot_product_attention(q, k, v, is_causal=True, dropout=dropout)
+    def attend(self, qkv, n_head: int, dropout=None):
+        """Causal attention of the fused projection ``qkv`` (B, T, 3 nh hs: q | k | v, ``n_head``
+        heads side by side in each) to (B, T, nh hs): query t sees keys 0..t."""
+        return self_attention(qkv, n_head, dropout)
 
 
 class MLP(nn.Module):

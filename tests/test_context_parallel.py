@@ -69,6 +69,17 @@ def _reference(B=2, nh=4, T=16, hs=3, seed=0):
     return (q, k, v, dy), (y.data, Q.grad, K.grad, V.grad)
 
 
+def _merged(*heads):
+    """Arrays (B, nh, T, hs) side by side as the model lays them out, (B, T, n nh hs): one is
+    attention's output, q, k and v the fused projection (q | k | v)."""
+    return np.concatenate([a.transpose(0, 2, 1, 3).reshape(a.shape[0], a.shape[2], -1) for a in heads], axis=2)
+
+
+def _heads(x, nh, n=1):
+    """(B, T, n nh hs) -> n arrays (B, nh, T, hs): :func:`_merged` undone."""
+    return [a.reshape(a.shape[0], a.shape[1], nh, -1).transpose(0, 2, 1, 3) for a in np.split(x, n, axis=2)]
+
+
 def _relative_error(a, b):
     return float(np.abs(a - b).max() / np.abs(b).max())
 
@@ -76,18 +87,18 @@ def _relative_error(a, b):
 @pytest.mark.parametrize("algorithm", ["ring", "zigzag", "ulysses"])
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
 def test_context_parallel_attention_equals_one_process_forward_and_backward(algorithm, cp):
-    """Each rank gives its tokens' q, k, v (in the algorithm's order); output, dq, dk and dv of its
-    tokens equal one process's to 1e-10 relative."""
-    T = 24
-    (q, k, v, dy), expected = _reference(nh=12, T=T)
+    """Each rank gives its tokens' fused q | k | v (in the algorithm's order), as the model does;
+    output, dq, dk and dv of its tokens equal one process's to 1e-10 relative."""
+    T, nh = 24, 12
+    (q, k, v, dy), expected = _reference(nh=nh, T=T)
 
     def fn(world):
         cp_ = ContextParallel(world, algorithm)
         idx = cp_.positions(T, np)
-        Q, K, V = (Tensor(a[:, :, idx].copy(), requires_grad=True) for a in (q, k, v))
-        y = cp_.attend(Q, K, V)
-        y.backward(dy[:, :, idx])
-        return idx, (y.data, Q.grad, K.grad, V.grad)
+        qkv = Tensor(_merged(q[:, :, idx], k[:, :, idx], v[:, :, idx]), requires_grad=True)
+        y = cp_.attend(qkv, nh)  # (B, T/cp, nh hs)
+        y.backward(_merged(dy[:, :, idx]))
+        return idx, (*_heads(y.data, nh), *_heads(qkv.grad, nh, 3))
 
     for idx, got in minidist.run_local(fn, cp):
         for a, b in zip(got, expected):
@@ -173,11 +184,11 @@ def test_context_parallel_attention_on_gpu_buffers_over_nccl(algorithm, cp):
         def fn(group):
             cp_ = ContextParallel(group, algorithm)
             idx = cp_.positions(T, np)
-            Q, K, V = (Tensor(device.asarray(a[:, :, idx]), requires_grad=True) for a in (q, k, v))
-            y = cp_.attend(Q, K, V)
-            y.backward(device.asarray(dy[:, :, idx]))
-            assert type(y.data) is device.ndarray and type(K.grad) is device.ndarray
-            return idx, [a.get() for a in (y.data, Q.grad, K.grad, V.grad)]
+            qkv = Tensor(device.asarray(_merged(q[:, :, idx], k[:, :, idx], v[:, :, idx])), requires_grad=True)
+            y = cp_.attend(qkv, 4)
+            y.backward(device.asarray(_merged(dy[:, :, idx])))
+            assert type(y.data) is device.ndarray and type(qkv.grad) is device.ndarray
+            return idx, _heads(y.data.get(), 4) + _heads(qkv.grad.get(), 4, 3)
         results = run_nccl(fn, cp, timeout=10.0)
     finally:
         fake_cupy.uninstall()

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from minidist.autograd import (Tensor, cross_entropy, embedding, gelu, layer_norm, linear,
-                               scaled_dot_product_attention)
+from minidist.autograd import (Tensor, cross_entropy, embedding, gelu, layer_norm, linear, merge_heads,
+                               scaled_dot_product_attention, self_attention, split_heads)
 from minidist.autograd import attention
 from minidist.autograd.attention import causal_mask, kept_probabilities, query_blocks
 from minidist.autograd.backend import sum_last, sum_rows
@@ -107,6 +107,32 @@ def test_causal_attention_by_query_blocks_equals_one_block_of_every_query(monkey
     assert query_blocks(70, 70, True) == [(0, 70, 70)]
     for got, whole in zip(blocked, run()):
         np.testing.assert_allclose(got, whole, rtol=1e-12, atol=1e-14)
+
+
+def test_split_and_merge_heads_pass_the_gradient_check():
+    x = rng.standard_normal((2, 3, 3 * 2 * 2))  # B 2, T 3, 2 heads of 2
+    check_gradients(lambda x: merge_heads(split_heads(x, 2)[1]) * merge_heads(split_heads(x, 2)[2]), x)
+    assert [a.shape for a in split_heads(Tensor(x), 2)] == [(2, 2, 3, 2)] * 3
+
+
+@pytest.mark.parametrize("T", [5, 70])
+@pytest.mark.parametrize("with_dropout", [False, True])
+def test_self_attention_of_the_fused_projection_equals_its_heads_cut_attended_and_joined(T, with_dropout):
+    """The model's attention (one op over q | k | v, writing into the layouts of its output and of the
+    gradient) against the same done in three ops: split_heads, scaled_dot_product_attention,
+    merge_heads. Outputs and the fused gradient agree to 1e-13 (float64)."""
+    nh, hs = 3, 4
+    x, dy = rng.standard_normal((2, T, 3 * nh * hs)), rng.standard_normal((2, T, nh * hs))
+    drop = Dropout(DropoutKey(0.3, 5, 3, (0, 1), T), np.arange(T), range(nh)).attention(1) if with_dropout else None
+    fused, parts = Tensor(x.copy(), requires_grad=True), Tensor(x.copy(), requires_grad=True)
+    y = self_attention(fused, nh, drop)
+    y.backward(dy)
+    q, k, v = split_heads(parts, nh)
+    assert q.shape == (2, nh, T, hs) and np.shares_memory(q.data, parts.data)  # views, no copy
+    reference = merge_heads(scaled_dot_product_attention(q, k, v, is_causal=True, dropout=drop))
+    reference.backward(dy)
+    np.testing.assert_allclose(y.data, reference.data, rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(fused.grad, parts.grad, rtol=1e-13, atol=1e-13)
 
 
 def test_embedding_gathers_rows_and_adds_gradients_of_repeats():

@@ -192,7 +192,7 @@ def part4(group):
         cp = ContextParallel(group, algorithm)
         pos = cp.positions(T, np)  # my tokens, in the algorithm's order
         Qc, Kc, Vc = (Tensor(a[:, :, pos].copy(), requires_grad=True) for a in (q, k, v))  # (B, nh, T/cp, hs)
-        y = cp.attend(Qc, Kc, Vc)
+        y = cp.attend_heads(Qc, Kc, Vc)
         y.backward(dy[:, :, pos])
         attn = max(rel(a, b[:, :, pos]) for a, b in zip((y.data, Qc.grad, Kc.grad, Vc.grad), ref_attn))
         model = context_parallel(GPT(CONFIG, seed=0, dtype="float64"), group, algorithm)

@@ -3,7 +3,7 @@ GPT needs. Read in this order: tensor.py, function.py, engine.py, ops_math.py, o
 ops_nn.py, attention.py, ops_moe.py, saved_tensors.py."""
 # tensor first: it imports the ops modules at its end, and they import Function, which needs Tensor.
 from minidist.autograd.tensor import Tensor  # noqa: I001
-from minidist.autograd.attention import scaled_dot_product_attention
+from minidist.autograd.attention import scaled_dot_product_attention, self_attention
 from minidist.autograd.backend import get_array_module, to_numpy
 from minidist.autograd.engine import weight_grads_later
 from minidist.autograd.function import Function
@@ -17,6 +17,6 @@ from minidist.autograd.saved_tensors import saved_tensors_hooks
 __all__ = [
     "Tensor", "Function", "no_grad", "is_grad_enabled", "get_array_module", "to_numpy", "unbroadcast",
     "mean", "cat", "split", "split_heads", "merge_heads", "linear", "gelu", "layer_norm", "embedding", "cross_entropy",
-    "scaled_dot_product_attention", "saved_tensors_hooks", "softmax", "grouped_linear", "grouped_bias", "take_rows", "combine",
+    "scaled_dot_product_attention", "self_attention", "saved_tensors_hooks", "softmax", "grouped_linear", "grouped_bias", "take_rows", "combine",
     "weight_grads_later",
 ]

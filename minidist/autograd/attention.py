@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from minidist.autograd.backend import get_array_module, is_cupy, matmul, sum_last
+from minidist.autograd.backend import get_array_module, is_cupy, matmul, matmul_into, sum_last
 from minidist.autograd.function import Function
 
 
@@ -35,59 +35,104 @@ def kept_probabilities(T: int, S: int, is_causal: bool = True) -> int:
 
 
 class ScaledDotProductAttention(Function):
-    # The scale multiplies q (B, nh, T, hs), and in backward dQ and dK, rather than the scores and dS
-    # (B, nh, T, S): S/hs times fewer multiplications. Each query block (query_blocks) is one batched
-    # product over the heads, its softmax, and one product with v; P is kept block by block.
+    """Attention of q (B, nh, T, hs) over k, v (B, nh, S, hs), each array its own: :func:`attend`
+    and :func:`attend_backward` with the output and the gradients in arrays of their own."""
+
     @staticmethod
-    def forward(ctx, q, k, v, is_causal, dropout=None):  # q (B, nh, T, hs), k and v (B, nh, S, hs)
-        xp = get_array_module(q)
-        T, S = q.shape[-2], k.shape[-2]
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        q_scaled = q * scale
-        mask = causal_mask(T, S, like=q) if is_causal else None
-        blocks, probabilities, keeps, out = query_blocks(T, S, is_causal), [], [], []
-        for t0, t1, e in blocks:
-            att = matmul(q_scaled[..., t0:t1, :], k[..., :e, :].swapaxes(-1, -2))  # (B, nh, t1-t0, e): scaled scores
-            if mask is not None:  # query t may look at keys 0..t only
-                att += mask[t0:t1, :e]
-            att -= att.max(axis=-1, keepdims=True)
-            xp.exp(att, out=att)
-            att *= 1.0 / sum_last(att)  # P, rows sum to 1
-            keep = None if dropout is None else dropout.keep(range(t0, t1), range(e), att)  # one byte a probability
-            out.append(matmul(att if keep is None else _dropped(att, keep, dropout.scale), v[..., :e, :]))
-            probabilities.append(att)
-            keeps.append(keep)
-        ctx.q, ctx.k, ctx.v, ctx.scale, ctx.dropout = q, k, v, scale, dropout
-        ctx.blocks, ctx.att, ctx.keep = blocks, tuple(probabilities), tuple(keeps)  # tuples, which inspect/accounting.py looks into
-        return out[0] if len(out) == 1 else xp.concatenate(out, axis=-2)  # (B, nh, T, hs)
+    def forward(ctx, q, k, v, is_causal, dropout=None):
+        out = get_array_module(q).empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype)  # (B, nh, T, hs)
+        attend(ctx, q, k, v, is_causal, dropout, out)
+        return out
 
     @staticmethod
     def backward(ctx, grad):  # grad (B, nh, T, hs)
-        q, k, v, scale = ctx.q, ctx.k, ctx.v, ctx.scale
-        grad_q, grad_k, grad_v = [], None, None
-        blocks = list(zip(ctx.blocks, ctx.att, ctx.keep))
-        for (t0, t1, e), att, keep in reversed(blocks):  # the last block first: it sees every key
-            grad_out = grad[..., t0:t1, :]
-            dropped = att if keep is None else _dropped(att, keep, ctx.dropout.scale)  # P * D
-            block_v = matmul(dropped.swapaxes(-1, -2), grad_out)  # (B, nh, e, hs)
-            del dropped
-            grad_s = matmul(grad_out, v[..., :e, :].swapaxes(-1, -2))  # dP (B, nh, t1-t0, e)
-            if keep is not None:
-                grad_s *= keep
-                grad_s *= ctx.dropout.scale
-            grad_s -= sum_last(grad_s * att)
-            grad_s *= att  # dS, the gradient of the scaled scores
-            grad_q.append(matmul(grad_s, k[..., :e, :]))  # (B, nh, t1-t0, hs)
-            block_k = matmul(grad_s.swapaxes(-1, -2), q[..., t0:t1, :])  # (B, nh, e, hs)
-            if grad_k is None:
-                grad_k, grad_v = block_k, block_v
-            else:
-                grad_k[..., :e, :] += block_k
-                grad_v[..., :e, :] += block_v
-        grad_q = grad_q[0] if len(grad_q) == 1 else get_array_module(grad).concatenate(grad_q[::-1], axis=-2)
-        grad_q *= scale
-        grad_k *= scale
-        return grad_q, grad_k, grad_v, None, None
+        xp = get_array_module(grad)
+        grads = tuple(xp.empty(a.shape, dtype=a.dtype) for a in (ctx.q, ctx.k, ctx.v))
+        attend_backward(ctx, grad, *grads)
+        return grads + (None, None)
+
+
+class SelfAttention(Function):
+    """Causal attention of a fused projection ``qkv`` (B, T, 3 nh hs), laid out q | k | v with the
+    heads side by side in each, to (B, T, nh hs), the heads side by side: q, k, v are views of qkv,
+    the output is written straight into its (B, T, nh, hs) layout, and the gradients straight into one
+    (B, T, 3, nh, hs) array: no copy to cut the heads out or to put them back together."""
+
+    @staticmethod
+    def forward(ctx, qkv, n_head: int, dropout=None):
+        B, T, width = qkv.shape
+        q, k, v = _heads(qkv.reshape(B, T, 3, n_head, width // (3 * n_head)))
+        out = get_array_module(qkv).empty((B, T, n_head, width // (3 * n_head)), dtype=qkv.dtype)
+        attend(ctx, q, k, v, True, dropout, out.transpose(0, 2, 1, 3))
+        return out.reshape(B, T, width // 3)
+
+    @staticmethod
+    def backward(ctx, grad):  # grad (B, T, nh hs)
+        B, n_head, T, hs = ctx.q.shape
+        grads = get_array_module(grad).empty((B, T, 3, n_head, hs), dtype=grad.dtype)
+        attend_backward(ctx, grad.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3), *_heads(grads))
+        return grads.reshape(B, T, 3 * n_head * hs), None, None
+
+
+def _heads(parts):
+    """q, k, v (B, nh, T, hs): views of ``parts`` (B, T, 3, nh, hs)."""
+    return tuple(parts[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+
+
+def attend(ctx, q, k, v, is_causal: bool, dropout, out) -> None:
+    """Attention's forward, written into ``out`` (B, nh, T, hs), an array or a view; what backward
+    needs is kept on ``ctx``: q, k, v (the arrays given: views stay views) and P block by block.
+    Each query block (query_blocks) is one batched product over the heads, its softmax, and one
+    product with v. The scale multiplies q (B, nh, T, hs), not the scores: S/hs times fewer
+    multiplications."""
+    xp = get_array_module(q)
+    T, S = q.shape[-2], k.shape[-2]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    q_scaled = q * scale
+    mask = causal_mask(T, S, like=q) if is_causal else None
+    blocks, probabilities, keeps = query_blocks(T, S, is_causal), [], []
+    for t0, t1, e in blocks:
+        att = matmul(q_scaled[..., t0:t1, :], k[..., :e, :].swapaxes(-1, -2))  # (B, nh, t1-t0, e): scaled scores
+        if mask is not None:  # query t may look at keys 0..t only
+            att += mask[t0:t1, :e]
+        att -= att.max(axis=-1, keepdims=True)
+        xp.exp(att, out=att)
+        att *= 1.0 / sum_last(att)  # P, rows sum to 1
+        keep = None if dropout is None else dropout.keep(range(t0, t1), range(e), att)  # one byte a probability
+        matmul_into(att if keep is None else _dropped(att, keep, dropout.scale), v[..., :e, :], out[..., t0:t1, :])
+        probabilities.append(att)
+        keeps.append(keep)
+    ctx.q, ctx.k, ctx.v, ctx.scale, ctx.dropout = q, k, v, scale, dropout
+    ctx.blocks, ctx.att, ctx.keep = blocks, tuple(probabilities), tuple(keeps)  # tuples: inspect/accounting.py counts them
+
+
+def attend_backward(ctx, grad, grad_q, grad_k, grad_v) -> None:
+    """Attention's backward for output gradient ``grad`` (B, nh, T, hs), written into ``grad_q``,
+    ``grad_k`` and ``grad_v`` (arrays or views). The last block first: it sees every key, so it
+    writes dK and dV whole and the earlier blocks add to their first keys. The scale multiplies dS
+    once, for both dQ and dK."""
+    q, k, v = ctx.q, ctx.k, ctx.v
+    last = ctx.blocks[-1]
+    for (t0, t1, e), att, keep in reversed(list(zip(ctx.blocks, ctx.att, ctx.keep))):
+        grad_out = grad[..., t0:t1, :]
+        dropped = att if keep is None else _dropped(att, keep, ctx.dropout.scale)  # P * D
+        if (t0, t1, e) == last:
+            matmul_into(dropped.swapaxes(-1, -2), grad_out, grad_v)  # (B, nh, S, hs)
+        else:
+            grad_v[..., :e, :] += matmul(dropped.swapaxes(-1, -2), grad_out)
+        del dropped
+        grad_s = matmul(grad_out, v[..., :e, :].swapaxes(-1, -2))  # dP (B, nh, t1-t0, e)
+        if keep is not None:
+            grad_s *= keep
+            grad_s *= ctx.dropout.scale
+        grad_s -= sum_last(grad_s * att)
+        grad_s *= att  # dS, the gradient of the scaled scores
+        grad_s *= ctx.scale  # ... and of the unscaled ones
+        matmul_into(grad_s, k[..., :e, :], grad_q[..., t0:t1, :])
+        if (t0, t1, e) == last:
+            matmul_into(grad_s.swapaxes(-1, -2), q[..., t0:t1, :], grad_k)
+        else:
+            grad_k[..., :e, :] += matmul(grad_s.swapaxes(-1, -2), q[..., t0:t1, :])
 
 
 def _dropped(att, keep, scale: float):
@@ -111,6 +156,13 @@ def _host_causal_mask(T: int, S: int, dtype):
     mask = np.triu(np.full((T, S), -np.inf, dtype=dtype), k=1)
     mask.setflags(write=False)
     return mask
+
+
+def self_attention(qkv, n_head: int, dropout=None):
+    """Causal attention of the fused projection ``qkv`` (B, T, 3 nh hs: q | k | v, each with its
+    ``n_head`` heads side by side) to (B, T, nh hs), the heads side by side; ``dropout`` as for
+    :func:`scaled_dot_product_attention`."""
+    return SelfAttention.apply(qkv, n_head, dropout)
 
 
 def scaled_dot_product_attention(q, k, v, is_causal: bool = False, dropout=None):

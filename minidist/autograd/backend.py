@@ -7,7 +7,7 @@ import numpy as np
 
 from minidist.device import get_array_module, is_cupy, to_numpy
 
-__all__ = ["get_array_module", "is_cupy", "to_numpy", "matmul", "sum_last", "sum_rows"]
+__all__ = ["get_array_module", "is_cupy", "to_numpy", "matmul", "matmul_into", "sum_last", "sum_rows"]
 
 
 def matmul(a, b):
@@ -17,6 +17,15 @@ def matmul(a, b):
     if a.dtype == b.dtype == np.float16 and not is_cupy(a):
         return (a.astype(np.float32) @ b.astype(np.float32)).astype(np.float16)
     return a @ b
+
+
+def matmul_into(a, b, out):
+    """``out[...] = a @ b`` for ``out`` a view (a block of a larger array): NumPy's float32 and
+    float64 products are written there by BLAS, no temporary; float16 and CuPy go through one."""
+    if is_cupy(a) or a.dtype == np.float16 or out.dtype != np.result_type(a, b):
+        out[...] = matmul(a, b)
+    else:
+        np.matmul(a, b, out=out)
 
 
 def sum_last(x):

@@ -27,7 +27,7 @@ tp. Pipelines pass (B, T/n, C) activations. ZeRO shards over dp x cp.
 """
 from __future__ import annotations
 
-from minidist.autograd import Function, get_array_module
+from minidist.autograd import Function, get_array_module, merge_heads, split_heads
 from minidist.moe import MoE
 from minidist.parallel.context.ring_attention import ring_attention, sequence_chunks
 from minidist.parallel.context.ulysses import ulysses_attention
@@ -109,7 +109,13 @@ class ContextParallel:
                 offset += b - a
         raise ValueError(f"position {position} is outside a {T}-token sequence")
 
-    def attend(self, q, k, v, dropout=None):
+    def attend(self, qkv, n_head: int, dropout=None):
+        """The model's attention (``CausalSelfAttention.attend``) with the other ranks' tokens reached:
+        this rank's fused projection ``qkv`` (B, T/cp, 3 nh hs) to (B, T/cp, nh hs), by
+        :meth:`attend_heads` on its heads."""
+        return merge_heads(self.attend_heads(*split_heads(qkv, n_head), dropout))
+
+    def attend_heads(self, q, k, v, dropout=None):
         """Causal attention of this rank's q, k, v (B, nh, T/cp, hs) over the whole sequence, its
         probabilities dropped by ``dropout`` (an AttentionDropout of the heads held, or None)."""
         if self.algorithm == "ulysses":
