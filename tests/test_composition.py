@@ -18,7 +18,8 @@ them), the first 5 cells (``FIRST``) of a pairwise cover of the dense cp cells (
 pair of values of any two axes, such as zig-zag x fp16 or Ulysses x ZeRO-3, occurs at least once; its
 first 5 hold every algorithm, ZeRO stage and precision, and dropout on and off), and the first 5 of
 the experts' and of the offloading cells' pairwise covers (they hold ep 1 and 2, both offloads,
-every ZeRO stage and precision, dropout on and off).
+every ZeRO stage and precision, dropout on and off). Six more cells (``BLOCKED_CELLS``) train on
+sequences of 80 tokens, which the model's attention takes in three query blocks (the grid's 16 fit in one).
 
 A mixture-of-experts cell's one-process reference is the same MoE GPT (4 experts in blocks 1 and 3).
 In float64 each token goes to its top 2 experts. A routing decision is not continuous: where a
@@ -95,20 +96,21 @@ def experts(dtype: str, moe: bool) -> dict:
 
 
 @lru_cache(maxsize=None)
-def reference(dtype: str, data_dir: str, optimizer: str = "sgd", moe: bool = False, dropout: bool = False):
+def reference(dtype: str, data_dir: str, optimizer: str = "sgd", moe: bool = False, dropout: bool = False,
+              block_size: int = SIZES["block_size"]):
     """One process on the full batch, in ``dtype``: the dense GPT, or with ``moe`` the MoE GPT; with
-    ``dropout`` dropping as a dropout cell does (config_for: p = 0.1)."""
+    ``dropout`` dropping as a dropout cell does (config_for: p = 0.1); on sequences of ``block_size``."""
     p = config_for(Cell(dtype=dtype, dropout=dropout)).dropout
-    cfg = TrainConfig(**SIZES, **{**TRAIN, "optimizer": optimizer}, **experts(dtype, moe), dtype=run_dtype(dtype),
-                      data_dir=data_dir, dropout=p,
-                      export=f"{data_dir}/ref-{dtype}-{optimizer}{'-moe' * moe}{'-dropout' * dropout}.npz")
+    cfg = TrainConfig(**{**SIZES, "block_size": block_size}, **{**TRAIN, "optimizer": optimizer}, **experts(dtype, moe),
+                      dtype=run_dtype(dtype), data_dir=data_dir, dropout=p,
+                      export=f"{data_dir}/ref-{dtype}-{optimizer}{'-moe' * moe}{'-dropout' * dropout}-T{block_size}.npz")
     return fit(cfg)
 
 
-def train_cell(cell: Cell, data_dir: str, tmp_path, optimizer: str = "sgd"):
-    """Train ``cell``: rows of the steps it ran (a checkpointing cell: the resumed steps 2 and 3) and
-    its final weights."""
-    cfg = config_for(cell, **SIZES)
+def train_cell(cell: Cell, data_dir: str, tmp_path, optimizer: str = "sgd", block_size: int = SIZES["block_size"]):
+    """Train ``cell`` on sequences of ``block_size``: rows of the steps it ran (a checkpointing cell:
+    the resumed steps 2 and 3) and its final weights."""
+    cfg = config_for(cell, **{**SIZES, "block_size": block_size})
     cfg = dataclasses.replace(cfg, **{**TRAIN, "optimizer": optimizer}, **experts(cell.dtype, cell.moe != "none"),
                               dtype=run_dtype(cell.dtype), data_dir=data_dir, export=str(tmp_path / "w.npz"),
                               offload_dir=str(tmp_path / "offload") if cfg.offload_dir else None)
@@ -146,9 +148,10 @@ def assert_like_one_process(cell: Cell, rows, weights, ref_rows, ref_weights):
         assert np.abs(weights[name] - ref).max() <= bound, f"{cell}: {name} {np.abs(weights[name] - ref).max()} > {bound}"
 
 
-def check_cell(cell, data_dir, tmp_path):
-    rows, weights = train_cell(cell, data_dir, tmp_path)
-    ref_rows, ref_weights = reference(cell.dtype, data_dir, moe=cell.moe != "none", dropout=cell.dropout)
+def check_cell(cell, data_dir, tmp_path, block_size: int = SIZES["block_size"]):
+    rows, weights = train_cell(cell, data_dir, tmp_path, block_size=block_size)
+    ref_rows, ref_weights = reference(cell.dtype, data_dir, moe=cell.moe != "none", dropout=cell.dropout,
+                                      block_size=block_size)
     assert_like_one_process(cell, rows, weights, ref_rows, ref_weights)
 
 
@@ -246,6 +249,20 @@ def test_a_sample_of_the_float32_cells_trains_like_one_process_with_adamw_too(ce
     # gradients into whole steps, which is why the grid's tolerances are derived for SGD)
     rows, weights = train_cell(cell, data_dir, tmp_path, optimizer="adamw")
     assert_like_one_process(cell, rows, weights, *reference(cell.dtype, data_dir, "adamw", dropout=cell.dropout))
+
+
+QUERY_BLOCKS_T = 80  # a sequence the model's attention takes in three query blocks: 32, 32, 16 (autograd/attention.py)
+BLOCKED_CELLS = [Cell(dp=2, tp=2, sequence_parallel=True, zero=1, dropout=True), Cell(cp=2, dropout=True),
+                 Cell(cp=2, cp_algorithm="zigzag", zero=2), Cell(cp=2, cp_algorithm="ulysses", tp=2, dropout=True),
+                 Cell(pp=2, schedule="zbv", recompute="full", dropout=True), Cell(dp=2, zero=3, dtype="bfloat16")]
+
+
+@pytest.mark.parametrize("cell", BLOCKED_CELLS, ids=str)
+def test_cells_whose_sequences_take_three_query_blocks_train_like_one_process(cell, data_dir, tmp_path):
+    """The grid's sequences (16) fit in one query block; at 80 tokens one process, tensor and
+    sequence parallelism, Ulysses, the pipeline's split backward and recomputation run the blocks
+    (ring and zig-zag attention their own chunks against them), with dropout's masks per block."""
+    check_cell(cell, data_dir, tmp_path, block_size=QUERY_BLOCKS_T)
 
 
 @pytest.mark.parametrize("cell", CP_CELLS[:FIRST], ids=str)
