@@ -218,6 +218,7 @@ LESSONS = [
         (r"(?m)^step +(1|251|500)  train loss [\d.]+  val loss [\d.]+$", 3),  # every 250 steps, and the last
         r"sample \(temperature 0\.8, top-k 20\):\n",
         r"val loss ~1\.88 after 2,000 iterations",
+        r"  a training step here: \d+\.\d ms, this run's median",
         r"\nTry:\n",
         r"Dropout drew the same masks in every layout, and evaluation drew none\. All checks passed\."]),
     # one process: the run of part 2 on 8 thread ranks

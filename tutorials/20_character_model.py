@@ -23,7 +23,7 @@ process draws, so a layout with dropout still equals one process.
   2. Dropout's masks do not depend on the layout: dp 2 x tp 2 (4 thread ranks) with --dropout 0.2
      equals one process to 1e-10, and evaluation drops nothing.
   3. Train, nanoGPT's way: the losses every 250 steps (its eval_interval), then a sample of text.
-  4. How the numbers compare with nanoGPT's recipe.
+  4. How the numbers compare with nanoGPT's recipe: the loss, and where the step's time is compared.
 """
 import argparse
 import pickle
@@ -138,6 +138,11 @@ def part4(cfg, history, recipe: bool, given: bool):
     else:
         print("  not comparable digit for digit: " + ("another text (a loss per character depends on the text), "
               if not given else "") + ("a smaller, shorter run; --recipe runs nanoGPT's" if not recipe else ""))
+    step_ms = 1e3 * cfg.batch_size * cfg.block_size / float(np.median([r["tokens_per_s"] for r in history]))
+    print(f"  a training step here: {step_ms:.1f} ms, this run's median (measured, never asserted: it varies with the "
+          "machine and its load).\n  nanoGPT's loop beside minidist's trainer, the recipe on the same cores: "
+          "benchmarks/nanogpt_recipe.py (on a 2-core AMD EPYC,\n  0.97x nanoGPT's step on one thread and 0.99x with "
+          "--dp 2 against its 2 threads: benchmarks/RESULTS.md)")
     assert parse_args(COMMAND.split()[3:]) == TrainConfig(**RECIPE, data="DIR")
     print(f"  nanoGPT's recipe from the command line (--dropout 0.2 is its GPU config's):\n    {COMMAND}")
 
