@@ -17,7 +17,7 @@ from minidist.checkpoint.format import SaveStopped
 from minidist.checkpoint.writer import CheckpointWriter
 from minidist.train import train
 from minidist.train.config import TrainConfig
-from minidist.train.stopping import Stopped, Stopping
+from minidist.train.stopping import Stopped, as_stop
 
 TINY = dict(n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4, steps=4, eval_every=100, eval_iters=1,
             sample_tokens=0, save_every=2)
@@ -87,7 +87,7 @@ def test_a_save_that_a_stop_on_rank_0_interrupts_stops_rank_1_with_that_signal(t
     rank_0, rank_1 = minidist.run_local(rank_fn, 2)
     assert not isinstance(rank_0, SaveStopped)  # its own error, which a stopping rank 0 never raises
     assert isinstance(rank_1, SaveStopped) and rank_1.signum == signal.SIGINT and "rank 0 was stopped" in str(rank_1)
-    stop = Stopping().as_stop(rank_1)  # how the entry point takes it (outside a Stopping block: no handler to restore)
+    stop = as_stop(rank_1)  # how the entry point takes it
     assert isinstance(stop, Stopped) and stop.status == 128 + signal.SIGINT
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # one stop: later signals are ignored
         assert signal.getsignal(s) == signal.SIG_IGN

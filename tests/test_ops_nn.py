@@ -59,7 +59,7 @@ def attention_reference(q, k, v, is_causal):
     for b in range(B):
         for h in range(H):
             for t in range(T):
-                keys = range(t + 1) if is_causal else range(k.shape[2])
+                keys = range(min(t + 1, k.shape[2])) if is_causal else range(k.shape[2])
                 scores = np.array([q[b, h, t] @ k[b, h, s] / math.sqrt(hs) for s in keys])
                 p = np.exp(scores - scores.max())
                 p /= p.sum()
@@ -107,6 +107,22 @@ def test_causal_attention_by_query_blocks_equals_one_block_of_every_query(monkey
     assert query_blocks(70, 70, True) == [(0, 70, 70)]
     for got, whole in zip(blocked, run()):
         np.testing.assert_allclose(got, whole, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("T,S", [(40, 70), (70, 40)])
+def test_causal_attention_of_more_keys_than_queries_and_fewer(T, S):
+    """Query t sees keys 0..t whatever S: with S > T the keys past T get no gradient (0, never left
+    unwritten); with S < T the blocks past S all see every key, and their dK and dV add up."""
+    q = rng.standard_normal((1, 2, T, 3))
+    k, v = rng.standard_normal((1, 2, S, 3)), rng.standard_normal((1, 2, S, 3))
+    Q, K, V = (Tensor(a, requires_grad=True) for a in (q, k, v))
+    y = scaled_dot_product_attention(Q, K, V, is_causal=True)
+    np.testing.assert_allclose(y.data, attention_reference(q, k, v, True), rtol=1e-12, atol=1e-12)
+    y.backward(np.ones_like(y.data))
+    if S > T:
+        assert np.all(K.grad[:, :, T:] == 0) and np.all(V.grad[:, :, T:] == 0)
+    check_gradients(lambda q, k, v: scaled_dot_product_attention(q, k, v, is_causal=True),
+                    q[:, :1, :, :2], k[:, :1, :, :2], v[:, :1, :, :2])
 
 
 def test_split_and_merge_heads_pass_the_gradient_check():

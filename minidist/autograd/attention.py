@@ -13,6 +13,7 @@ import numpy as np
 
 from minidist.autograd.backend import get_array_module, is_cupy, matmul, matmul_into, sum_last
 from minidist.autograd.function import Function
+from minidist.autograd.ops_shape import head_views, heads_of
 
 
 QUERY_BLOCK = 32  # causal attention's queries are taken this many at a time (below)
@@ -61,22 +62,16 @@ class SelfAttention(Function):
     @staticmethod
     def forward(ctx, qkv, n_head: int, dropout=None):
         B, T, width = qkv.shape
-        q, k, v = _heads(qkv.reshape(B, T, 3, n_head, width // (3 * n_head)))
-        out = get_array_module(qkv).empty((B, T, n_head, width // (3 * n_head)), dtype=qkv.dtype)
-        attend(ctx, q, k, v, True, dropout, out.transpose(0, 2, 1, 3))
-        return out.reshape(B, T, width // 3)
+        out = get_array_module(qkv).empty((B, T, width // 3), dtype=qkv.dtype)  # (B, T, nh hs)
+        attend(ctx, *head_views(qkv, n_head), True, dropout, heads_of(out, n_head))
+        return out
 
     @staticmethod
     def backward(ctx, grad):  # grad (B, T, nh hs)
-        B, n_head, T, hs = ctx.q.shape
-        grads = get_array_module(grad).empty((B, T, 3, n_head, hs), dtype=grad.dtype)
-        attend_backward(ctx, grad.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3), *_heads(grads))
-        return grads.reshape(B, T, 3 * n_head * hs), None, None
-
-
-def _heads(parts):
-    """q, k, v (B, nh, T, hs): views of ``parts`` (B, T, 3, nh, hs)."""
-    return tuple(parts[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+        n_head = ctx.q.shape[1]
+        grads = get_array_module(grad).empty(grad.shape[:-1] + (3 * grad.shape[-1],), dtype=grad.dtype)
+        attend_backward(ctx, heads_of(grad, n_head), *head_views(grads, n_head))
+        return grads, None, None
 
 
 def attend(ctx, q, k, v, is_causal: bool, dropout, out) -> None:
@@ -108,16 +103,18 @@ def attend(ctx, q, k, v, is_causal: bool, dropout, out) -> None:
 
 def attend_backward(ctx, grad, grad_q, grad_k, grad_v) -> None:
     """Attention's backward for output gradient ``grad`` (B, nh, T, hs), written into ``grad_q``,
-    ``grad_k`` and ``grad_v`` (arrays or views). The last block first: it sees every key, so it
-    writes dK and dV whole and the earlier blocks add to their first keys. The scale multiplies dS
-    once, for both dQ and dK."""
+    ``grad_k`` and ``grad_v`` (arrays or views). The last block first: it sees the most keys, so it
+    writes their dK and dV and the earlier blocks add to their first keys (keys no query sees, past
+    T under a causal mask, get 0). The scale multiplies dS once, for both dQ and dK."""
     q, k, v = ctx.q, ctx.k, ctx.v
-    last = ctx.blocks[-1]
-    for (t0, t1, e), att, keep in reversed(list(zip(ctx.blocks, ctx.att, ctx.keep))):
+    seen = ctx.blocks[-1][2]
+    grad_k[..., seen:, :] = 0
+    grad_v[..., seen:, :] = 0
+    for n, ((t0, t1, e), att, keep) in enumerate(reversed(list(zip(ctx.blocks, ctx.att, ctx.keep)))):
         grad_out = grad[..., t0:t1, :]
         dropped = att if keep is None else _dropped(att, keep, ctx.dropout.scale)  # P * D
-        if (t0, t1, e) == last:
-            matmul_into(dropped.swapaxes(-1, -2), grad_out, grad_v)  # (B, nh, S, hs)
+        if n == 0:
+            matmul_into(dropped.swapaxes(-1, -2), grad_out, grad_v[..., :e, :])  # (B, nh, e, hs)
         else:
             grad_v[..., :e, :] += matmul(dropped.swapaxes(-1, -2), grad_out)
         del dropped
@@ -129,8 +126,8 @@ def attend_backward(ctx, grad, grad_q, grad_k, grad_v) -> None:
         grad_s *= att  # dS, the gradient of the scaled scores
         grad_s *= ctx.scale  # ... and of the unscaled ones
         matmul_into(grad_s, k[..., :e, :], grad_q[..., t0:t1, :])
-        if (t0, t1, e) == last:
-            matmul_into(grad_s.swapaxes(-1, -2), q[..., t0:t1, :], grad_k)
+        if n == 0:
+            matmul_into(grad_s.swapaxes(-1, -2), q[..., t0:t1, :], grad_k[..., :e, :])
         else:
             grad_k[..., :e, :] += matmul(grad_s.swapaxes(-1, -2), q[..., t0:t1, :])
 

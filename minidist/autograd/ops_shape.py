@@ -99,6 +99,20 @@ def split(a: Tensor, split_size_or_sections, axis: int = 0):
     return Split.apply(a, sizes, axis)
 
 
+def head_views(qkv, n_head: int):
+    """q, k, v (B, nh, T, hs): views of ``qkv`` (B, T, 3 nh hs), laid out q | k | v with the heads
+    side by side in each (C-contiguous); writing into them writes into ``qkv``."""
+    B, T, width = qkv.shape
+    parts = qkv.reshape(B, T, 3, n_head, width // (3 * n_head))
+    return tuple(parts[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+
+
+def heads_of(y, n_head: int):
+    """(B, nh, T, hs): a view of ``y`` (B, T, nh hs), the heads side by side."""
+    B, T, width = y.shape
+    return y.reshape(B, T, n_head, width // n_head).transpose(0, 2, 1, 3)
+
+
 class SplitHeads(Function):
     """The fused projection (B, T, 3 nh hs), laid out q | k | v with heads side by side in each, as
     q, k, v (B, nh, T, hs): three views, no copy. Backward writes the three gradients into one
@@ -107,19 +121,16 @@ class SplitHeads(Function):
 
     @staticmethod
     def forward(ctx, qkv, n_head: int):
-        B, T, width = qkv.shape
         ctx.shape, ctx.n_head = qkv.shape, n_head
-        parts = qkv.reshape(B, T, 3, n_head, width // (3 * n_head))
-        return tuple(parts[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+        return head_views(qkv, n_head)
 
     @staticmethod
     def backward(ctx, *grads):  # 3 x (B, nh, T, hs), or None
-        B, T, width = ctx.shape
         some = next(g for g in grads if g is not None)
-        out = get_array_module(some).empty((B, T, 3, ctx.n_head, width // (3 * ctx.n_head)), dtype=some.dtype)
-        for i, g in enumerate(grads):
-            out[:, :, i] = 0 if g is None else g.transpose(0, 2, 1, 3)
-        return out.reshape(ctx.shape), None
+        out = get_array_module(some).empty(ctx.shape, dtype=some.dtype)
+        for view, g in zip(head_views(out, ctx.n_head), grads):
+            view[...] = 0 if g is None else g
+        return out, None
 
 
 def split_heads(qkv: Tensor, n_head: int):
@@ -138,8 +149,7 @@ class MergeHeads(Function):
 
     @staticmethod
     def backward(ctx, grad):  # (B, T, nh hs)
-        B, n_head, T, hs = ctx.shape
-        return grad.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3)
+        return heads_of(grad, ctx.shape[1])
 
 
 def merge_heads(y: Tensor) -> Tensor:

@@ -33,7 +33,7 @@ from minidist.train.lineage import final_line
 from minidist.train.pbt import train_pbt
 from minidist.train.ps import train_ps
 from minidist.train.search import final_line as search_line, train_search
-from minidist.train.stopping import Stopped, Stopping, exit_stopped, stop_line
+from minidist.train.stopping import Stopped, Stopping, as_stop, exit_stopped, stop_line
 
 
 def main(argv=None):
@@ -54,7 +54,7 @@ def main(argv=None):
             try:
                 _run(cfg, stopping, sys.argv[1:] if argv is None else list(argv))
             except (Stopped, SaveStopped) as error:  # every rank, at once (SaveStopped: a peer's, met in a save)
-                stop = stopping.as_stop(error)
+                stop = as_stop(error)
                 if stopping.rank == 0:
                     steps = cfg.steps if cfg.mode != "ps" else None  # the parameter servers count their own
                     line = stop_line(stop, stopping.done, steps, cfg.ckpt_dir, population=cfg.mode == "pbt")

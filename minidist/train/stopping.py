@@ -62,6 +62,17 @@ def stop_signal(error: BaseException | None) -> int:
     return error.signum if isinstance(error, (Stopped, SaveStopped)) else 0
 
 
+def as_stop(error: BaseException) -> Stopped:
+    """``error`` as this rank's stop: a :class:`Stopped` as it is; a save that a peer's stop signal
+    interrupted (SaveStopped, writer.py: the peer was stopped first, the same signal on its way here)
+    as that signal's stop, after which the stop signals are ignored, as after the first one (in the
+    main thread)."""
+    if isinstance(error, Stopped):
+        return error
+    _ignore_stop_signals()
+    return Stopped(error.signum)
+
+
 class Stopping:
     """What the line a stop prints needs: ``done``, the steps the run has finished (None before the
     first), which the training loop sets, and ``rank``, this process's (the entry point sets it).
@@ -89,15 +100,6 @@ class Stopping:
     def __exit__(self, *exc) -> None:
         for s, handler in self.previous.items():
             signal.signal(s, handler)
-
-    def as_stop(self, error: BaseException) -> Stopped:
-        """``error`` as this rank's stop: a :class:`Stopped` as it is; a save that a peer's stop signal
-        interrupted (SaveStopped, writer.py: the peer was stopped first, the same signal on its way here)
-        as that signal's stop, after which the stop signals are ignored, as after the first one."""
-        if isinstance(error, Stopped):
-            return error
-        _ignore_stop_signals()
-        return Stopped(error.signum)
 
     def _stop(self, signum, frame):
         _ignore_stop_signals()
